@@ -1,0 +1,49 @@
+# memkv: `make demo` runs the main job on the embedded default; `make test` passes the tests.
+# Both create .venv on first use and reuse it after (re-installing when pyproject.toml changes).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.memkv-installed
+TRACE  ?= ../shared/data/mooncake_conversation_trace.jsonl
+# The CPU wheel of torch that lies on this kind of machine; a bare `torch` would pull a
+# multi-GB CUDA build. Override on GPU hosts: make TORCH_SPEC='torch' test
+TORCH_SPEC ?= torch==2.13.0
+
+# Keep Ray on loopback and quiet for every local run (the embedded default sets these too).
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_AUTH_MODE := disabled
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: venv test lint typecheck unit demo bench-eviction bench-codecs clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(PY) -m ruff check memkv tests benchmarks
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -q
+
+test: lint typecheck unit
+
+demo: $(STAMP)
+	$(PY) -m memkv.demo
+
+bench-eviction: $(STAMP)
+	$(PY) benchmarks/replay_trace.py $(TRACE)
+
+bench-codecs: $(STAMP)
+	$(PY) benchmarks/bench_codecs.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

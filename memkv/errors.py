@@ -1,0 +1,93 @@
+"""The one public exception hierarchy of memkv.
+
+Every error memkv raises on purpose is a :class:`MemkvError`. Expected outcomes
+(a cache miss, a full pool) are *return values*, not exceptions.
+
+::
+
+    MemkvError
+    ├── InvalidInputError (ValueError)      caller mistake; nothing stored changed
+    │   ├── LayoutMismatchError             tensor shape/dtype/fingerprint vs layout
+    │   ├── PrecisionOverflowError          value not representable in the target dtype
+    │   ├── AllocatorMisuseError            double free, foreign offset, bad size
+    │   └── ConfigError                     invalid configuration value
+    ├── NotFoundError (LookupError)
+    │   ├── UnknownBlockError               no block with that key
+    │   └── UnknownSessionError             no session with that id
+    ├── CorruptDataError                    checksum/magic/format check failed
+    ├── CapacityError                       cannot make room (everything pinned, too big)
+    ├── BlockLostError                      a block is gone from every tier
+    └── ClosedError (RuntimeError)          the component was closed
+
+Only the gateway maps these to HTTP status codes.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AllocatorMisuseError",
+    "BlockLostError",
+    "CapacityError",
+    "ClosedError",
+    "ConfigError",
+    "CorruptDataError",
+    "InvalidInputError",
+    "LayoutMismatchError",
+    "MemkvError",
+    "NotFoundError",
+    "PrecisionOverflowError",
+    "UnknownBlockError",
+    "UnknownSessionError",
+]
+
+
+class MemkvError(Exception):
+    """Base class of every error memkv raises on purpose."""
+
+
+class InvalidInputError(MemkvError, ValueError):
+    """The caller passed something memkv cannot accept; nothing stored was changed."""
+
+
+class LayoutMismatchError(InvalidInputError):
+    """A tensor or record does not match the KV layout it is stored under."""
+
+
+class PrecisionOverflowError(InvalidInputError):
+    """A value cannot be represented in the requested precision (e.g. > 65504 in fp16)."""
+
+
+class AllocatorMisuseError(InvalidInputError):
+    """An allocator was used incorrectly: double free, foreign offset, bad size."""
+
+
+class ConfigError(InvalidInputError):
+    """A configuration value is invalid."""
+
+
+class NotFoundError(MemkvError, LookupError):
+    """The requested object does not exist."""
+
+
+class UnknownBlockError(NotFoundError):
+    """No block is stored under the given key."""
+
+
+class UnknownSessionError(NotFoundError):
+    """No session exists with the given id."""
+
+
+class CorruptDataError(MemkvError):
+    """Stored data failed an integrity check (checksum, magic, format); it is never served."""
+
+
+class CapacityError(MemkvError):
+    """No room can be made: the data is larger than the tier, or everything is pinned."""
+
+
+class BlockLostError(MemkvError):
+    """A block is in no tier any more (e.g. its device died before it reached the archive)."""
+
+
+class ClosedError(MemkvError, RuntimeError):
+    """The component was closed and cannot be used any more."""

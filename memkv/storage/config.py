@@ -1,0 +1,180 @@
+"""Typed, validated settings of the storage engine, one class per component.
+
+Components take these (or plain arguments) explicitly; nothing mutates them
+after validation (every model is frozen). ``configs/memkv.yaml`` documents the
+same fields for deployments.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from memkv.errors import ConfigError
+
+__all__ = [
+    "MIB",
+    "UNIT_PROFILES",
+    "AllocatorConfig",
+    "ArchiveConfig",
+    "CodecConfig",
+    "EvictionConfig",
+    "PrecisionConfig",
+    "PrefetchConfig",
+    "StoreConfig",
+    "validated",
+]
+
+MIB = 1 << 20
+
+#: Buddy-allocator minimum units by hardware class (from the design article).
+UNIT_PROFILES: dict[str, int] = {
+    "default": 4 * MIB,  # A100-class
+    "a100": 4 * MIB,
+    "h100": 8 * MIB,  # H100/H200-class: larger HBM, larger transfers
+    "edge": 1 * MIB,  # Jetson-class: small memories
+}
+
+# Smallest unit we accept: below a page, bookkeeping costs more than it saves.
+_MIN_UNIT_FLOOR = 4096
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AllocatorConfig(_Frozen):
+    """Buddy allocation of the hot and warm arenas."""
+
+    min_unit_bytes: int = Field(
+        default=UNIT_PROFILES["default"],
+        description="Smallest buddy unit; a power of two. Blocks smaller than half a unit "
+        "are packed into unit-sized slabs.",
+    )
+
+    @field_validator("min_unit_bytes")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v < _MIN_UNIT_FLOOR or v & (v - 1):
+            raise ValueError(f"min_unit_bytes must be a power of two >= {_MIN_UNIT_FLOOR}, got {v}")
+        return v
+
+    @classmethod
+    def for_profile(cls, profile: str) -> AllocatorConfig:
+        """The allocator settings of a hardware profile (see :data:`UNIT_PROFILES`)."""
+        if profile not in UNIT_PROFILES:
+            raise ConfigError(
+                f"unknown unit profile {profile!r}; expected one of {sorted(UNIT_PROFILES)}"
+            )
+        return cls(min_unit_bytes=UNIT_PROFILES[profile])
+
+
+class EvictionConfig(_Frozen):
+    """Which memory-tier block goes first under pressure."""
+
+    policy: Literal["lru_k", "lru"] = Field(default="lru_k", description="Eviction policy.")
+    k: int = Field(default=3, ge=1, le=16, description="LRU-K: access times remembered per block.")
+    prefix_aware: bool = Field(
+        default=True, description="Prefer leaves: a block whose descendants are cached goes last."
+    )
+
+
+class PrefetchConfig(_Frozen):
+    """The Markov-chain prefetcher."""
+
+    lookahead_window: int = Field(default=5, ge=1, le=64, description="Steps ahead to predict.")
+    prefetch_threshold: float = Field(
+        default=0.6, gt=0, le=1, description="Minimum probability of use within the window."
+    )
+    max_prefetch_blocks: int = Field(default=8, ge=0, le=1024, description="Cap per prediction.")
+    max_tracked_keys: int = Field(
+        default=200_000, ge=1, description="States remembered; least recently seen forgotten."
+    )
+    max_successors: int = Field(
+        default=16, ge=1, le=1024, description="Outgoing transitions kept per state."
+    )
+    hot_idle_fraction: float = Field(
+        default=0.3, gt=0, le=1, description="Background prefetch only while hot use is below this."
+    )
+
+
+class PrecisionConfig(_Frozen):
+    """Which dtype a block is kept in, by age and sharing."""
+
+    later_dtype: Literal["float16", "bfloat16", "float32"] = Field(
+        default="float16", description="Dtype of blocks after a session's first round."
+    )
+    int8_idle_seconds: float = Field(
+        default=600.0, gt=0, description="Idle time after which a block may drop to int8."
+    )
+    int8_max_refcount: int = Field(
+        default=1, ge=0, description="Only blocks with refcount <= this may drop to int8."
+    )
+
+
+class CodecConfig(_Frozen):
+    """Per-tier compression."""
+
+    warm_codec: str = Field(default="none", description="Codec of the warm tier (lossless).")
+    cold_codec: str = Field(default="zstd", description="Codec of recent history in the cold tier.")
+    cold_lossy_codec: str = Field(
+        default="delta_rl", description="Codec of long-idle sessions in the cold tier."
+    )
+    zstd_level: int = Field(default=3, ge=-7, le=22, description="Zstd level.")
+    shuffle: bool = Field(default=True, description="Byte-shuffle before lz4/zstd.")
+    delta_rl_bits: Literal[4, 8] = Field(default=4, description="Delta+RL quantisation bits.")
+    delta_rl_group: int = Field(default=32, ge=8, le=4096, description="4-bit group size.")
+    hot_update_threshold: int = Field(
+        default=4, ge=1, description="Blocks rewritten this often are stored uncompressed."
+    )
+
+
+class ArchiveConfig(_Frozen):
+    """The cold tier's segment files."""
+
+    directory: Path = Field(description="Directory of the segment files (created if missing).")
+    segment_max_bytes: int = Field(
+        default=256 * MIB, ge=4096, description="A segment is sealed when it reaches this size."
+    )
+    fsync: Literal["always", "batch", "never"] = Field(
+        default="batch",
+        description="always: fsync every record; batch: every fsync_batch records and on "
+        "flush/close; never: leave it to the OS (tests, benchmarks).",
+    )
+    fsync_batch: int = Field(default=64, ge=1, description="Records per fsync in batch mode.")
+    compact_garbage_ratio: float = Field(
+        default=0.5, gt=0, le=1, description="Compact a sealed segment once this share is dead."
+    )
+
+
+class StoreConfig(_Frozen):
+    """The single-process tiered store: capacities and the component settings."""
+
+    hot_capacity_bytes: int = Field(gt=0, description="Hot tier (device memory) bytes.")
+    warm_capacity_bytes: int = Field(gt=0, description="Warm tier (host shared memory) bytes.")
+    cold_capacity_bytes: int | None = Field(
+        default=None, gt=0, description="Cold tier bytes on disk; None = limited by the disk."
+    )
+    device: str = Field(default="cpu", description="Torch device of the hot arena: cpu or cuda:N.")
+    allocator: AllocatorConfig = AllocatorConfig()
+    eviction: EvictionConfig = EvictionConfig()
+    prefetch: PrefetchConfig = PrefetchConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    codecs: CodecConfig = CodecConfig()
+    archive: ArchiveConfig
+    debug_refcounts: bool = Field(
+        default=False, description="Check refcount invariants on every operation (slow)."
+    )
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def validated(model: type[_M], **values: object) -> _M:
+    """Build a config model, turning pydantic's error into memkv's :class:`ConfigError`."""
+    try:
+        return model(**values)
+    except ValidationError as e:
+        raise ConfigError(f"invalid {model.__name__}: {e}") from e
