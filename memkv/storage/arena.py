@@ -1,0 +1,832 @@
+"""Arenas: one flat byte buffer carved by a buddy allocator, blocks as views into it.
+
+* :class:`DeviceArena` — the hot tier: ``torch.empty`` on a device (``cuda:N`` on
+  a GPU node, ``cpu`` where there is none).
+* :class:`SharedHostArena` — the warm tier: a POSIX shared-memory segment (pinned
+  for fast device copies on GPU hosts) that other processes on the node map
+  without a copy through :class:`SharedArenaMapping`.
+
+Large requests (more than half a buddy unit) get a buddy extent of their own.
+Small ones — a 256-token block of a small model is often under 1 MiB while a
+unit is 4 MiB — are packed into *slabs*: one buddy unit cut into equal slots of
+one size class. A slab whose slots are all free goes back to the buddy
+allocator. Every offset an arena hands out is a multiple of
+:data:`ALIGNMENT_BYTES`, so any dtype can be viewed there.
+
+Views returned by :meth:`Arena.view` and :meth:`Arena.write` alias the arena's
+memory: they are valid until the allocation is freed, and must not outlive the
+arena. (Memory stays mapped while a view is alive — a late read never crashes —
+but after :meth:`Arena.close` its contents belong to no one.)
+
+Example:
+    >>> with DeviceArena(capacity_bytes=1 << 20, min_unit_bytes=1 << 16) as arena:
+    ...     a = arena.allocate(4096)
+    ...     v = arena.write(a, torch.ones(1024))
+    ...     float(arena.view(a, (1024,), torch.float32).sum())
+    1024.0
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import abc
+import enum
+import itertools
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.shared_memory import SharedMemory
+from types import TracebackType
+from typing import Self, TypeGuard
+
+import torch
+
+from memkv.errors import (
+    AllocatorMisuseError,
+    ClosedError,
+    ConfigError,
+    InvalidInputError,
+    LayoutMismatchError,
+    NotFoundError,
+)
+from memkv.storage.buddy import BuddyAllocator
+
+__all__ = [
+    "ALIGNMENT_BYTES",
+    "Allocation",
+    "Arena",
+    "ArenaState",
+    "ArenaStats",
+    "DeviceArena",
+    "SharedArenaMapping",
+    "SharedHostArena",
+]
+
+#: Every offset an arena hands out is a multiple of this: the widest alignment
+#: CUDA kernels and vectorised copies ask for.
+ALIGNMENT_BYTES = 256
+
+# Requests up to this share of a unit go into slabs: at most half, so a slab
+# always has at least two slots and packing beats a unit of its own.
+_SLAB_MAX_DIVISOR = 2
+
+# Permissions of a new shared-memory segment: the owning user only.
+_SHM_MODE = 0o600
+
+# cudaHostRegisterDefault: page-locked, portable flags off.
+_CUDA_HOST_REGISTER_DEFAULT = 0
+
+# Distinguishes allocations of different arenas in one process.
+_ARENA_IDS = itertools.count(1)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class ArenaState(enum.Enum):
+    """Lifecycle of an arena or a mapping."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """A live piece of an arena, as :meth:`Arena.allocate` hands it out.
+
+    Attributes:
+        offset: byte offset in the arena's buffer (a multiple of :data:`ALIGNMENT_BYTES`).
+        nbytes: the requested size (the piece reserved may be larger).
+
+    The private fields let the arena recognise its own live allocations: a
+    copy from another arena, or one already freed, is refused.
+    """
+
+    offset: int
+    nbytes: int
+    _slab: int | None = field(default=None, repr=False)  # base of its slab; None: own extent
+    _serial: int = field(default=0, repr=False)
+    _arena: int = field(default=0, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaStats:
+    """A snapshot of an arena's occupancy.
+
+    Attributes:
+        capacity_bytes: bytes of the buffer.
+        used_bytes: bytes callers asked for, over live allocations.
+        reserved_bytes: bytes taken from the buddy allocator (extents and whole slabs).
+        free_bytes: ``capacity_bytes - reserved_bytes``. Free slots inside
+            slabs are not counted: they only fit their size class.
+        largest_free_bytes: the largest extent the buddy allocator can hand out now.
+        live_allocations: allocations not yet freed.
+        slabs: slabs in use.
+        internal_fragmentation: ``1 - used / reserved`` (0 when nothing is reserved):
+            rounding, alignment and empty slab slots.
+        external_fragmentation: ``1 - largest_free / free`` (0 when nothing is free).
+        occupancy: ``reserved / capacity``: how full the arena is for new requests.
+    """
+
+    capacity_bytes: int
+    used_bytes: int
+    reserved_bytes: int
+    free_bytes: int
+    largest_free_bytes: int
+    live_allocations: int
+    slabs: int
+    internal_fragmentation: float
+    external_fragmentation: float
+    occupancy: float
+
+
+@dataclass(slots=True)
+class _Slab:
+    """One buddy unit cut into ``nslots`` slots of ``slot_bytes``."""
+
+    base: int
+    slot_bytes: int
+    nslots: int
+    live: int = 0
+    # Slots below next_unused have been handed out at least once; freed ones
+    # wait in free_slots. This keeps a new slab O(1) to set up.
+    next_unused: int = 0
+    free_slots: list[int] = field(default_factory=list)
+
+    @property
+    def full(self) -> bool:
+        return self.live == self.nslots
+
+    def take(self) -> int:
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            slot = self.next_unused
+            self.next_unused += 1
+        self.live += 1
+        return self.base + slot * self.slot_bytes
+
+    def give_back(self, offset: int) -> None:
+        self.free_slots.append((offset - self.base) // self.slot_bytes)
+        self.live -= 1
+
+
+def _check_shape(shape: object) -> tuple[int, ...]:
+    if isinstance(shape, torch.Size):
+        return tuple(shape)
+    if not isinstance(shape, Sequence) or isinstance(shape, str | bytes):
+        raise InvalidInputError(f"shape must be a sequence of ints, got {shape!r}")
+    dims = tuple(shape)
+    if not all(_is_int(d) and d >= 0 for d in dims):
+        raise InvalidInputError(f"shape must hold non-negative ints, got {shape!r}")
+    return dims
+
+
+def _typed_view(
+    buffer: torch.Tensor, offset: int, nbytes: int, shape: object, dtype: object
+) -> torch.Tensor:
+    """``buffer[offset:offset + nbytes]`` seen as ``shape`` of ``dtype``, without a copy."""
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidInputError(f"dtype must be a torch.dtype, got {dtype!r}")
+    dims = _check_shape(shape)
+    numel = 1
+    for d in dims:
+        numel *= d
+    if numel * dtype.itemsize != nbytes:
+        raise LayoutMismatchError(
+            f"shape {dims} of {dtype} is {numel * dtype.itemsize} bytes, but the "
+            f"allocation holds {nbytes} bytes"
+        )
+    if (buffer.data_ptr() + offset) % dtype.itemsize:
+        raise LayoutMismatchError(
+            f"offset {offset} is not aligned for {dtype} ({dtype.itemsize}-byte elements)"
+        )
+    return buffer[offset : offset + nbytes].view(dtype).view(dims)
+
+
+class Arena(abc.ABC):
+    """A flat ``uint8`` buffer carved by a :class:`BuddyAllocator`, with a slab layer.
+
+    Use :class:`DeviceArena` or :class:`SharedHostArena`. Methods are
+    thread-safe; copies into views run outside the lock.
+
+    Args:
+        buffer: the 1-d ``uint8`` memory to carve.
+        min_unit_bytes: the buddy unit; a power of two >= ``2 * ALIGNMENT_BYTES``.
+        slab_classes_per_doubling: ``None`` (default) gives every 256-byte-aligned
+            small size its own slab class. A power of two ``k`` instead rounds
+            small sizes to ``k`` classes per doubling (at most ``1/k`` rounding
+            waste), so many distinct sizes — the partial last blocks of many
+            sessions — share a few slabs instead of holding one each.
+    """
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        min_unit_bytes: int,
+        slab_classes_per_doubling: int | None = None,
+    ) -> None:
+        capacity = buffer.numel()
+        self._allocator = BuddyAllocator(capacity, min_unit_bytes)
+        self._buffer: torch.Tensor | None = buffer
+        self._capacity = capacity
+        self._unit = min_unit_bytes
+        self._slab_max = min_unit_bytes // _SLAB_MAX_DIVISOR
+        self._classes_per_doubling = slab_classes_per_doubling
+        self._uid = next(_ARENA_IDS)
+        self._serials = itertools.count(1)
+        self._lock = threading.Lock()
+        self._state = ArenaState.OPEN
+        self._live: dict[int, Allocation] = {}
+        self._slabs: dict[int, _Slab] = {}
+        # size class -> slabs of that class with a free slot, by base offset.
+        self._partial: dict[int, dict[int, _Slab]] = {}
+        self._used = 0
+
+    @staticmethod
+    def _validate(
+        capacity_bytes: int, min_unit_bytes: int, slab_classes_per_doubling: int | None
+    ) -> None:
+        """Check the constructor arguments before a subclass allocates any memory."""
+        if not _is_int(min_unit_bytes) or min_unit_bytes < 2 * ALIGNMENT_BYTES:
+            raise ConfigError(
+                f"min_unit_bytes must be a power of two >= {2 * ALIGNMENT_BYTES}, "
+                f"got {min_unit_bytes!r}"
+            )
+        if slab_classes_per_doubling is not None and (
+            not _is_int(slab_classes_per_doubling)
+            or slab_classes_per_doubling <= 0
+            or slab_classes_per_doubling & (slab_classes_per_doubling - 1)
+        ):
+            raise ConfigError(
+                f"slab_classes_per_doubling must be None or a positive power of two, "
+                f"got {slab_classes_per_doubling!r}"
+            )
+        # Raises ConfigError for the remaining capacity/unit mistakes.
+        BuddyAllocator(capacity_bytes, min_unit_bytes)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._state is ArenaState.CLOSED
+
+    def _check_open(self) -> torch.Tensor:
+        if self._buffer is None:
+            raise ClosedError(f"{type(self).__name__} is closed")
+        return self._buffer
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole arena as a 1-d ``uint8`` tensor.
+
+        Raises:
+            ClosedError: the arena is closed.
+        """
+        return self._check_open()
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of the buffer."""
+        return self._capacity
+
+    @property
+    def min_unit_bytes(self) -> int:
+        """The buddy unit, which is also the size of a slab."""
+        return self._unit
+
+    @property
+    def max_alloc_bytes(self) -> int:
+        """The largest request that can ever succeed."""
+        return self._allocator.max_alloc_bytes
+
+    def close(self) -> None:
+        """Release the buffer; idempotent.
+
+        Views must not be used afterwards. Memory a view still refers to is
+        released when the last such view is freed, never under it.
+        """
+        with self._lock:
+            if self._state is ArenaState.CLOSED:
+                return
+            try:
+                self._release()
+            finally:
+                self._state = ArenaState.CLOSED
+                self._buffer = None
+                self._live.clear()
+                self._slabs.clear()
+                self._partial.clear()
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Subclass hook, called once by :meth:`close` while the buffer is still set."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- allocation ----------------------------------------------------------
+
+    def _slab_class(self, nbytes: int) -> int:
+        size = _round_up(nbytes, ALIGNMENT_BYTES)
+        if self._classes_per_doubling is None:
+            return size
+        # k classes between consecutive powers of two: steps of 2**floor(log2 n) / k.
+        step = max(ALIGNMENT_BYTES, (1 << (size.bit_length() - 1)) // self._classes_per_doubling)
+        return _round_up(size, step)
+
+    def allocate(self, nbytes: int) -> Allocation | None:
+        """Reserve ``nbytes`` bytes.
+
+        Args:
+            nbytes: bytes wanted.
+
+        Returns:
+            The allocation, or None when the arena has no room (expected: the
+            caller evicts and retries).
+
+        Raises:
+            AllocatorMisuseError: ``nbytes`` is not a positive int, or larger
+                than :attr:`max_alloc_bytes`.
+            ClosedError: the arena is closed.
+        """
+        if not _is_int(nbytes) or nbytes <= 0:
+            raise AllocatorMisuseError(f"allocation size must be a positive int, got {nbytes!r}")
+        with self._lock:
+            self._check_open()
+            slab: int | None
+            if nbytes <= self._slab_max:
+                offset = self._take_slot(self._slab_class(nbytes))
+                if offset is None:
+                    return None
+                slab = offset - offset % self._unit  # slabs are unit-aligned
+            else:
+                offset = self._allocator.alloc(nbytes)
+                if offset is None:
+                    return None
+                slab = None
+            allocation = Allocation(offset, nbytes, slab, next(self._serials), self._uid)
+            self._live[offset] = allocation
+            self._used += nbytes
+            return allocation
+
+    def _take_slot(self, slot_bytes: int) -> int | None:
+        partial = self._partial.get(slot_bytes)
+        if partial:
+            slab = next(iter(partial.values()))
+        else:
+            base = self._allocator.alloc(self._unit)
+            if base is None:
+                return None
+            slab = _Slab(base, slot_bytes, self._unit // slot_bytes)
+            self._slabs[base] = slab
+            partial = self._partial.setdefault(slot_bytes, {})
+            partial[base] = slab
+        offset = slab.take()
+        if slab.full:
+            del partial[slab.base]
+            if not partial:
+                del self._partial[slot_bytes]
+        return offset
+
+    def _check_live(self, allocation: object, action: str) -> Allocation:
+        if not isinstance(allocation, Allocation):
+            raise AllocatorMisuseError(
+                f"cannot {action}: expected an Allocation, got {type(allocation).__name__}"
+            )
+        if self._live.get(allocation.offset) != allocation:
+            raise AllocatorMisuseError(
+                f"cannot {action} {allocation!r}: not a live allocation of this arena "
+                f"(already freed, or from another arena)"
+            )
+        return allocation
+
+    def free(self, allocation: Allocation) -> None:
+        """Return an allocation to the arena.
+
+        Raises:
+            AllocatorMisuseError: double free, or an allocation of another arena.
+            ClosedError: the arena is closed.
+        """
+        with self._lock:
+            self._check_open()
+            self._check_live(allocation, "free")
+            del self._live[allocation.offset]
+            self._used -= allocation.nbytes
+            if allocation._slab is None:
+                self._allocator.free(allocation.offset)
+                return
+            slab = self._slabs[allocation._slab]
+            was_full = slab.full
+            slab.give_back(allocation.offset)
+            if slab.live == 0:
+                # Empty slabs go back at once, so the unit can merge with its buddies.
+                del self._slabs[slab.base]
+                partial = self._partial.get(slab.slot_bytes)
+                if partial is not None:
+                    partial.pop(slab.base, None)
+                    if not partial:
+                        del self._partial[slab.slot_bytes]
+                self._allocator.free(slab.base)
+            elif was_full:
+                self._partial.setdefault(slab.slot_bytes, {})[slab.base] = slab
+
+    # -- data ----------------------------------------------------------------
+
+    def view(
+        self,
+        allocation: Allocation,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        prefix: bool = False,
+    ) -> torch.Tensor:
+        """The allocation's bytes as a ``shape`` tensor of ``dtype``; no copy.
+
+        Args:
+            prefix: view only the first ``shape``-worth of bytes. A partial KV
+                block reserves a full block's slot (it grows into it on the next
+                turn, and one size class per layout keeps slabs dense), so its
+                data fills just the front of the allocation.
+
+        Raises:
+            AllocatorMisuseError: ``allocation`` is not live in this arena.
+            LayoutMismatchError: ``shape`` and ``dtype`` do not make ``allocation.nbytes``
+                (with ``prefix``: need more than it holds).
+            InvalidInputError: ``shape`` or ``dtype`` is malformed.
+            ClosedError: the arena is closed.
+        """
+        with self._lock:
+            buffer = self._check_open()
+            self._check_live(allocation, "view")
+        nbytes = allocation.nbytes
+        if prefix and isinstance(dtype, torch.dtype):
+            numel = 1
+            for d in _check_shape(shape):
+                numel *= d
+            if numel * dtype.itemsize > nbytes:
+                raise LayoutMismatchError(
+                    f"shape {tuple(shape)} of {dtype} needs {numel * dtype.itemsize} bytes, "
+                    f"but the allocation holds {nbytes} bytes"
+                )
+            nbytes = numel * dtype.itemsize
+        return _typed_view(buffer, allocation.offset, nbytes, shape, dtype)
+
+    def write(
+        self,
+        allocation: Allocation,
+        tensor: torch.Tensor,
+        *,
+        non_blocking: bool = False,
+        prefix: bool = False,
+    ) -> torch.Tensor:
+        """Copy ``tensor`` (from any device) into the allocation; return the view.
+
+        Args:
+            allocation: a live allocation of exactly ``tensor``'s byte size.
+            tensor: the data; any shape, dtype, device and strides.
+            non_blocking: passed to ``copy_`` (overlaps pinned-host/device copies).
+            prefix: the tensor may be smaller than the allocation (see :meth:`view`).
+
+        Returns:
+            The allocation viewed with ``tensor``'s shape and dtype.
+
+        Raises:
+            AllocatorMisuseError: ``allocation`` is not live in this arena.
+            LayoutMismatchError: the byte sizes differ.
+            InvalidInputError: ``tensor`` is not a tensor.
+            ClosedError: the arena is closed.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidInputError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        dst = self.view(allocation, tensor.shape, tensor.dtype, prefix=prefix)
+        # The arena is storage, not part of any autograd graph.
+        with torch.no_grad():
+            dst.copy_(tensor, non_blocking=non_blocking)
+        return dst
+
+    def stats(self) -> ArenaStats:
+        """Occupancy and fragmentation now.
+
+        Raises:
+            ClosedError: the arena is closed.
+        """
+        with self._lock:
+            self._check_open()
+            b = self._allocator.stats()
+            reserved = b.allocated_bytes
+            return ArenaStats(
+                capacity_bytes=self._capacity,
+                used_bytes=self._used,
+                reserved_bytes=reserved,
+                free_bytes=b.free_bytes,
+                largest_free_bytes=b.largest_free_bytes,
+                live_allocations=len(self._live),
+                slabs=len(self._slabs),
+                internal_fragmentation=1.0 - self._used / reserved if reserved else 0.0,
+                external_fragmentation=b.external_fragmentation,
+                occupancy=b.occupancy,
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(capacity_bytes={self._capacity}, "
+            f"min_unit_bytes={self._unit}, state={self._state.value})"
+        )
+
+
+class DeviceArena(Arena):
+    """An arena in device memory: the hot tier.
+
+    Args:
+        capacity_bytes: bytes; a positive multiple of ``min_unit_bytes``.
+        min_unit_bytes: the buddy unit (``AllocatorConfig.min_unit_bytes``).
+        device: ``cuda:N`` on a GPU node, ``cpu`` where there is none.
+        slab_classes_per_doubling: see :class:`Arena`.
+
+    Raises:
+        ConfigError: bad capacity or unit.
+        InvalidInputError: ``device`` is not a torch device.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        min_unit_bytes: int,
+        device: str | torch.device = "cpu",
+        *,
+        slab_classes_per_doubling: int | None = None,
+    ) -> None:
+        self._validate(capacity_bytes, min_unit_bytes, slab_classes_per_doubling)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise InvalidInputError(
+                f"expected a torch device such as 'cpu' or 'cuda:0', got {device!r}: {e}"
+            ) from e
+        self._device = dev
+        buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=dev)
+        super().__init__(buffer, min_unit_bytes, slab_classes_per_doubling)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the buffer lives."""
+        return self._device
+
+    def _release(self) -> None:
+        # Dropping the buffer reference (done by close) is all there is: the
+        # caching allocator gets the memory back once no view refers to it.
+        pass
+
+
+def _map_segment(name: str, nbytes: int) -> torch.Tensor:
+    """Map ``nbytes`` of the shared-memory segment ``name`` as a ``uint8`` tensor.
+
+    The segment is opened directly rather than through ``SharedMemory``: on
+    Python < 3.13 attaching with ``SharedMemory`` registers the segment with the
+    attaching process's resource tracker, which then unlinks it — under the
+    owner's feet — when that process exits.
+
+    Lifetime: ``torch.frombuffer`` keeps a *reference* to the object it is
+    given, not a buffer export, so closing a mapping that torch reads would
+    leave every view dangling (a segfault on the next read). Instead nothing
+    here keeps the ``mmap``: the tensor holds a memoryview, the memoryview
+    holds the mapping, and the mapping is unmapped exactly when the last
+    tensor over it is freed.
+
+    Raises:
+        NotFoundError: no segment of that name.
+        InvalidInputError: the segment is smaller than ``nbytes``.
+    """
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=_SHM_MODE)
+    except FileNotFoundError as e:
+        raise NotFoundError(f"no shared-memory arena named {name!r}") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise InvalidInputError(
+                f"shared-memory segment {name!r} holds {size} bytes, expected {nbytes}"
+            )
+        mapping = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)  # the mapping stays valid without the descriptor
+    return torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
+
+
+def _cuda_host_unregister(ptr: int) -> None:
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+
+def _unlink_segment(shm: SharedMemory) -> None:
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        # Someone unlinked it already (e.g. an operator cleaning /dev/shm);
+        # the goal — no segment left behind — holds.
+        pass
+
+
+class SharedHostArena(Arena):
+    """An arena in a host shared-memory segment: the warm tier.
+
+    The creating process owns the segment: :meth:`close` (or garbage
+    collection of the arena) unlinks it. Other processes on the node map it by
+    :attr:`name` with :meth:`SharedArenaMapping.attach` and read or write blocks
+    at the offsets this arena hands out, without a copy.
+
+    Args:
+        capacity_bytes: bytes; a positive multiple of ``min_unit_bytes``.
+        min_unit_bytes: the buddy unit.
+        name: the segment's name; a fresh unique one when None.
+        pin: page-lock the segment with CUDA (``cudaHostRegister``) so that
+            host<->device copies run at full speed; ignored where CUDA is not
+            available (see :attr:`pinned`).
+        slab_classes_per_doubling: see :class:`Arena`.
+
+    Raises:
+        ConfigError: bad capacity or unit.
+        InvalidInputError: a segment called ``name`` exists already.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        min_unit_bytes: int,
+        name: str | None = None,
+        pin: bool = False,
+        *,
+        slab_classes_per_doubling: int | None = None,
+    ) -> None:
+        self._validate(capacity_bytes, min_unit_bytes, slab_classes_per_doubling)
+        try:
+            shm = SharedMemory(name=name, create=True, size=capacity_bytes)
+        except FileExistsError as e:
+            raise InvalidInputError(f"a shared-memory segment named {name!r} exists") from e
+        # Unlink even if the owner forgets close(); close() runs it early.
+        self._unlinker = weakref.finalize(self, _unlink_segment, shm)
+        try:
+            buffer = _map_segment(shm.name, capacity_bytes)
+        except BaseException:
+            self._unlinker()
+            raise
+        finally:
+            # Our own mapping (above) holds the memory; SharedMemory's is not needed.
+            shm.close()
+        self._name = shm.name
+        self._unpinner: weakref.finalize[[int], SharedHostArena] | None = None
+        super().__init__(buffer, min_unit_bytes, slab_classes_per_doubling)
+        if pin and torch.cuda.is_available():
+            ptr = buffer.data_ptr()
+            torch.cuda.check_error(
+                torch.cuda.cudart().cudaHostRegister(
+                    ptr, capacity_bytes, _CUDA_HOST_REGISTER_DEFAULT
+                )
+            )
+            # Like the unlinker: runs on close(), or when a forgotten arena is
+            # collected — before the mapping can go away, since the buffer
+            # outlives the arena object's weak-reference callbacks.
+            self._unpinner = weakref.finalize(self, _cuda_host_unregister, ptr)
+
+    @property
+    def name(self) -> str:
+        """The segment's name, for :meth:`SharedArenaMapping.attach`."""
+        return self._name
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the segment is page-locked with CUDA."""
+        return self._unpinner is not None and self._unpinner.alive
+
+    def _release(self) -> None:
+        try:
+            if self._unpinner is not None:
+                # CUDA must not keep a registration of memory unmapped later.
+                self._unpinner()
+        finally:
+            # The name goes now; this process's mapping goes with the last view.
+            self._unlinker()
+
+
+class SharedArenaMapping:
+    """Another process's view of a :class:`SharedHostArena`, mapped without a copy.
+
+    Closing a mapping never unlinks the segment; the owner does that.
+
+    Example:
+        >>> with SharedHostArena(1 << 20, 1 << 16) as arena:
+        ...     a = arena.allocate(8)
+        ...     _ = arena.write(a, torch.arange(2, dtype=torch.int32))
+        ...     with SharedArenaMapping.attach(arena.name, arena.capacity_bytes) as m:
+        ...         m.view(a.offset, a.nbytes, (2,), torch.int32).tolist()
+        [0, 1]
+    """
+
+    def __init__(self, name: str, buffer: torch.Tensor) -> None:
+        """Use :meth:`attach`."""
+        self._name = name
+        self._buffer: torch.Tensor | None = buffer
+        self._capacity = buffer.numel()
+        self._state = ArenaState.OPEN
+
+    @classmethod
+    def attach(cls, name: str, capacity_bytes: int) -> SharedArenaMapping:
+        """Map the arena segment ``name`` of ``capacity_bytes`` bytes.
+
+        Raises:
+            NotFoundError: no segment of that name.
+            InvalidInputError: bad arguments, or the segment is smaller than
+                ``capacity_bytes``.
+        """
+        if not isinstance(name, str) or not name or "/" in name:
+            raise InvalidInputError(f"expected a shared-memory segment name, got {name!r}")
+        if not _is_int(capacity_bytes) or capacity_bytes <= 0:
+            raise InvalidInputError(
+                f"capacity_bytes must be a positive int, got {capacity_bytes!r}"
+            )
+        return cls(name, _map_segment(name, capacity_bytes))
+
+    @property
+    def name(self) -> str:
+        """The segment's name."""
+        return self._name
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes mapped."""
+        return self._capacity
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._state is ArenaState.CLOSED
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole mapping as a 1-d ``uint8`` tensor.
+
+        Raises:
+            ClosedError: the mapping is closed.
+        """
+        if self._buffer is None:
+            raise ClosedError(f"mapping of {self._name!r} is closed")
+        return self._buffer
+
+    def view(
+        self, offset: int, nbytes: int, shape: Sequence[int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``nbytes`` at ``offset`` (from the owner's :class:`Allocation`) as a tensor; no copy.
+
+        Raises:
+            InvalidInputError: the range is outside the mapping, or ``shape`` or
+                ``dtype`` is malformed.
+            LayoutMismatchError: ``shape`` and ``dtype`` do not make ``nbytes``, or
+                ``offset`` is not aligned for ``dtype``.
+            ClosedError: the mapping is closed.
+        """
+        buffer = self.buffer
+        if (
+            not _is_int(offset)
+            or not _is_int(nbytes)
+            or offset < 0
+            or nbytes <= 0
+            or offset + nbytes > self._capacity
+        ):
+            raise InvalidInputError(
+                f"range offset={offset!r} nbytes={nbytes!r} is not inside the "
+                f"{self._capacity}-byte mapping of {self._name!r}"
+            )
+        return _typed_view(buffer, offset, nbytes, shape, dtype)
+
+    def close(self) -> None:
+        """Drop this mapping (unmapped once no view is left); idempotent."""
+        self._state = ArenaState.CLOSED
+        self._buffer = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
