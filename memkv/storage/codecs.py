@@ -1023,8 +1023,15 @@ class DeltaRLCodec(Codec):
 
     @classmethod
     def from_config(cls, config: CodecConfig) -> Codec:
-        """delta_rl with the config's bits, group and zstd level."""
-        return cls(bits=config.delta_rl_bits, group=config.delta_rl_group, level=config.zstd_level)
+        """delta_rl with the config's stage settings and zstd level."""
+        return cls(
+            bits=config.delta_rl_bits,
+            group=config.delta_rl_group,
+            token_delta=config.delta_rl_token_delta,
+            run_length=config.delta_rl_run_length,
+            level=config.zstd_level,
+            k_grouping=config.delta_rl_k_grouping,
+        )
 
     def params(self) -> dict[str, Any]:
         """The constructor parameters of this instance."""
@@ -1238,8 +1245,6 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> torch.Tensor:
 
 Tier = Literal["warm", "cold"]
 _TIERS: tuple[Tier, ...] = ("warm", "cold")
-#: Default age (turns) from which online cold history gets cold_codec (see CodecPolicy).
-DEFAULT_COLD_MIN_TURNS_OLD = 0
 
 
 class CodecPolicy:
@@ -1259,16 +1264,16 @@ class CodecPolicy:
 
     Args:
         config: the codec settings.
-        cold_min_turns_old: see rule 4 (a candidate ``CodecConfig`` field).
+        cold_min_turns_old: see rule 4; defaults to ``config.cold_min_turns_old``.
 
     Raises:
         InvalidInputError: a configured codec name is unknown, or
             ``cold_min_turns_old`` is negative.
     """
 
-    def __init__(
-        self, config: CodecConfig, *, cold_min_turns_old: int = DEFAULT_COLD_MIN_TURNS_OLD
-    ) -> None:
+    def __init__(self, config: CodecConfig, *, cold_min_turns_old: int | None = None) -> None:
+        if cold_min_turns_old is None:
+            cold_min_turns_old = config.cold_min_turns_old
         for field in ("warm_codec", "cold_codec", "cold_lossy_codec"):
             value = getattr(config, field)
             if value not in CODECS:

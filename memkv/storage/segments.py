@@ -483,7 +483,7 @@ class SegmentStore:
 
     Args:
         config: directory, segment size, fsync policy, compaction threshold.
-        verify_on_open: also verify the payload CRC of every record of the sealed
+        verify_on_open: (default: ``config.verify_on_open``) also verify the payload CRC of every record of the sealed
             segments while opening (reads the whole store). By default only headers
             are read there, and payloads are verified on every :meth:`get`; the
             active segment, the only one a crash can tear, is always fully verified.
@@ -500,13 +500,15 @@ class SegmentStore:
         b'frame'
     """
 
-    def __init__(self, config: ArchiveConfig, *, verify_on_open: bool = False) -> None:
+    def __init__(self, config: ArchiveConfig, *, verify_on_open: bool | None = None) -> None:
         if not isinstance(config, ArchiveConfig):
             raise InvalidInputError(f"expected an ArchiveConfig, got {type(config).__name__}")
         self._config = config
         self._dir = Path(config.directory)
         self._sync_every = _SYNC_EVERY[FsyncPolicy(config.fsync)](config)
-        self._verify_on_open = verify_on_open
+        self._verify_on_open = (
+            config.verify_on_open if verify_on_open is None else verify_on_open
+        )
         self._lock = threading.Lock()
         self._segments: dict[int, _Segment] = {}
         self._active: _Segment | None = None
