@@ -17,6 +17,7 @@ Every error memkv raises on purpose is a :class:`MemkvError`. Expected outcomes
     ├── CorruptDataError                    checksum/magic/format check failed
     ├── CapacityError                       cannot make room (everything pinned, too big)
     ├── BlockLostError                      a block is gone from every tier
+    ├── InvariantViolationError             debug mode found broken bookkeeping (a bug)
     └── ClosedError (RuntimeError)          the component was closed
 
 Only the gateway maps these to HTTP status codes.
@@ -32,6 +33,7 @@ __all__ = [
     "ConfigError",
     "CorruptDataError",
     "InvalidInputError",
+    "InvariantViolationError",
     "LayoutMismatchError",
     "MemkvError",
     "NotFoundError",
@@ -87,6 +89,10 @@ class CapacityError(MemkvError):
 
 class BlockLostError(MemkvError):
     """A block is in no tier any more (e.g. its device died before it reached the archive)."""
+
+
+class InvariantViolationError(MemkvError):
+    """Debug mode found memkv's own bookkeeping broken (refcounts, pins): a bug, never input."""
 
 
 class ClosedError(MemkvError, RuntimeError):

@@ -235,9 +235,7 @@ def _as_layer_tensor(layout: KVLayout, t: object, what: str, layer: int) -> torc
             f"head_dim={layout.head_dim}], got {tuple(t.shape)}"
         )
     if t.dtype != layout.torch_dtype:
-        raise LayoutMismatchError(
-            f"{what}[{layer}] must have dtype {layout.dtype}, got {t.dtype}"
-        )
+        raise LayoutMismatchError(f"{what}[{layer}] must have dtype {layout.dtype}, got {t.dtype}")
     return t
 
 

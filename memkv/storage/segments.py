@@ -483,10 +483,11 @@ class SegmentStore:
 
     Args:
         config: directory, segment size, fsync policy, compaction threshold.
-        verify_on_open: (default: ``config.verify_on_open``) also verify the payload CRC of every record of the sealed
-            segments while opening (reads the whole store). By default only headers
-            are read there, and payloads are verified on every :meth:`get`; the
-            active segment, the only one a crash can tear, is always fully verified.
+        verify_on_open: (default: ``config.verify_on_open``) also verify the payload CRC
+            of every record of the sealed segments while opening (reads the whole
+            store). By default only headers are read there, and payloads are verified
+            on every :meth:`get`; the active segment, the only one a crash can tear,
+            is always fully verified.
 
     Raises:
         InvalidInputError: ``config`` is not an :class:`ArchiveConfig`.

@@ -1,0 +1,1 @@
+"""Bridges between memkv and inference engines (transformers)."""

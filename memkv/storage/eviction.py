@@ -1,0 +1,664 @@
+"""Which memory-tier block leaves first: plain LRU and prefix-aware LRU-K.
+
+Both policies track keys only (``BlockHash`` bytes in the store, ints in the
+trace replay); the tier owns the bytes. A policy is told about every
+``insert`` (a newly cached block, which counts as an access), ``access`` (a
+hit), ``remove`` (gone for another reason), ``pin``/``unpin`` (refcounted; a
+pinned key is never a victim) and chooses *and forgets* a victim in
+``pop_victim``. Expected outcomes are return values (``None``: nothing can be
+evicted); misuse raises :class:`~memkv.errors.InvalidInputError`.
+
+LRU-K score
+-----------
+A block keeps its last ``k`` access times ``t_1 > t_2 > ... > t_j`` (``j <= k``)
+and scores ``s(now) = sum_i 1 / max(now - t_i, MIN_AGE)``; the lowest score is
+evicted first. Two blocks' order under ``s`` drifts with ``now`` (one accessed
+twice long ago can overtake one accessed once a while ago), so no single
+time-invariant heap key reproduces it.
+
+Exact victim selection without an O(n) scan
+-------------------------------------------
+Each *term* of the score, ``1 / max(now - t_i, MIN_AGE)``, is non-decreasing in
+``t_i`` for every ``now``, so sorting blocks by ``t_i`` sorts them by their
+i-th term at *every* instant: that order is time-invariant. The score is the
+sum of the terms, a monotone aggregate, which is the setting of Fagin's
+Threshold Algorithm (TA; Fagin, Lotem & Naor, PODS 2001). Candidates are
+grouped by how many times ``j`` they hold (group ``j`` keeps ``j`` sorted lists,
+list ``i`` ordered by ``t_i``), and a group is searched by reading its lists in
+parallel from the oldest end. Every block met is scored exactly; after row
+``d`` the threshold ``tau_d = sum_i term(row d of list i)`` bounds from below
+the score of every block not yet met (it sits deeper in *every* list, so each
+of its terms is at least the row's). The search stops as soon as the best
+exact score is ``<= tau_d``. The result is therefore the exact argmin of the
+design's score, not an approximation. Group 1 is answered by its first entry;
+a group whose first-row threshold cannot beat the best already found is
+skipped. The work is the TA depth, which is small when the lists agree (old
+blocks are old in every list, the common case); its worst case is the group
+size, with instance optimality among algorithms that read sorted lists. Each
+access moves a key between groups: ``O(k log n)`` sorted-list updates.
+
+Prefix awareness
+----------------
+A reader needs the whole prefix of a chain, so evicting a block whose
+descendants stay cached makes them useless. ``insert(key, now, parent)``
+links the block under its parent; only blocks with no cached children
+(leaves) are candidates while any unpinned leaf exists, and interior blocks go
+only when every leaf is pinned. A child that arrives before its parent is
+linked when the parent is inserted.
+
+Two refinements, each measured on the Mooncake trace by
+``benchmarks/replay_trace.py``:
+
+* **Retained history ("ghost")**, as in the original LRU-K: the access times of
+  recently evicted or removed keys are kept in a bounded FIFO and restored when
+  the key comes back, so a block evicted between two turns of a conversation
+  does not restart as a one-access block.
+* **Superseded tails**: when a block gets a new child while its previous newest
+  child is still a single-access leaf, that older child is demoted and goes
+  before every other leaf (oldest first). In memkv this is exactly a session's
+  partial last block: its hash changes when the session grows, so the old one
+  will not be read again by its session. An access clears the mark.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from sortedcontainers import SortedList
+
+from memkv.errors import ConfigError, InvalidInputError
+from memkv.storage.config import EvictionConfig
+
+__all__ = [
+    "DEFAULT_GHOST_FLOOR",
+    "MIN_AGE",
+    "POLICIES",
+    "EvictionPolicy",
+    "LRUKPolicy",
+    "LRUPolicy",
+    "lru_k_score",
+    "make_policy",
+]
+
+K = TypeVar("K", bound=Hashable)
+
+#: Smallest age used in the LRU-K score: guards ``now == t_i`` (and a clock that
+#: steps back), in the caller's time unit. Far below any real inter-access gap.
+MIN_AGE = 1e-9
+
+#: Ghost entries kept at least, whatever the peak number of tracked keys was, so
+#: a small tier still remembers a useful amount of history.
+DEFAULT_GHOST_FLOOR = 1024
+
+
+def lru_k_score(times: tuple[float, ...], now: float) -> float:
+    """The LRU-K score of a block: ``sum(1 / max(now - t_i, MIN_AGE))`` over its times.
+
+    Args:
+        times: the block's last access times (any order).
+        now: the current time, in the same unit.
+
+    Returns:
+        The score; higher means more worth keeping.
+    """
+    s = 0.0
+    for t in times:
+        age = now - t
+        s += 1.0 / (age if age > MIN_AGE else MIN_AGE)
+    return s
+
+
+class EvictionPolicy(Protocol[K]):
+    """What a memory tier needs from an eviction policy."""
+
+    def insert(self, key: K, now: float, parent: K | None = None) -> None:
+        """Track a newly cached block (counts as an access); ``parent`` precedes it in its chain."""
+        ...
+
+    def access(self, key: K, now: float) -> None:
+        """Record a hit."""
+        ...
+
+    def remove(self, key: K) -> None:
+        """Forget a block that left for another reason (deleted, moved to another tier)."""
+        ...
+
+    def pin(self, key: K) -> None:
+        """Protect a block from eviction (refcounted)."""
+        ...
+
+    def unpin(self, key: K) -> None:
+        """Drop one pin."""
+        ...
+
+    def pop_victim(self, now: float) -> K | None:
+        """Choose and forget the victim; ``None`` when nothing is evictable."""
+        ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+
+def _unknown(op: str, key: object) -> InvalidInputError:
+    return InvalidInputError(f"{op}: key {key!r} is not tracked by this policy; insert() it first")
+
+
+def _already_tracked(key: object) -> InvalidInputError:
+    return InvalidInputError(f"insert: key {key!r} is already tracked; use access() for a hit")
+
+
+def _still_pinned(key: object, pins: int) -> InvalidInputError:
+    return InvalidInputError(f"remove: key {key!r} is pinned {pins} time(s); unpin it first")
+
+
+def _not_pinned(key: object) -> InvalidInputError:
+    return InvalidInputError(f"unpin: key {key!r} is not pinned (its pin count would go below 0)")
+
+
+# ---------------------------------------------------------------------------- LRU
+
+
+class LRUPolicy(Generic[K]):
+    """Plain least-recently-used, the baseline: O(1) per operation.
+
+    ``parent`` is accepted for interface compatibility and ignored. A pinned key
+    leaves the recency order and re-enters it as most recent when its last pin
+    is dropped (a pinned block is one being read, i.e. used).
+
+    Example:
+        >>> p = LRUPolicy()
+        >>> p.insert("a", 1.0); p.insert("b", 2.0); p.access("a", 3.0)
+        >>> p.pop_victim(4.0)
+        'b'
+    """
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[K, None] = OrderedDict()  # unpinned, least recent first
+        self._pins: dict[K, int] = {}
+
+    def insert(self, key: K, now: float, parent: K | None = None) -> None:
+        """Track a newly cached block as the most recent.
+
+        Raises:
+            InvalidInputError: ``key`` is already tracked (use :meth:`access`).
+        """
+        if key in self:
+            raise _already_tracked(key)
+        self._order[key] = None
+
+    def access(self, key: K, now: float) -> None:
+        """Make ``key`` the most recent.
+
+        Raises:
+            InvalidInputError: ``key`` is not tracked.
+        """
+        if key in self._order:
+            self._order.move_to_end(key)
+        elif key not in self._pins:
+            raise _unknown("access", key)
+
+    def remove(self, key: K) -> None:
+        """Forget ``key``.
+
+        Raises:
+            InvalidInputError: ``key`` is not tracked, or is pinned (unpin it first).
+        """
+        if key in self._pins:
+            raise _still_pinned(key, self._pins[key])
+        if key not in self._order:
+            raise _unknown("remove", key)
+        del self._order[key]
+
+    def pin(self, key: K) -> None:
+        """Protect ``key`` from eviction until as many :meth:`unpin` calls.
+
+        Raises:
+            InvalidInputError: ``key`` is not tracked.
+        """
+        if key in self._pins:
+            self._pins[key] += 1
+        elif key in self._order:
+            del self._order[key]
+            self._pins[key] = 1
+        else:
+            raise _unknown("pin", key)
+
+    def unpin(self, key: K) -> None:
+        """Drop one pin of ``key``.
+
+        Raises:
+            InvalidInputError: ``key`` is not tracked, or is not pinned.
+        """
+        count = self._pins.get(key)
+        if count is None:
+            if key in self._order:
+                raise _not_pinned(key)
+            raise _unknown("unpin", key)
+        if count == 1:
+            del self._pins[key]
+            self._order[key] = None
+        else:
+            self._pins[key] = count - 1
+
+    def pop_victim(self, now: float) -> K | None:
+        """Forget and return the least recent unpinned key, or ``None`` if there is none."""
+        if not self._order:
+            return None
+        key, _ = self._order.popitem(last=False)
+        return key
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order or key in self._pins
+
+    def __len__(self) -> int:
+        return len(self._order) + len(self._pins)
+
+
+# ---------------------------------------------------------------------------- LRU-K
+
+
+class _ScoreIndex:
+    """Keys ordered for exact argmin of the LRU-K score by the Threshold Algorithm.
+
+    Keys are identified by an int ``uid``. Group ``j`` (``1 <= j <= k``) holds keys
+    with ``j`` recorded times in ``j`` sorted lists of ``(t_i, uid)``; list ``i``
+    is ordered by the i-th most recent time.
+    """
+
+    __slots__ = ("_groups", "_times")
+
+    def __init__(self, k: int) -> None:
+        self._groups: list[list[SortedList]] = [
+            [SortedList() for _ in range(j)] for j in range(1, k + 1)
+        ]
+        self._times: dict[int, tuple[float, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._times)
+
+    def add(self, uid: int, times: tuple[float, ...]) -> None:
+        self._times[uid] = times
+        for lst, t in zip(self._groups[len(times) - 1], times, strict=True):
+            lst.add((t, uid))
+
+    def discard(self, uid: int) -> None:
+        times = self._times.pop(uid)
+        for lst, t in zip(self._groups[len(times) - 1], times, strict=True):
+            lst.remove((t, uid))
+
+    def argmin(self, now: float) -> tuple[int, float] | None:
+        """``(uid, score)`` of the lowest exact score, or None if empty.
+
+        Ties go to the key met first (oldest times, then oldest insertion).
+        """
+        # The hot loop of eviction: terms are inlined (no max()/sum() calls), with
+        # exactly the arithmetic of lru_k_score so that scores compare equal.
+        best_uid = -1
+        best = float("inf")
+        times_of = self._times
+        for lists in self._groups:
+            if not lists[0]:
+                continue
+            # Lower bound of the whole group: the sum of its lists' oldest terms.
+            floor = 0.0
+            for lst in lists:
+                age = now - lst[0][0]
+                floor += 1.0 / (age if age > MIN_AGE else MIN_AGE)
+            if floor >= best:
+                continue
+            seen: set[int] = set()
+            for row in zip(*lists, strict=True):
+                tau = 0.0
+                for t, uid in row:
+                    age = now - t
+                    tau += 1.0 / (age if age > MIN_AGE else MIN_AGE)
+                    if uid in seen:
+                        continue
+                    seen.add(uid)
+                    s = 0.0
+                    for ti in times_of[uid]:
+                        age = now - ti
+                        s += 1.0 / (age if age > MIN_AGE else MIN_AGE)
+                    if s < best:
+                        best, best_uid = s, uid
+                # Every key not met yet lies deeper in every list: its score >= tau.
+                if best <= tau:
+                    break
+        return None if best_uid < 0 else (best_uid, best)
+
+
+class _Pool(enum.Enum):
+    """Which candidate set an entry is filed in."""
+
+    NONE = enum.auto()  # pinned: never a victim
+    SUPERSEDED = enum.auto()  # a leaf replaced by a newer sibling: first to go
+    LEAF = enum.auto()  # no cached children (or prefix awareness off)
+    INTERIOR = enum.auto()  # has cached children: only when every leaf is pinned
+
+
+@dataclass(slots=True)
+class _Entry(Generic[K]):
+    key: K
+    uid: int
+    times: tuple[float, ...]  # most recent first, at most k
+    parent: K | None
+    children: set[K] = field(default_factory=set)  # cached children
+    newest_child: K | None = None
+    pins: int = 0
+    superseded: bool = False
+    pool: _Pool = _Pool.NONE
+
+
+class LRUKPolicy(Generic[K]):
+    """Prefix-aware LRU-K with exact victim selection (see the module docstring).
+
+    Args:
+        k: access times remembered per block (``EvictionConfig.k``).
+        prefix_aware: prefer leaves of the chain forest; if False every unpinned
+            key is a candidate and ``parent`` is ignored.
+        ghost_capacity: how many evicted/removed keys keep their history for a
+            comeback. ``None``: as many as the most keys ever tracked at once (at
+            least :data:`DEFAULT_GHOST_FLOOR`), LRU-K's classic retained-information
+            period of about one cache lifetime; ``0`` disables it.
+
+    Raises:
+        InvalidInputError: ``k < 1`` or a negative ``ghost_capacity``.
+
+    Example:
+        >>> p = LRUKPolicy(k=2)
+        >>> p.insert("hot", 0.0); p.access("hot", 1.0); p.insert("cold", 1.5)
+        >>> p.pop_victim(10.0)   # 1/10 + 1/9 for "hot" beats 1/8.5 for "cold"
+        'cold'
+    """
+
+    def __init__(
+        self, k: int = 3, *, prefix_aware: bool = True, ghost_capacity: int | None = None
+    ) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise InvalidInputError(f"k must be an int >= 1, got {k!r}")
+        if ghost_capacity is not None and ghost_capacity < 0:
+            raise InvalidInputError(f"ghost_capacity must be >= 0 or None, got {ghost_capacity!r}")
+        self._k = k
+        self._prefix_aware = prefix_aware
+        self._ghost_capacity = ghost_capacity
+        self._entries: dict[K, _Entry[K]] = {}
+        self._by_uid: dict[int, _Entry[K]] = {}
+        self._uids = itertools.count()
+        # Children inserted while their parent was not tracked: parent -> children.
+        self._orphans: dict[K, set[K]] = {}
+        self._ghost: OrderedDict[K, tuple[float, ...]] = OrderedDict()
+        self._peak = 0
+        self._leaves = _ScoreIndex(k)
+        self._interior = _ScoreIndex(k)
+        self._superseded: SortedList = SortedList()  # (t_1, uid), oldest first
+
+    # -- public API ------------------------------------------------------------
+
+    @property
+    def k(self) -> int:
+        """Access times remembered per block."""
+        return self._k
+
+    def insert(self, key: K, now: float, parent: K | None = None) -> None:
+        """Track a newly cached block; restores its history if it is in the ghost.
+
+        Args:
+            key: the block.
+            now: the current time (counts as an access).
+            parent: the previous block of its chain, if known.
+
+        Raises:
+            InvalidInputError: ``key`` is already tracked (use :meth:`access`), or
+                ``parent == key``.
+        """
+        if key in self._entries:
+            raise _already_tracked(key)
+        if parent is not None and parent == key:
+            raise InvalidInputError(f"insert: key {key!r} cannot be its own parent")
+        if not self._prefix_aware:
+            parent = None
+        history = self._ghost.pop(key, ())
+        entry: _Entry[K] = _Entry(key, next(self._uids), self._push(history, now), parent)
+        self._entries[key] = entry
+        self._by_uid[entry.uid] = entry
+        self._peak = max(self._peak, len(self._entries))
+        waiting = self._orphans.pop(key, None)
+        if waiting:
+            entry.children = waiting
+        if parent is not None:
+            pe = self._entries.get(parent)
+            if pe is None:
+                self._orphans.setdefault(parent, set()).add(key)
+            else:
+                self._adopt(pe, key)
+        self._file(entry)
+
+    def access(self, key: K, now: float) -> None:
+        """Record a hit on ``key`` at ``now``.
+
+        Raises:
+            InvalidInputError: ``key`` is not tracked.
+        """
+        entry = self._get("access", key)
+        self._unfile(entry)
+        entry.times = self._push(entry.times, now)
+        entry.superseded = False
+        self._file(entry)
+
+    def remove(self, key: K) -> None:
+        """Forget ``key`` (its history goes to the ghost).
+
+        Raises:
+            InvalidInputError: ``key`` is not tracked, or is pinned (unpin it first).
+        """
+        entry = self._get("remove", key)
+        if entry.pins:
+            raise _still_pinned(key, entry.pins)
+        self._drop(entry)
+
+    def pin(self, key: K) -> None:
+        """Protect ``key`` from eviction until as many :meth:`unpin` calls.
+
+        Raises:
+            InvalidInputError: ``key`` is not tracked.
+        """
+        entry = self._get("pin", key)
+        entry.pins += 1
+        if entry.pins == 1:
+            self._unfile(entry)
+
+    def unpin(self, key: K) -> None:
+        """Drop one pin of ``key``.
+
+        Raises:
+            InvalidInputError: ``key`` is not tracked, or is not pinned.
+        """
+        entry = self._get("unpin", key)
+        if entry.pins == 0:
+            raise _not_pinned(key)
+        entry.pins -= 1
+        if entry.pins == 0:
+            self._file(entry)
+
+    def pop_victim(self, now: float) -> K | None:
+        """Forget and return the victim, or ``None`` when every key is pinned (or none is tracked).
+
+        Order: superseded leaves (oldest first), then the leaf with the lowest
+        LRU-K score, then, only if every leaf is pinned, the interior block with
+        the lowest score.
+        """
+        uid: int | None = None
+        if self._superseded:
+            uid = self._superseded[0][1]
+        else:
+            for index in (self._leaves, self._interior):
+                found = index.argmin(now)
+                if found is not None:
+                    uid = found[0]
+                    break
+        if uid is None:
+            return None
+        entry = self._by_uid[uid]
+        self._drop(entry)
+        return entry.key
+
+    def score(self, key: K, now: float) -> float:
+        """The LRU-K score of ``key`` at ``now`` (see :func:`lru_k_score`).
+
+        Raises:
+            InvalidInputError: ``key`` is not tracked.
+        """
+        return lru_k_score(self._get("score", key).times, now)
+
+    def ghost_size(self) -> int:
+        """Keys whose history is retained after they left."""
+        return len(self._ghost)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- internals -------------------------------------------------------------
+
+    def _get(self, op: str, key: K) -> _Entry[K]:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise _unknown(op, key)
+        return entry
+
+    def _push(self, times: tuple[float, ...], now: float) -> tuple[float, ...]:
+        return (float(now), *times[: self._k - 1])
+
+    def _pool_of(self, entry: _Entry[K]) -> _Pool:
+        if entry.pins:
+            return _Pool.NONE
+        if not self._prefix_aware:
+            return _Pool.LEAF
+        if entry.children:
+            return _Pool.INTERIOR
+        return _Pool.SUPERSEDED if entry.superseded else _Pool.LEAF
+
+    def _file(self, entry: _Entry[K]) -> None:
+        pool = self._pool_of(entry)
+        entry.pool = pool
+        if pool is _Pool.LEAF:
+            self._leaves.add(entry.uid, entry.times)
+        elif pool is _Pool.INTERIOR:
+            self._interior.add(entry.uid, entry.times)
+        elif pool is _Pool.SUPERSEDED:
+            self._superseded.add((entry.times[0], entry.uid))
+
+    def _unfile(self, entry: _Entry[K]) -> None:
+        pool = entry.pool
+        if pool is _Pool.LEAF:
+            self._leaves.discard(entry.uid)
+        elif pool is _Pool.INTERIOR:
+            self._interior.discard(entry.uid)
+        elif pool is _Pool.SUPERSEDED:
+            self._superseded.remove((entry.times[0], entry.uid))
+        entry.pool = _Pool.NONE
+
+    def _refile(self, entry: _Entry[K]) -> None:
+        if self._pool_of(entry) is not entry.pool:
+            self._unfile(entry)
+            self._file(entry)
+
+    def _adopt(self, parent: _Entry[K], key: K) -> None:
+        """Link ``key`` under ``parent``; demote the sibling it supersedes."""
+        previous = parent.newest_child
+        if previous is not None and previous in parent.children:
+            sibling = self._entries[previous]
+            # A single-access leaf followed by a new sibling is a replaced partial tail.
+            if not sibling.children and len(sibling.times) == 1 and not sibling.superseded:
+                sibling.superseded = True
+                self._refile(sibling)
+        parent.newest_child = key
+        parent.superseded = False  # it was extended after all
+        parent.children.add(key)
+        if len(parent.children) == 1:
+            self._refile(parent)
+
+    def _drop(self, entry: _Entry[K]) -> None:
+        """Forget ``entry``: unlink it from the chain forest and keep its history in the ghost."""
+        self._unfile(entry)
+        del self._entries[entry.key]
+        del self._by_uid[entry.uid]
+        if entry.parent is not None:
+            pe = self._entries.get(entry.parent)
+            if pe is not None:
+                pe.children.discard(entry.key)
+                if pe.newest_child == entry.key:
+                    pe.newest_child = None
+                if not pe.children:
+                    self._refile(pe)
+            else:
+                waiting = self._orphans.get(entry.parent)
+                if waiting is not None:
+                    waiting.discard(entry.key)
+                    if not waiting:
+                        del self._orphans[entry.parent]
+        if entry.children:
+            # They wait for this block to come back (or to be removed themselves).
+            self._orphans[entry.key] = entry.children
+        self._remember(entry.key, entry.times)
+
+    def _remember(self, key: K, times: tuple[float, ...]) -> None:
+        cap = self._ghost_capacity
+        if cap is None:
+            cap = max(self._peak, DEFAULT_GHOST_FLOOR)
+        if cap == 0:
+            return
+        self._ghost[key] = times
+        self._ghost.move_to_end(key)
+        while len(self._ghost) > cap:
+            self._ghost.popitem(last=False)
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+def _make_lru(config: EvictionConfig) -> EvictionPolicy[Any]:
+    return LRUPolicy()
+
+
+def _make_lru_k(config: EvictionConfig) -> EvictionPolicy[Any]:
+    return LRUKPolicy(config.k, prefix_aware=config.prefix_aware)
+
+
+#: Policy constructors by ``EvictionConfig.policy``.
+POLICIES: dict[str, Callable[[EvictionConfig], EvictionPolicy[Any]]] = {
+    "lru": _make_lru,
+    "lru_k": _make_lru_k,
+}
+
+
+def make_policy(config: EvictionConfig) -> EvictionPolicy[Any]:
+    """A fresh policy as ``config`` describes.
+
+    Args:
+        config: the eviction settings (policy name, ``k``, ``prefix_aware``).
+
+    Returns:
+        An empty policy.
+
+    Raises:
+        ConfigError: unknown policy name.
+
+    Example:
+        >>> make_policy(EvictionConfig(policy="lru")).pop_victim(0.0) is None
+        True
+    """
+    factory = POLICIES.get(config.policy)
+    if factory is None:
+        raise ConfigError(
+            f"unknown eviction policy {config.policy!r}; expected one of {sorted(POLICIES)}"
+        )
+    return factory(config)

@@ -1,0 +1,361 @@
+"""The storage tiers behind one interface, so the tier order is a list.
+
+* :class:`MemoryTier` — a block copy lives in an :class:`~memkv.storage.arena.Arena`
+  (device memory for *hot*, host shared memory for *warm*), raw or int8, with one
+  eviction policy per priority class so background blocks go first and high
+  priority blocks last.
+* :class:`ColdTier` — codec frames in the append-only
+  :class:`~memkv.storage.segments.SegmentStore`.
+
+Each tier offers ``contains / load / put / remove / close``; memory tiers add
+``pin / unpin / access / pop_victim``. The tiers know nothing of sessions or
+refcounts: :class:`~memkv.storage.store.TieredStore` owns that bookkeeping.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from memkv.errors import CapacityError, CorruptDataError, InvalidInputError
+from memkv.storage.arena import Allocation, Arena, ArenaStats
+from memkv.storage.codecs import decode_frame, get_codec_for, peek_header
+from memkv.storage.config import ArchiveConfig, CodecConfig, EvictionConfig
+from memkv.storage.eviction import EvictionPolicy, make_policy
+from memkv.storage.hashing import HASH_BYTES
+from memkv.storage.precision import QuantizedBlock
+from memkv.storage.segments import SegmentStore
+
+__all__ = [
+    "ColdTier",
+    "MemoryTier",
+    "Priority",
+    "StoredBlock",
+    "Tier",
+]
+
+
+class Tier(enum.StrEnum):
+    """Where a block copy lives, fastest first."""
+
+    HOT = "hot"
+    WARM = "warm"
+    COLD = "cold"
+
+
+class Priority(enum.StrEnum):
+    """A session's priority class; eviction drains classes in :data:`EVICTION_ORDER`."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+    BACKGROUND = "background"
+
+
+#: Background blocks leave memory first, high-priority ones last.
+EVICTION_ORDER = (Priority.BACKGROUND, Priority.NORMAL, Priority.HIGH)
+PRIORITY_RANK = {Priority.BACKGROUND: 0, Priority.NORMAL: 1, Priority.HIGH: 2}
+
+#: A block as a memory tier holds it: raw in a float dtype, or int8 with scales.
+StoredBlock = torch.Tensor | QuantizedBlock
+
+
+@dataclass(slots=True)
+class _Resident:
+    """One block copy in a memory tier."""
+
+    data: Allocation
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # dtype of the bytes in the arena (int8 when quantised)
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    float_dtype: torch.dtype  # what the block dequantises to
+    priority: Priority
+    parent: Hashable | None  # the previous block of its chain (for prefix-aware eviction)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def stored_nbytes(block: StoredBlock) -> int:
+    """Bytes a stored block occupies in an arena (scales are kept beside it)."""
+    data = block.data if isinstance(block, QuantizedBlock) else block
+    return data.numel() * data.element_size()
+
+
+class MemoryTier:
+    """A memory tier: an arena of block copies and its eviction policies.
+
+    Args:
+        tier: ``Tier.HOT`` or ``Tier.WARM``.
+        arena: where the bytes live; the tier closes it on :meth:`close`.
+        eviction: which policy ranks victims (one instance per priority class).
+    """
+
+    def __init__(self, tier: Tier, arena: Arena, eviction: EvictionConfig) -> None:
+        if tier is Tier.COLD:
+            raise InvalidInputError("a MemoryTier is hot or warm, not cold")
+        self.tier = tier
+        self.arena = arena
+        self._residents: dict[Hashable, _Resident] = {}
+        self._policies: dict[Priority, EvictionPolicy[Any]] = {
+            p: make_policy(eviction) for p in EVICTION_ORDER
+        }
+        self.evictions = 0
+        self._used_bytes = 0
+
+    # -- queries -------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._residents
+
+    def __len__(self) -> int:
+        return len(self._residents)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.arena.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes reserved by resident blocks (what eviction frees)."""
+        return self._used_bytes
+
+    def arena_stats(self) -> ArenaStats:
+        return self.arena.stats()
+
+    def keys(self) -> list[Hashable]:
+        return list(self._residents)
+
+    # -- data ----------------------------------------------------------------
+
+    def put(
+        self,
+        key: Hashable,
+        block: StoredBlock,
+        *,
+        parent: Hashable | None,
+        priority: Priority,
+        now: float,
+        reserve_bytes: int | None = None,
+    ) -> bool:
+        """Copy ``block`` into the arena. Returns False when there is no room (expected).
+
+        Args:
+            reserve_bytes: allocate this much (>= the block's size): a partial
+                block takes a full block's slot so one size class serves a layout.
+
+        Raises:
+            InvalidInputError: the key is already resident.
+        """
+        if key in self._residents:
+            raise InvalidInputError(f"block {_short(key)} is already in the {self.tier} tier")
+        data = block.data if isinstance(block, QuantizedBlock) else block
+        nbytes = stored_nbytes(block)
+        if reserve_bytes is not None:
+            if reserve_bytes < nbytes:
+                raise InvalidInputError(
+                    f"reserve_bytes ({reserve_bytes}) is less than the block's {nbytes} bytes"
+                )
+            nbytes = reserve_bytes
+        allocation = self.arena.allocate(nbytes)
+        if allocation is None:
+            return False
+        self.arena.write(allocation, data, prefix=True)
+        if isinstance(block, QuantizedBlock):
+            k_scale: torch.Tensor | None = block.k_scale.cpu()
+            v_scale: torch.Tensor | None = block.v_scale.cpu()
+            float_dtype = block.dtype
+        else:
+            k_scale = v_scale = None
+            float_dtype = data.dtype
+        self._residents[key] = _Resident(
+            allocation,
+            tuple(data.shape),
+            data.dtype,
+            k_scale,
+            v_scale,
+            float_dtype,
+            priority,
+            parent,
+        )
+        self._used_bytes += allocation.nbytes
+        self._insert(key, self._residents[key], now)
+        return True
+
+    def _insert(self, key: Hashable, r: _Resident, now: float) -> None:
+        # The policy links a child to its parent only within one priority class.
+        policy = self._policies[r.priority]
+        policy.insert(key, now, r.parent if r.parent in policy else None)
+
+    def load(self, key: Hashable) -> StoredBlock:
+        """The resident copy as views into the arena (no copy): valid until removed."""
+        r = self._residents[key]
+        data = self.arena.view(r.data, r.shape, r.dtype, prefix=True)
+        if r.k_scale is None or r.v_scale is None:
+            return data
+        return QuantizedBlock(data=data, k_scale=r.k_scale, v_scale=r.v_scale, dtype=r.float_dtype)
+
+    def stored_dtype(self, key: Hashable) -> torch.dtype:
+        """The dtype the copy is kept in (``torch.int8`` when quantised)."""
+        return self._residents[key].dtype
+
+    def remove(self, key: Hashable) -> None:
+        """Free the copy (the caller makes sure nobody reads it any more)."""
+        r = self._residents.pop(key)
+        self._policies[r.priority].remove(key)
+        self.arena.free(r.data)
+        self._used_bytes -= r.nbytes
+
+    # -- policy --------------------------------------------------------------
+
+    def access(self, key: Hashable, now: float) -> None:
+        self._policies[self._residents[key].priority].access(key, now)
+
+    def pin(self, key: Hashable) -> None:
+        self._policies[self._residents[key].priority].pin(key)
+
+    def unpin(self, key: Hashable) -> None:
+        self._policies[self._residents[key].priority].unpin(key)
+
+    def reclassify(self, key: Hashable, priority: Priority, now: float) -> None:
+        """Move a resident block to another priority class (its history restarts)."""
+        r = self._residents[key]
+        if r.priority is priority:
+            return
+        self._policies[r.priority].remove(key)
+        r.priority = priority
+        self._insert(key, r, now)
+
+    def pop_victim(self, now: float) -> Hashable | None:
+        """Choose the next block to leave this tier, lowest priority class first.
+
+        The victim is removed from the policy only; the caller moves its bytes and
+        then calls :meth:`discard`.
+        """
+        for priority in EVICTION_ORDER:
+            key = self._policies[priority].pop_victim(now)
+            if key is not None:
+                return key
+        return None
+
+    def discard(self, key: Hashable) -> None:
+        """Free a victim returned by :meth:`pop_victim` (already out of its policy)."""
+        r = self._residents.pop(key)
+        self.arena.free(r.data)
+        self._used_bytes -= r.nbytes
+        self.evictions += 1
+
+    def restore(self, key: Hashable, now: float) -> None:
+        """Put a popped victim back into its policy (it could not be moved)."""
+        self._insert(key, self._residents[key], now)
+
+    def close(self) -> None:
+        self._residents.clear()
+        self.arena.close()
+
+
+class ColdTier:
+    """Codec frames of blocks in append-only segment files.
+
+    Args:
+        archive: where and how the segment files are written.
+        codecs: codec parameters (levels, bits).
+        capacity_bytes: live bytes allowed on disk; None = limited by the disk.
+    """
+
+    tier = Tier.COLD
+
+    def __init__(
+        self, archive: ArchiveConfig, codecs: CodecConfig, capacity_bytes: int | None = None
+    ) -> None:
+        self.segments = SegmentStore(archive)
+        self._codec_config = codecs
+        self.capacity_bytes = capacity_bytes
+        self.writes = 0
+        self.bytes_written = 0
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and len(key) == HASH_BYTES and key in self.segments
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.block_keys())
+
+    def block_keys(self) -> Iterator[bytes]:
+        """Keys of the blocks on disk (manifests excluded)."""
+        return (k for k in self.segments.keys() if len(k) == HASH_BYTES)
+
+    # -- session manifests: small msgpack records beside the blocks, so a
+    # suspended session survives a restart of the process that owns it.
+
+    def put_manifest(self, session_id: str, manifest: dict[str, Any]) -> None:
+        payload = msgpack.packb(manifest, use_bin_type=True)
+        self.segments.put(
+            _manifest_key(session_id), payload, fingerprint=bytes(HASH_BYTES), codec_id=0
+        )
+
+    def remove_manifest(self, session_id: str) -> None:
+        self.segments.delete(_manifest_key(session_id))
+
+    def manifests(self) -> Iterator[dict[str, Any]]:
+        for key in list(self.segments.keys()):
+            if key.startswith(_MANIFEST_PREFIX) and len(key) == len(_MANIFEST_PREFIX) + HASH_BYTES:
+                try:
+                    manifest = msgpack.unpackb(self.segments.get(key), raw=False)
+                except (ValueError, msgpack.UnpackException) as e:
+                    raise CorruptDataError(f"undecodable session manifest: {e}") from e
+                if not isinstance(manifest, dict):
+                    raise CorruptDataError("a session manifest is not a map")
+                yield manifest
+
+    def put(self, key: bytes, block: torch.Tensor, *, fingerprint: bytes, codec: str) -> int:
+        """Encode ``block`` with ``codec`` and append it. Returns the frame's size.
+
+        Raises:
+            CapacityError: the cold tier would exceed ``capacity_bytes``.
+        """
+        frame = get_codec_for(self._codec_config, codec).encode(block.cpu())
+        if self.capacity_bytes is not None:
+            live = self.segments.stats().live_bytes
+            if live + len(frame) > self.capacity_bytes:
+                raise CapacityError(
+                    f"cold tier full: {live} of {self.capacity_bytes} bytes live, "
+                    f"cannot add a {len(frame)}-byte frame"
+                )
+        codec_id = peek_header(frame).codec_id
+        self.segments.put(key, frame, fingerprint=fingerprint, codec_id=codec_id)
+        self.writes += 1
+        self.bytes_written += len(frame)
+        return len(frame)
+
+    def load(self, key: bytes) -> torch.Tensor:
+        """Read, verify and decode a block (in the dtype it was encoded from)."""
+        return decode_frame(self.segments.get(key))
+
+    def codec_name(self, key: bytes) -> str:
+        return peek_header(self.segments.get(key)).codec
+
+    def remove(self, key: bytes) -> None:
+        self.segments.delete(key)
+
+    def close(self) -> None:
+        self.segments.close()
+
+
+# Manifest keys are longer than block keys, so the two can never collide.
+_MANIFEST_PREFIX = b"session-manifest"
+
+
+def _manifest_key(session_id: str) -> bytes:
+    digest = hashlib.blake2b(session_id.encode("utf-8"), digest_size=HASH_BYTES).digest()
+    return _MANIFEST_PREFIX + digest
+
+
+def _short(key: object) -> str:
+    return key.hex()[:12] if isinstance(key, bytes) else repr(key)
