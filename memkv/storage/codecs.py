@@ -82,6 +82,7 @@ __all__ = [
     "get_codec",
     "get_codec_for",
     "peek_header",
+    "verify_frame",
 ]
 
 MAGIC = b"MKVC"
@@ -285,6 +286,22 @@ def peek_header(frame: bytes | bytearray | memoryview) -> FrameHeader:
             fewer bytes than the header.
     """
     return _parse_header(_as_view(frame))
+
+
+def verify_frame(frame: bytes | bytearray | memoryview) -> FrameHeader:
+    """Check a whole frame's header and payload checksums without decoding it.
+
+    Used where frames are stored rather than decoded (the archive), so a frame
+    damaged in transit is refused before it is kept.
+
+    Raises:
+        InvalidInputError: ``frame`` is not a bytes-like object.
+        CorruptDataError: any integrity check failed.
+    """
+    mv = _as_view(frame)
+    header = _parse_header(mv)
+    _verified_payload(mv, header)
+    return header
 
 
 def _verified_payload(mv: memoryview, header: FrameHeader) -> memoryview:

@@ -185,7 +185,9 @@ class StoreConfig(_Frozen):
     prefetch: PrefetchConfig = PrefetchConfig()
     precision: PrecisionConfig = PrecisionConfig()
     codecs: CodecConfig = CodecConfig()
-    archive: ArchiveConfig
+    archive: ArchiveConfig | None = Field(
+        default=None, description="Local cold tier; None when a cold backend is given instead."
+    )
     debug_refcounts: bool = Field(
         default=False, description="Check refcount invariants on every operation (slow)."
     )

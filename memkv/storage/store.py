@@ -57,6 +57,7 @@ from memkv.storage.precision import PrecisionPolicy, QuantizedBlock, convert, qu
 from memkv.storage.prefetch import MarkovPrefetcher
 from memkv.storage.tiers import (
     PRIORITY_RANK,
+    ColdBackend,
     ColdTier,
     MemoryTier,
     Priority,
@@ -223,7 +224,17 @@ class TieredStore:
         >>> block = store.get(store.session("s1").chain[0])
     """
 
-    def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        cold: ColdBackend | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if cold is None:
+            if config.archive is None:
+                raise ConfigError("a TieredStore needs config.archive or a cold backend")
+            archive = config.archive
         self.config = config
         self._clock = clock
         self._lock = threading.RLock()
@@ -241,7 +252,11 @@ class TieredStore:
                 _whole_units(config.warm_capacity_bytes, unit, "warm"), unit, pin=pin_warm
             )
             self._warm = MemoryTier(Tier.WARM, warm_arena, config.eviction)
-            self._cold = ColdTier(config.archive, config.codecs, config.cold_capacity_bytes)
+            self._cold: ColdBackend = (
+                cold
+                if cold is not None
+                else ColdTier(archive, config.codecs, config.cold_capacity_bytes)
+            )
         except BaseException:
             self._hot.close()
             with contextlib.suppress(NameError):
@@ -292,33 +307,79 @@ class TieredStore:
         are deleted.
         """
         self.lost_sessions: dict[str, str] = {}
-        referenced: set[BlockHash] = set()
+        if not self._cold.owns_sessions:
+            return  # a shared cold tier (cluster archive): the router owns recovery
         for manifest in self._cold.manifests():
             try:
-                layout = KVLayout.from_dict(manifest["layout"])
-                chain = [BlockHash(bytes(k)) for k in manifest["chain"]]
                 session_id = str(manifest["session_id"])
-                s = _Session(
+                self.adopt_session(
                     session_id,
-                    layout,
-                    str(manifest["namespace"]),
-                    Priority(manifest["priority"]),
-                    created_at=self._clock(),
-                    last_access=self._clock(),
-                    chain=chain,
+                    KVLayout.from_dict(manifest["layout"]),
+                    namespace=str(manifest["namespace"]),
+                    priority=Priority(manifest["priority"]),
                     tokens=int(manifest["tokens"]),
                     turn=int(manifest["turn"]),
-                    state=SessionState.ARCHIVED,
+                    chain=[BlockHash(bytes(k)) for k in manifest["chain"]],
                 )
+            except BlockLostError as e:
+                self.lost_sessions[session_id] = str(e)
             except (KeyError, TypeError, ValueError) as e:
                 raise CorruptDataError(f"unreadable session manifest in the cold tier: {e}") from e
-            missing = [k for k in chain if k not in self._cold]
-            if missing:
-                self.lost_sessions[session_id] = (
-                    f"{len(missing)} of {len(chain)} blocks are missing from the cold tier"
+        for raw_key in list(self._cold.block_keys()):
+            if BlockHash(raw_key) not in self._blocks:
+                self._cold.remove(raw_key)
+
+    def adopt_session(
+        self,
+        session_id: str,
+        layout: KVLayout,
+        *,
+        namespace: str,
+        priority: Priority | str,
+        tokens: int,
+        turn: int,
+        chain: Sequence[BlockHash],
+    ) -> SessionInfo:
+        """Register an archived session whose blocks are all in the cold tier.
+
+        Used when a store restarts (from its manifests) and, in a cluster, when
+        the router moves a dead device's archived sessions to a live one.
+
+        Raises:
+            BlockLostError: some block of the chain is not in the cold tier
+                (the session is not registered).
+            InvalidInputError: bad arguments, or the id exists.
+        """
+        with self._lock:
+            self._ensure_open()
+            _check_session_id(session_id)
+            if session_id in self._sessions:
+                raise InvalidInputError(f"session {session_id!r} already exists")
+            counts = block_token_count(layout, tokens)
+            if len(counts) != len(chain):
+                raise InvalidInputError(
+                    f"{tokens} tokens make {len(counts)} blocks, but the chain has {len(chain)}"
                 )
-                continue
-            counts = block_token_count(layout, s.tokens)
+            missing = self._cold.missing([k for k in chain if k not in self._blocks])
+            if missing:
+                raise BlockLostError(
+                    f"session {session_id!r}: {len(missing)} of {len(chain)} blocks are in no "
+                    f"tier (first missing {bytes(missing[0]).hex()})"
+                )
+            now = self._clock()
+            prio = _priority(priority)
+            s = _Session(
+                session_id,
+                layout,
+                namespace,
+                prio,
+                created_at=now,
+                last_access=now,
+                chain=list(chain),
+                tokens=tokens,
+                turn=turn,
+                state=SessionState.ARCHIVED,
+            )
             for i, key in enumerate(chain):
                 entry = self._blocks.get(key)
                 if entry is None:
@@ -327,17 +388,15 @@ class TieredStore:
                         chain[i - 1] if i else None,
                         layout,
                         counts[i],
-                        s.priority,
-                        last_access=self._clock(),
+                        prio,
+                        last_access=now,
                         in_cold=True,
                     )
                     self._blocks[key] = entry
-                entry.refcount += 1
-                referenced.add(key)
+                self._incref(entry, s, active=False, now=now)
             self._sessions[session_id] = s
-        for raw_key in list(self._cold.block_keys()):
-            if BlockHash(raw_key) not in referenced:
-                self._cold.remove(raw_key)
+            self._debug_check()
+            return self._info(s)
 
     # ------------------------------------------------------------------ sessions
 
@@ -706,11 +765,14 @@ class TieredStore:
             self._debug_check()
             return self._info(s)
 
-    def resume(self, session_id: str) -> ResumeHandle:
+    def resume(self, session_id: str, *, prefetch: bool = True) -> ResumeHandle:
         """Mark a session active and answer at once with its chain and block locations.
 
-        The first ``max_prefetch_blocks`` blocks are brought into free hot-tier
-        space right away; the rest come as ``read_session``/``get`` ask for them.
+        Args:
+            prefetch: bring the first ``max_prefetch_blocks`` blocks into free
+                hot-tier space before answering (an actor passes False and
+                prefetches in a separate call, so the answer is immediate).
+                The rest come as ``read_session``/``get`` ask for them.
         """
         with self._lock:
             s = self._session(session_id)
@@ -719,7 +781,8 @@ class TieredStore:
                 self._set_active(s, now)
             s.last_access = now
             head = s.chain[: self.config.prefetch.max_prefetch_blocks]
-        self.prefetch(head)
+        if prefetch:
+            self.prefetch(head)
         with self._lock:
             locations = tuple(
                 BlockLocation(k, self.locate(k) or Tier.COLD, self._blocks[k].tokens)
@@ -744,15 +807,15 @@ class TieredStore:
                     tier.evictions,
                     arena.external_fragmentation,
                 )
-            seg = self._cold.segments.stats()
+            cold = self._cold.stats()
             tiers[Tier.COLD] = TierStats(
                 Tier.COLD,
                 self._cold.capacity_bytes,
-                seg.live_bytes,
-                len(self._cold),
+                cold.live_bytes,
+                cold.blocks,
                 self._hits[Tier.COLD],
                 0,
-                seg.dead_bytes / max(1, seg.live_bytes + seg.dead_bytes),
+                cold.dead_bytes / max(1, cold.live_bytes + cold.dead_bytes),
             )
             unique = sum(b.layout.block_nbytes(b.tokens) for b in self._blocks.values())
             logical = sum(

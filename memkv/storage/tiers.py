@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import torch
@@ -33,6 +33,8 @@ from memkv.storage.precision import QuantizedBlock
 from memkv.storage.segments import SegmentStore
 
 __all__ = [
+    "ColdBackend",
+    "ColdStats",
     "ColdTier",
     "MemoryTier",
     "Priority",
@@ -261,6 +263,39 @@ class MemoryTier:
         self.arena.close()
 
 
+@dataclass(frozen=True, slots=True)
+class ColdStats:
+    blocks: int
+    live_bytes: int
+    dead_bytes: int
+
+
+class ColdBackend(Protocol):
+    """What the store needs of a cold tier: local segment files, or a remote archive.
+
+    ``owns_sessions`` says whether the backend belongs to this store alone: then
+    the store keeps session manifests there and deletes blocks it frees; a
+    shared archive (a cluster's) leaves both to the router, which sees every
+    session.
+    """
+
+    tier: Tier
+    capacity_bytes: int | None
+    owns_sessions: bool
+
+    def __contains__(self, key: object) -> bool: ...
+    def missing(self, keys: Sequence[bytes]) -> list[bytes]: ...
+    def put(self, key: bytes, block: torch.Tensor, *, fingerprint: bytes, codec: str) -> int: ...
+    def load(self, key: bytes) -> torch.Tensor: ...
+    def remove(self, key: bytes) -> None: ...
+    def block_keys(self) -> Iterator[bytes]: ...
+    def put_manifest(self, session_id: str, manifest: dict[str, Any]) -> None: ...
+    def remove_manifest(self, session_id: str) -> None: ...
+    def manifests(self) -> Iterator[dict[str, Any]]: ...
+    def stats(self) -> ColdStats: ...
+    def close(self) -> None: ...
+
+
 class ColdTier:
     """Codec frames of blocks in append-only segment files.
 
@@ -271,6 +306,7 @@ class ColdTier:
     """
 
     tier = Tier.COLD
+    owns_sessions = True
 
     def __init__(
         self, archive: ArchiveConfig, codecs: CodecConfig, capacity_bytes: int | None = None
@@ -286,6 +322,10 @@ class ColdTier:
 
     def __len__(self) -> int:
         return sum(1 for _ in self.block_keys())
+
+    def missing(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys of ``keys`` that are not stored."""
+        return [k for k in keys if k not in self]
 
     def block_keys(self) -> Iterator[bytes]:
         """Keys of the blocks on disk (manifests excluded)."""
@@ -338,8 +378,9 @@ class ColdTier:
         """Read, verify and decode a block (in the dtype it was encoded from)."""
         return decode_frame(self.segments.get(key))
 
-    def codec_name(self, key: bytes) -> str:
-        return peek_header(self.segments.get(key)).codec
+    def stats(self) -> ColdStats:
+        seg = self.segments.stats()
+        return ColdStats(len(self), seg.live_bytes, seg.dead_bytes)
 
     def remove(self, key: bytes) -> None:
         self.segments.delete(key)

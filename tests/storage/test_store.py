@@ -380,3 +380,47 @@ def test_full_cold_tier_raises_capacity_error_and_keeps_what_was_stored(tmp_path
     assert_same_kv(LAYOUT, read_all(s, "s"), keys, values)
     s.check_invariants()
     s.close()
+
+
+def test_adopt_session_from_the_cold_tier(tmp_path):
+    s = make_store(tmp_path)
+    keys, values = kv(12)
+    s.create_session("orig", LAYOUT, namespace="t")
+    s.put_kv("orig", list(range(12)), keys, values)
+    info = s.suspend("orig")
+    adopted = s.adopt_session(
+        "copy",
+        LAYOUT,
+        namespace="t",
+        priority="high",
+        tokens=12,
+        turn=info.turn,
+        chain=list(info.chain),
+    )
+    assert adopted.state is SessionState.ARCHIVED and adopted.chain == info.chain
+    assert_same_kv(LAYOUT, read_all(s, "copy"), keys, values)
+    s.delete_session("orig")
+    assert_same_kv(LAYOUT, read_all(s, "copy"), keys, values)  # still referenced
+    with pytest.raises(BlockLostError, match="in no tier"):
+        s.adopt_session(
+            "ghost",
+            LAYOUT,
+            namespace="t",
+            priority="normal",
+            tokens=4,
+            turn=1,
+            chain=[b"\x01" * 16],
+        )
+    assert "ghost" not in s.sessions()
+    with pytest.raises(InvalidInputError, match="chain has 1"):
+        s.adopt_session(
+            "bad",
+            LAYOUT,
+            namespace="t",
+            priority="normal",
+            tokens=12,
+            turn=1,
+            chain=[info.chain[0]],
+        )
+    s.check_invariants()
+    s.close()
