@@ -13,7 +13,8 @@ tiny sub-step per block so that times are strictly increasing.
 Usage::
 
     python benchmarks/replay_trace.py ../shared/data/mooncake_conversation_trace.jsonl \\
-        [--capacities 0.02,0.05,0.10,0.20] [--k 3] [--json benchmarks/results/eviction.json]
+        [--capacities 0.02,0.05,0.10,0.20] [--k 3] [--policies lru_k_plain,...] \\
+        [--json benchmarks/results/eviction.json]
 
 Prints one table (capacity, blocks, LRU hit ratio, LRU-K hit ratio, delta) and
 writes the same rows as JSON.
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from memkv.storage.config import EvictionConfig
-from memkv.storage.eviction import EvictionPolicy, make_policy
+from memkv.storage.eviction import EvictionPolicy, LRUKPolicy, make_policy
 
 __all__ = [
     "ReplayResult",
@@ -150,6 +151,15 @@ def _policy_factory(name: str, k: int) -> Callable[[], EvictionPolicy[int]]:
     return lambda: make_policy(config)
 
 
+#: Ablations selectable by ``--policies``: name -> LRUKPolicy keyword arguments.
+ABLATIONS: dict[str, dict[str, bool]] = {
+    "lru_k_plain": {"inherit": False, "recency_guard": False},
+    "lru_k_inherit": {"inherit": True, "recency_guard": False},
+    "lru_k_guard": {"inherit": False, "recency_guard": True},
+    "lru_k_flat": {"prefix_aware": False, "recency_guard": False},
+}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the replay at each capacity, print the table, write the JSON; return it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -160,11 +170,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="cache sizes as fractions of the distinct blocks, comma-separated",
     )
     parser.add_argument("--k", type=int, default=EvictionConfig().k, help="LRU-K's K")
+    parser.add_argument(
+        "--policies",
+        default="",
+        help=f"extra LRU-K ablations to print, comma-separated, from {sorted(ABLATIONS)}",
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     args = parser.parse_args(argv)
     fractions = [float(x) for x in args.capacities.split(",") if x.strip()]
     if not fractions or any(not 0 < f <= 1 for f in fractions):
         parser.error(f"capacities must be fractions in (0, 1], got {args.capacities!r}")
+
+    extra = [x.strip() for x in args.policies.split(",") if x.strip()]
+    unknown = [x for x in extra if x not in ABLATIONS]
+    if unknown:
+        parser.error(f"unknown --policies {unknown}; expected from {sorted(ABLATIONS)}")
 
     t0 = time.perf_counter()
     requests = load_trace(args.trace)
@@ -183,9 +203,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         lru = replay(requests, capacity, _policy_factory("lru", args.k)(), "lru")
         lruk = replay(requests, capacity, _policy_factory("lru_k", args.k)(), "lru_k")
         delta = lruk.hit_ratio - lru.hit_ratio
+        ablations = {
+            name: replay(requests, capacity, LRUKPolicy(args.k, **ABLATIONS[name]), name)
+            for name in extra
+        }
         print(
             f"{frac:>8.0%} {capacity:>7} {lru.hit_ratio:>7.4f} {lruk.hit_ratio:>16.4f} "
-            f"{delta:>+8.4f}   ({lru.seconds:.1f} s / {lruk.seconds:.1f} s)",
+            f"{delta:>+8.4f}   ({lru.seconds:.1f} s / {lruk.seconds:.1f} s)"
+            + "".join(f"  {n}={r.hit_ratio:.4f}" for n, r in ablations.items()),
             flush=True,
         )
         rows.append(
@@ -197,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "delta": delta,
                 "lru": asdict(lru),
                 "lru_k": asdict(lruk),
+                "ablations": {n: asdict(r) for n, r in ablations.items()},
             }
         )
     result: dict[str, Any] = {

@@ -79,6 +79,15 @@ class EvictionConfig(_Frozen):
     prefix_aware: bool = Field(
         default=True, description="Prefer leaves: a block whose descendants are cached goes last."
     )
+    recency_guard: bool = Field(
+        default=True,
+        description="Evict a leaf idle for longer than an adaptive multiple of LRU's lifetime "
+        "before consulting the score (keeps LRU-K from hoarding dead, once-frequent blocks).",
+    )
+    inherit: bool = Field(
+        default=True,
+        description="A block extending its parent's chain starts with the parent's history.",
+    )
 
 
 class PrefetchConfig(_Frozen):

@@ -58,6 +58,23 @@ Two refinements, each measured on the Mooncake trace by
   before every other leaf (oldest first). In memkv this is exactly a session's
   partial last block: its hash changes when the session grows, so the old one
   will not be read again by its session. An access clears the mark.
+* **Chain inheritance** (``inherit``): a block that extends its parent's chain
+  (the parent has no other child, or only a never-hit leaf it supersedes)
+  starts with the parent's older access times, so a returning conversation's
+  new tail is valued like the rest of its chain, not as a one-access block.
+* **Adaptive recency guard** (``recency_guard``): plain LRU-K keeps finished
+  multi-turn chains too long once the cache is large (below LRU at 20% of the
+  trace). The guard evicts the least recent leaf first when its last access is
+  older than ``factor x lifetime``, where lifetime is LRU's (age of the n-th most
+  recent distinct-key access, n = tracked keys); otherwise the exact LRU-K argmin
+  decides. ``factor`` adapts ARC-style from ghost hits: a comeback of a key the
+  guard evicted raises it (towards plain LRU-K, :data:`GUARD_MAX`), a comeback
+  of a key the score evicted while LRU would still have held it lowers it
+  (towards prefix-aware LRU, 1). ``recency_guard=False`` is the plain score.
+
+Measured (hit ratio at 2/5/10/20% of distinct blocks; LRU .0787/.1954/.2784/.3446):
+plain LRU-K .0881/.2144/.2917/.3399; default (guard + inheritance)
+.0820/.2050/.2849/.3466 -- above LRU at every size, paying part of the small-cache gain.
 """
 
 from __future__ import annotations
@@ -94,6 +111,14 @@ MIN_AGE = 1e-9
 #: Ghost entries kept at least, whatever the peak number of tracked keys was, so
 #: a small tier still remembers a useful amount of history.
 DEFAULT_GHOST_FLOOR = 1024
+
+#: Multiplicative step of the recency guard's factor on each informative ghost
+#: hit (ARC-style feedback; small so one comeback cannot swing the policy).
+GUARD_STEP = 0.05
+
+#: Largest recency-guard factor: past it the guard never fires before the
+#: score does, i.e. the policy is plain LRU-K.
+GUARD_MAX = 8.0
 
 
 def lru_k_score(times: tuple[float, ...], now: float) -> float:
@@ -292,6 +317,14 @@ class _ScoreIndex:
         for lst, t in zip(self._groups[len(times) - 1], times, strict=True):
             lst.remove((t, uid))
 
+    def least_recent(self) -> tuple[float, int] | None:
+        """``(t_1, uid)`` of the key whose latest access is the oldest, or None if empty."""
+        oldest: tuple[float, int] | None = None
+        for lists in self._groups:
+            if lists and lists[0] and (oldest is None or lists[0][0] < oldest):
+                oldest = lists[0][0]
+        return oldest
+
     def argmin(self, now: float) -> tuple[int, float] | None:
         """``(uid, score)`` of the lowest exact score, or None if empty.
 
@@ -333,6 +366,14 @@ class _ScoreIndex:
         return None if best_uid < 0 else (best_uid, best)
 
 
+class _Rule(enum.Enum):
+    """Which rule chose a victim (the recency guard learns from comebacks)."""
+
+    SUPERSEDED = enum.auto()
+    GUARD = enum.auto()
+    SCORE = enum.auto()
+
+
 class _Pool(enum.Enum):
     """Which candidate set an entry is filed in."""
 
@@ -351,6 +392,7 @@ class _Entry(Generic[K]):
     children: set[K] = field(default_factory=set)  # cached children
     newest_child: K | None = None
     pins: int = 0
+    hit: bool = False  # accessed since it was inserted
     superseded: bool = False
     pool: _Pool = _Pool.NONE
 
@@ -366,6 +408,10 @@ class LRUKPolicy(Generic[K]):
             comeback. ``None``: as many as the most keys ever tracked at once (at
             least :data:`DEFAULT_GHOST_FLOOR`), LRU-K's classic retained-information
             period of about one cache lifetime; ``0`` disables it.
+        inherit: a block extending its parent's chain starts with the parent's
+            older access times (module docstring).
+        recency_guard: the adaptive recency guard (module docstring); False
+            gives the plain exact LRU-K score.
 
     Raises:
         InvalidInputError: ``k < 1`` or a negative ``ghost_capacity``.
@@ -378,7 +424,13 @@ class LRUKPolicy(Generic[K]):
     """
 
     def __init__(
-        self, k: int = 3, *, prefix_aware: bool = True, ghost_capacity: int | None = None
+        self,
+        k: int = 3,
+        *,
+        prefix_aware: bool = True,
+        ghost_capacity: int | None = None,
+        inherit: bool = True,
+        recency_guard: bool = True,
     ) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise InvalidInputError(f"k must be an int >= 1, got {k!r}")
@@ -387,6 +439,13 @@ class LRUKPolicy(Generic[K]):
         self._k = k
         self._prefix_aware = prefix_aware
         self._ghost_capacity = ghost_capacity
+        self._inherit = inherit and prefix_aware
+        self._guard = recency_guard
+        self._guard_factor = 1.0 + GUARD_STEP
+        self._recency: SortedList = SortedList()  # t_1 of tracked and ghost keys
+        self._by_recency: set[K] = set()  # ghost keys the guard evicted
+        self._by_score: set[K] = set()  # ghost keys the score evicted though LRU kept them
+        self._lifetime = 0.0
         self._entries: dict[K, _Entry[K]] = {}
         self._by_uid: dict[int, _Entry[K]] = {}
         self._uids = itertools.count()
@@ -424,8 +483,22 @@ class LRUKPolicy(Generic[K]):
         if not self._prefix_aware:
             parent = None
         history = self._ghost.pop(key, ())
+        if history:
+            self._recency.remove(history[0])
+            # A comeback proves its eviction wrong: trust the other rule a bit more.
+            if key in self._by_recency:
+                self._guard_factor = min(GUARD_MAX, self._guard_factor * (1 + GUARD_STEP))
+            elif key in self._by_score:
+                self._guard_factor = max(1.0, self._guard_factor / (1 + GUARD_STEP))
+            self._by_recency.discard(key)
+            self._by_score.discard(key)
+        if self._inherit and parent is not None:
+            pe = self._entries.get(parent)
+            if pe is not None and self._continues(pe):
+                history = self._merge(history, pe.times[1:])
         entry: _Entry[K] = _Entry(key, next(self._uids), self._push(history, now), parent)
         self._entries[key] = entry
+        self._recency.add(entry.times[0])
         self._by_uid[entry.uid] = entry
         self._peak = max(self._peak, len(self._entries))
         waiting = self._orphans.pop(key, None)
@@ -447,7 +520,10 @@ class LRUKPolicy(Generic[K]):
         """
         entry = self._get("access", key)
         self._unfile(entry)
+        self._recency.remove(entry.times[0])
         entry.times = self._push(entry.times, now)
+        self._recency.add(entry.times[0])
+        entry.hit = True
         entry.superseded = False
         self._file(entry)
 
@@ -494,18 +570,26 @@ class LRUKPolicy(Generic[K]):
         the lowest score.
         """
         uid: int | None = None
+        by = _Rule.SUPERSEDED
         if self._superseded:
             uid = self._superseded[0][1]
+        elif (stale := self._stale(now)) is not None:
+            uid, by = stale, _Rule.GUARD
         else:
             for index in (self._leaves, self._interior):
                 found = index.argmin(now)
                 if found is not None:
-                    uid = found[0]
+                    uid, by = found[0], _Rule.SCORE
                     break
         if uid is None:
             return None
         entry = self._by_uid[uid]
         self._drop(entry)
+        if self._guard and entry.key in self._ghost:
+            if by is _Rule.GUARD:
+                self._by_recency.add(entry.key)
+            elif by is _Rule.SCORE and now - entry.times[0] < self._lifetime:
+                self._by_score.add(entry.key)
         return entry.key
 
     def score(self, key: K, now: float) -> float:
@@ -533,6 +617,35 @@ class LRUKPolicy(Generic[K]):
         if entry is None:
             raise _unknown(op, key)
         return entry
+
+    def _stale(self, now: float) -> int | None:
+        """The recency guard's victim: the least recent leaf, if older than factor x lifetime."""
+        n = len(self._entries)
+        if not self._guard or n == 0:
+            return None
+        # LRU's lifetime: age of the n-th most recent access among distinct keys.
+        self._lifetime = now - self._recency[-n]
+        oldest = self._leaves.least_recent()
+        if oldest is not None and now - oldest[0] > self._guard_factor * self._lifetime:
+            return oldest[1]
+        return None
+
+    def _continues(self, parent: _Entry[K]) -> bool:
+        """Whether a new child of ``parent`` extends its chain rather than branching off it."""
+        children = parent.children
+        if not children:
+            return True
+        if len(children) > 1:
+            return False
+        only = self._entries[next(iter(children))]
+        return not only.hit and not only.children
+
+    def _merge(self, a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+        if not a:
+            return b
+        if not b:
+            return a
+        return tuple(sorted({*a, *b}, reverse=True)[: self._k - 1])
 
     def _push(self, times: tuple[float, ...], now: float) -> tuple[float, ...]:
         return (float(now), *times[: self._k - 1])
@@ -577,7 +690,7 @@ class LRUKPolicy(Generic[K]):
         if previous is not None and previous in parent.children:
             sibling = self._entries[previous]
             # A single-access leaf followed by a new sibling is a replaced partial tail.
-            if not sibling.children and len(sibling.times) == 1 and not sibling.superseded:
+            if not sibling.children and not sibling.hit and not sibling.superseded:
                 sibling.superseded = True
                 self._refile(sibling)
         parent.newest_child = key
@@ -615,11 +728,15 @@ class LRUKPolicy(Generic[K]):
         if cap is None:
             cap = max(self._peak, DEFAULT_GHOST_FLOOR)
         if cap == 0:
+            self._recency.remove(times[0])
             return
         self._ghost[key] = times
         self._ghost.move_to_end(key)
         while len(self._ghost) > cap:
-            self._ghost.popitem(last=False)
+            gk, old = self._ghost.popitem(last=False)
+            self._recency.remove(old[0])
+            self._by_recency.discard(gk)
+            self._by_score.discard(gk)
 
 
 # ---------------------------------------------------------------------------- registry
@@ -630,7 +747,12 @@ def _make_lru(config: EvictionConfig) -> EvictionPolicy[Any]:
 
 
 def _make_lru_k(config: EvictionConfig) -> EvictionPolicy[Any]:
-    return LRUKPolicy(config.k, prefix_aware=config.prefix_aware)
+    return LRUKPolicy(
+        config.k,
+        prefix_aware=config.prefix_aware,
+        recency_guard=config.recency_guard,
+        inherit=config.inherit,
+    )
 
 
 #: Policy constructors by ``EvictionConfig.policy``.

@@ -21,6 +21,9 @@ from memkv.storage.eviction import (
     make_policy,
 )
 
+#: The exact design score, without the adaptive recency guard or chain inheritance.
+PLAIN: dict[str, bool] = {"recency_guard": False, "inherit": False}
+
 
 def _drain(policy: Any, now: float) -> list[Any]:
     out = []
@@ -83,7 +86,7 @@ def test_score_formula_and_guard() -> None:
 
 
 def test_lru_k_frequent_block_outlives_once_used_block() -> None:
-    p: LRUKPolicy[str] = LRUKPolicy(k=3)
+    p: LRUKPolicy[str] = LRUKPolicy(k=3, **PLAIN)
     p.insert("frequent", 0.0)
     p.access("frequent", 1.0)
     p.access("frequent", 2.0)
@@ -95,7 +98,7 @@ def test_lru_k_frequent_block_outlives_once_used_block() -> None:
 
 
 def test_lru_k_with_k1_is_lru() -> None:
-    p: LRUKPolicy[str] = LRUKPolicy(k=1)
+    p: LRUKPolicy[str] = LRUKPolicy(k=1, **PLAIN)
     for i, k in enumerate("abcd"):
         p.insert(k, float(i))
     p.access("a", 10.0)
@@ -105,7 +108,7 @@ def test_lru_k_with_k1_is_lru() -> None:
 
 def test_score_ordering_drifts_with_time() -> None:
     # Why a plain heap cannot work: the winner flips as time passes.
-    p: LRUKPolicy[str] = LRUKPolicy(k=2, prefix_aware=False)
+    p: LRUKPolicy[str] = LRUKPolicy(k=2, prefix_aware=False, **PLAIN)
     p.insert("spread", 0.0)
     p.access("spread", 10.0)
     p.insert("close", 5.0)
@@ -113,7 +116,7 @@ def test_score_ordering_drifts_with_time() -> None:
     assert p.score("close", 11.0) < p.score("spread", 11.0)
     assert p.score("close", 1000.0) > p.score("spread", 1000.0)
     assert p.pop_victim(11.0) == "close"
-    q: LRUKPolicy[str] = LRUKPolicy(k=2, prefix_aware=False)
+    q: LRUKPolicy[str] = LRUKPolicy(k=2, prefix_aware=False, **PLAIN)
     q.insert("spread", 0.0)
     q.access("spread", 10.0)
     q.insert("close", 5.0)
@@ -122,7 +125,7 @@ def test_score_ordering_drifts_with_time() -> None:
 
 
 def test_pinned_never_evicted_and_none_when_all_pinned() -> None:
-    p: LRUKPolicy[str] = LRUKPolicy()
+    p: LRUKPolicy[str] = LRUKPolicy(**PLAIN)
     assert p.pop_victim(0.0) is None  # empty
     p.insert("a", 0.0)
     p.insert("b", 1.0, parent="a")
@@ -137,7 +140,7 @@ def test_pinned_never_evicted_and_none_when_all_pinned() -> None:
 
 def test_leaves_go_before_parents_even_with_lower_scores() -> None:
     for prefix_aware, expected in ((True, ["child", "parent"]), (False, ["parent", "child"])):
-        p: LRUKPolicy[str] = LRUKPolicy(prefix_aware=prefix_aware)
+        p: LRUKPolicy[str] = LRUKPolicy(prefix_aware=prefix_aware, **PLAIN)
         p.insert("parent", 0.0)
         p.insert("child", 1.0, parent="parent")
         for t in (2.0, 3.0, 4.0):
@@ -147,7 +150,7 @@ def test_leaves_go_before_parents_even_with_lower_scores() -> None:
 
 
 def test_interior_block_goes_only_when_every_leaf_is_pinned() -> None:
-    p: LRUKPolicy[str] = LRUKPolicy()
+    p: LRUKPolicy[str] = LRUKPolicy(**PLAIN)
     p.insert("root", 0.0)
     p.insert("mid", 1.0, parent="root")
     p.insert("leaf", 2.0, parent="mid")
@@ -161,14 +164,14 @@ def test_interior_block_goes_only_when_every_leaf_is_pinned() -> None:
 
 
 def test_child_inserted_before_its_parent_is_linked() -> None:
-    p: LRUKPolicy[str] = LRUKPolicy()
+    p: LRUKPolicy[str] = LRUKPolicy(**PLAIN)
     p.insert("child", 5.0, parent="parent")
     p.insert("parent", 0.0)  # older, lower score, but it has a cached child
     assert p.pop_victim(10.0) == "child"
 
 
 def test_removed_parent_leaves_children_waiting() -> None:
-    p: LRUKPolicy[str] = LRUKPolicy()
+    p: LRUKPolicy[str] = LRUKPolicy(**PLAIN)
     p.insert("parent", 0.0)
     p.insert("child", 1.0, parent="parent")
     p.pin("child")
@@ -179,7 +182,7 @@ def test_removed_parent_leaves_children_waiting() -> None:
 
 
 def test_superseded_partial_tail_goes_first() -> None:
-    p: LRUKPolicy[str] = LRUKPolicy()
+    p: LRUKPolicy[str] = LRUKPolicy(**PLAIN)
     p.insert("old-leaf", 0.0)
     p.access("old-leaf", 0.5)
     p.insert("head", 1.0)
@@ -196,7 +199,7 @@ def test_superseded_partial_tail_goes_first() -> None:
 
 def test_ghost_restores_history_and_can_be_disabled() -> None:
     for ghost, expected_terms in ((None, 3), (0, 1)):
-        p: LRUKPolicy[str] = LRUKPolicy(k=3, ghost_capacity=ghost)
+        p: LRUKPolicy[str] = LRUKPolicy(k=3, ghost_capacity=ghost, **PLAIN)
         p.insert("a", 0.0)
         p.access("a", 1.0)
         assert p.pop_victim(2.0) == "a"
@@ -208,7 +211,7 @@ def test_ghost_restores_history_and_can_be_disabled() -> None:
 
 
 def test_ghost_is_bounded() -> None:
-    p: LRUKPolicy[int] = LRUKPolicy(ghost_capacity=5)
+    p: LRUKPolicy[int] = LRUKPolicy(ghost_capacity=5, **PLAIN)
     for i in range(20):
         p.insert(i, float(i))
         p.remove(i)
@@ -216,7 +219,7 @@ def test_ghost_is_bounded() -> None:
 
 
 def test_lru_k_errors() -> None:
-    p: LRUKPolicy[str] = LRUKPolicy()
+    p: LRUKPolicy[str] = LRUKPolicy(**PLAIN)
     p.insert("a", 0.0)
     with pytest.raises(InvalidInputError, match="already tracked"):
         p.insert("a", 1.0)
@@ -274,7 +277,7 @@ def test_victim_is_exact_argmin_of_the_score(
     Parents are only chosen among keys without children, so chains never branch
     and no tail is superseded (that rule has its own test).
     """
-    p: LRUKPolicy[int] = LRUKPolicy(k=k, prefix_aware=prefix_aware)
+    p: LRUKPolicy[int] = LRUKPolicy(k=k, prefix_aware=prefix_aware, **PLAIN)
     times: dict[int, list[float]] = {}  # tracked and remembered (ghost) histories
     tracked: set[int] = set()
     parent_of: dict[int, int | None] = {}
@@ -326,7 +329,7 @@ def test_victim_is_exact_argmin_of_the_score(
 
 def test_threshold_search_goes_past_the_first_row() -> None:
     # The minimum heads neither sorted list: a search stopping early would miss it.
-    p: LRUKPolicy[str] = LRUKPolicy(k=2, prefix_aware=False)
+    p: LRUKPolicy[str] = LRUKPolicy(k=2, prefix_aware=False, **PLAIN)
     now = 100.0
     for key, (a2, a1) in {"h1": (10.1, 10.0), "h2": (100.0, 1.0), "m": (50.0, 9.0)}.items():
         p.insert(key, now - a2)
@@ -347,7 +350,7 @@ def test_threshold_search_goes_past_the_first_row() -> None:
 def test_every_victim_is_the_argmin_of_what_remains(
     histories: list[list[float]], k: int, later: float
 ) -> None:
-    p: LRUKPolicy[int] = LRUKPolicy(k=k, prefix_aware=False)
+    p: LRUKPolicy[int] = LRUKPolicy(k=k, prefix_aware=False, **PLAIN)
     times: dict[int, list[float]] = {}
     for key, history in enumerate(histories):
         p.insert(key, history[0])
@@ -407,3 +410,45 @@ def test_replay_runs_on_a_tiny_trace_with_sane_ratios(policy: str) -> None:
 def test_replay_rejects_empty_cache() -> None:
     with pytest.raises(ValueError, match="capacity"):
         replay(_synthetic_trace(), 0, LRUPolicy())
+
+
+def test_inherited_history_values_a_chain_extension_like_its_parent() -> None:
+    p: LRUKPolicy[str] = LRUKPolicy(k=3, recency_guard=False)
+    p.insert("a", 0.0)
+    p.access("a", 10.0)
+    p.insert("b", 10.5, parent="a")  # extends a's chain: gets a's older time 0.0
+    assert p.score("b", 20.0) == pytest.approx(1 / 9.5 + 1 / 20.0)
+    p.insert("c", 11.0, parent="a")  # a now has a hit-less child b: c supersedes it
+    q: LRUKPolicy[str] = LRUKPolicy(k=3, recency_guard=False, inherit=False)
+    q.insert("a", 0.0)
+    q.insert("b", 1.0, parent="a")
+    assert q.score("b", 2.0) == pytest.approx(1.0)
+
+
+def test_recency_guard_never_worse_than_lru_on_a_scan_after_frequent_keys() -> None:
+    # Frequent-but-finished keys, then a long recency-friendly loop: the guard's
+    # comebacks push it towards recency, so it must beat the plain score there.
+    def run(policy: LRUKPolicy[int]) -> int:
+        hits, now = 0, 0.0
+        for key in range(20):
+            for _ in range(3):
+                now += 1.0
+                if key in policy:
+                    policy.access(key, now)
+                else:
+                    policy.insert(key, now)
+        for _ in range(30):
+            for key in range(100, 125):
+                now += 1.0
+                if key in policy:
+                    hits += 1
+                    policy.access(key, now)
+                else:
+                    policy.insert(key, now)
+                    while len(policy) > 30:
+                        policy.pop_victim(now)
+        return hits
+
+    guarded = run(LRUKPolicy(k=3))
+    plain = run(LRUKPolicy(k=3, **PLAIN))
+    assert guarded >= plain
