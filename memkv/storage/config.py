@@ -112,8 +112,10 @@ class PrefetchConfig(_Frozen):
 class PrecisionConfig(_Frozen):
     """Which dtype a block is kept in, by age and sharing."""
 
-    later_dtype: Literal["float16", "bfloat16", "float32"] = Field(
-        default="float16", description="Dtype of blocks after a session's first round."
+    later_dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        default="auto",
+        description="Dtype of blocks after a session's first round; auto = float16, except "
+        "that a bfloat16 model stays bfloat16 (its values may exceed fp16's range).",
     )
     int8_idle_seconds: float = Field(
         default=600.0, gt=0, description="Idle time after which a block may drop to int8."

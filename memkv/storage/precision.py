@@ -357,9 +357,8 @@ class PrecisionPolicy:
     2. A first-round block (``turn == 0``) keeps the model dtype: it holds the
        system prompt and first user turn that every later turn attends to.
     3. Later blocks use ``config.later_dtype``, but never *up*-convert (fp16 to
-       fp32 would double the bytes and add nothing), and never switch between
-       the two 16-bit formats unless ``later_dtype`` was set explicitly: bf16
-       values can exceed fp16's range, so a bf16 model stays bf16 by default.
+       fp32 would double the bytes and add nothing). ``auto`` means fp16, except
+       that a bf16 model stays bf16: bf16 values can exceed fp16's range.
 
     Args:
         config: the precision settings.
@@ -380,13 +379,12 @@ class PrecisionPolicy:
 
     @staticmethod
     def _resolve_later(config: PrecisionConfig, model: StoredPrecision) -> StoredPrecision:
+        if config.later_dtype == "auto":
+            return model if model is StoredPrecision.BFLOAT16 else min(
+                model, StoredPrecision.FLOAT16, key=lambda p: _ITEMSIZE[p]
+            )
         later = StoredPrecision(config.later_dtype)
-        if _ITEMSIZE[later] > _ITEMSIZE[model]:
-            return model
-        lateral = _ITEMSIZE[later] == _ITEMSIZE[model] and later != model
-        if lateral and "later_dtype" not in config.model_fields_set:
-            return model
-        return later
+        return model if _ITEMSIZE[later] > _ITEMSIZE[model] else later
 
     @property
     def model_dtype(self) -> StoredPrecision:

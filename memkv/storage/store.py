@@ -215,6 +215,10 @@ class TieredStore:
 
     Args:
         config: capacities and component settings.
+        cold: the cold tier, when it is not the store's own segment files
+            (``config.archive``): a cluster's archive actor.
+        warm_name: name of the warm pool's shared-memory segment (another
+            process on the node maps it by that name); None picks a unique one.
         clock: seconds, monotonic (injectable for tests of idle-time policies).
 
     Example:
@@ -229,6 +233,7 @@ class TieredStore:
         config: StoreConfig,
         *,
         cold: ColdBackend | None = None,
+        warm_name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if cold is None:
@@ -249,7 +254,10 @@ class TieredStore:
         pin_warm = config.device.startswith("cuda")
         try:
             warm_arena = SharedHostArena(
-                _whole_units(config.warm_capacity_bytes, unit, "warm"), unit, pin=pin_warm
+                _whole_units(config.warm_capacity_bytes, unit, "warm"),
+                unit,
+                name=warm_name,
+                pin=pin_warm,
             )
             self._warm = MemoryTier(Tier.WARM, warm_arena, config.eviction)
             self._cold: ColdBackend = (

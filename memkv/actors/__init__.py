@@ -1,0 +1,7 @@
+"""Ray actors: thin ``@ray.remote`` shells around plain, separately tested classes.
+
+* :mod:`memkv.actors.device` — :class:`DeviceCache`, one per device: hot + warm tiers.
+* :mod:`memkv.actors.archive` — :class:`ArchiveService`, one per NVMe node: the cold tier.
+* :mod:`memkv.actors.router` — :class:`RouterState` (plain) and the named
+  ``SessionRouterActor``: sessions, placement, hotness, priority, prefetch, recovery.
+"""

@@ -1,0 +1,315 @@
+"""One device's hot and warm tiers: :class:`DeviceCache` and its actor.
+
+A :class:`DeviceCache` wraps a :class:`~memkv.storage.store.TieredStore` whose
+cold tier is the node's :class:`~memkv.actors.archive.ArchiveService`
+(:class:`RemoteColdTier`), so blocks it demotes survive the device. It speaks
+in plain values (dicts, bytes, :class:`~memkv.actors.payload.BlockPayload`)
+because every call crosses a process boundary.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from memkv.actors.payload import BlockPayload, from_payload, to_payload
+from memkv.config import DeviceSettings
+from memkv.storage.codecs import decode_frame, get_codec_for
+from memkv.storage.config import CodecConfig, StoreConfig
+from memkv.storage.hashing import BlockHash
+from memkv.storage.layout import KVLayout
+from memkv.storage.store import SessionInfo, TieredStore
+from memkv.storage.tiers import ColdStats, Tier
+
+__all__ = [
+    "DeviceCache",
+    "DeviceCacheActor",
+    "RemoteColdTier",
+    "session_dict",
+    "warm_segment_name",
+]
+
+
+# Pause between retries while the archive actor restarts.
+_ARCHIVE_RETRY_S = 0.2
+
+
+class RemoteColdTier:
+    """The store's cold tier, kept by an archive actor (shared by the node's devices).
+
+    Blocks are encoded here (the device's CPU does the codec work) and sent as
+    frames. ``remove`` does nothing: another device's session may hold the same
+    content-addressed block, so only the router, which sees every session,
+    deletes archived blocks. Session manifests are the router's too.
+    """
+
+    tier = Tier.COLD
+    owns_sessions = False
+    capacity_bytes: int | None = None
+
+    def __init__(
+        self, archive: Any, codecs: CodecConfig, *, restart_timeout_s: float = 60.0
+    ) -> None:
+        self._archive = archive
+        self._codecs = codecs
+        self._restart_timeout_s = restart_timeout_s
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Call the archive, waiting out a restart (it rebuilds its index from disk).
+
+        Every archive call is idempotent (puts of content-addressed frames,
+        reads, membership), so retrying one that may have run is safe.
+        """
+        deadline = time.monotonic() + self._restart_timeout_s
+        while True:
+            try:
+                return ray.get(getattr(self._archive, method).remote(*args))
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(_ARCHIVE_RETRY_S)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and bool(self._call("contains", [key])[0])
+
+    def missing(self, keys: Sequence[bytes]) -> list[bytes]:
+        present = self._call("contains", list(keys))
+        return [k for k, ok in zip(keys, present, strict=True) if not ok]
+
+    def put(self, key: bytes, block: torch.Tensor, *, fingerprint: bytes, codec: str) -> int:
+        frame = get_codec_for(self._codecs, codec).encode(block.cpu())
+        self._call("put_frames", [(bytes(key), frame, fingerprint)])
+        return len(frame)
+
+    def load(self, key: bytes) -> torch.Tensor:
+        (frame,) = self._call("get_frames", [bytes(key)])
+        return decode_frame(frame)
+
+    def remove(self, key: bytes) -> None:
+        return None
+
+    def block_keys(self) -> Iterator[bytes]:
+        return iter(())
+
+    def put_manifest(self, session_id: str, manifest: dict[str, Any]) -> None:
+        return None
+
+    def remove_manifest(self, session_id: str) -> None:
+        return None
+
+    def manifests(self) -> Iterator[dict[str, Any]]:
+        return iter(())
+
+    def stats(self) -> ColdStats:
+        s = self._call("stats")
+        return ColdStats(int(s["blocks"]), int(s["live_bytes"]), int(s["dead_bytes"]))
+
+    def close(self) -> None:
+        return None
+
+
+def warm_segment_name(device_id: str) -> str:
+    """The shared-memory segment name of a device's warm pool (POSIX-safe)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", device_id)[:200]
+    return f"memkv-warm-{safe}"
+
+
+def _unlink_stale_segment(name: str) -> None:
+    try:
+        stale = SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    stale.close()
+    stale.unlink()
+
+
+def session_dict(info: SessionInfo) -> dict[str, Any]:
+    """A session snapshot as plain values (for Ray calls and JSON)."""
+    return {
+        "session_id": info.session_id,
+        "namespace": info.namespace,
+        "layout": info.layout.to_dict(),
+        "priority": info.priority.value,
+        "state": info.state.value,
+        "tokens": info.tokens,
+        "turn": info.turn,
+        "chain": [bytes(k) for k in info.chain],
+    }
+
+
+class DeviceCache:
+    """The hot and warm tiers of one device, behind plain-value methods.
+
+    Args:
+        device_id: the cluster-wide name of this device.
+        store_config: tier capacities and policies (``archive`` unused when
+            ``archive`` is given), or a deployment's DeviceSettings (its
+            ``auto`` device is resolved in this process).
+        archive: an ArchiveService actor handle or its name (in this actor's
+            namespace); None keeps a local cold tier (``store_config.archive``),
+            for single-process use.
+    """
+
+    def __init__(
+        self, device_id: str, store_config: StoreConfig | DeviceSettings, archive: Any = None
+    ) -> None:
+        self.device_id = device_id
+        self.incarnation = uuid.uuid4().hex
+        if isinstance(store_config, DeviceSettings):
+            # Resolved here, in the actor: only it knows whether Ray gave it a GPU
+            # (Ray narrows CUDA_VISIBLE_DEVICES, so its GPU is cuda:0).
+            device = store_config.resolve_device(0 if torch.cuda.is_available() else None)
+            store_config = store_config.store_config(device=device, archive=None)
+        if isinstance(archive, str):
+            # By name: a handle passed as a constructor argument lives in the
+            # object store, and a restart after its owner exits would fail.
+            archive = ray.get_actor(archive, namespace=ray.get_runtime_context().namespace)
+        cold = RemoteColdTier(archive, store_config.codecs) if archive is not None else None
+        # A fixed segment name per device, so a restart after a crash (which
+        # could not unlink it) reclaims the old warm pool instead of leaking it.
+        self.warm_segment = warm_segment_name(device_id)
+        _unlink_stale_segment(self.warm_segment)
+        self.store = TieredStore(store_config, cold=cold, warm_name=self.warm_segment)
+
+    def ping(self) -> dict[str, str]:
+        """Who answers: the device id and this process's incarnation."""
+        return {"device_id": self.device_id, "incarnation": self.incarnation}
+
+    # -- sessions ------------------------------------------------------------------
+
+    def create_session(
+        self, session_id: str, layout: dict[str, Any], namespace: str, priority: str
+    ) -> dict[str, Any]:
+        info = self.store.create_session(
+            session_id, KVLayout.from_dict(layout), namespace=namespace, priority=priority
+        )
+        return session_dict(info)
+
+    def adopt_session(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Take over an archived session (after a restart) from the router's record."""
+        info = self.store.adopt_session(
+            record["session_id"],
+            KVLayout.from_dict(record["layout"]),
+            namespace=record["namespace"],
+            priority=record["priority"],
+            tokens=int(record["tokens"]),
+            turn=int(record["turn"]),
+            chain=[BlockHash(bytes(k)) for k in record["chain"]],
+        )
+        return session_dict(info)
+
+    def session(self, session_id: str) -> dict[str, Any]:
+        return session_dict(self.store.session(session_id))
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self.store.sessions()
+
+    def put_blocks(
+        self,
+        session_id: str,
+        token_ids: Sequence[int] | np.ndarray,
+        blocks: Sequence[BlockPayload | ray.ObjectRef],
+        start_block: int = 0,
+    ) -> dict[str, Any]:
+        """Store a turn's blocks (payloads, or object refs to them: zero-copy reads)."""
+        refs = [i for i, b in enumerate(blocks) if isinstance(b, ray.ObjectRef)]
+        resolved: list[Any] = list(blocks)
+        if refs:
+            for i, value in zip(refs, ray.get([blocks[i] for i in refs]), strict=True):
+                resolved[i] = value
+        tensors = [from_payload(p) for p in resolved]
+        result = self.store.put_blocks(session_id, token_ids, tensors, start_block=start_block)
+        return {
+            "chain": [bytes(k) for k in result.chain],
+            "new_blocks": result.new_blocks,
+            "deduplicated_blocks": result.deduplicated_blocks,
+            "released_blocks": result.released_blocks,
+            "turn": self.store.session(session_id).turn,
+        }
+
+    def get_blocks(self, keys: Sequence[bytes], stream: str | None = None) -> list[BlockPayload]:
+        """Blocks by key, each promoted to the hot tier (batched: one call, many blocks)."""
+        return [to_payload(k, self.store.get(BlockHash(bytes(k)), stream=stream)) for k in keys]
+
+    def read_session(
+        self, session_id: str, start: int = 0, end: int | None = None
+    ) -> Iterator[BlockPayload]:
+        """Yield a session's blocks in order (call with ``num_returns="streaming"``).
+
+        Each block is an object of its own, so a reader holds the first before
+        the last is loaded; the store reads ahead of the reader.
+        """
+        for key, block in self.store.read_session(session_id, start, end):
+            yield to_payload(key, block)
+
+    def match_prefix(
+        self, layout: dict[str, Any], namespace: str, token_ids: Sequence[int]
+    ) -> dict[str, Any]:
+        m = self.store.match_prefix(KVLayout.from_dict(layout), namespace, token_ids)
+        return {"tokens": m.tokens, "blocks": [bytes(k) for k in m.blocks]}
+
+    def suspend(self, session_id: str, offline: bool = False) -> dict[str, Any]:
+        return session_dict(self.store.suspend(session_id, offline=offline))
+
+    def resume(self, session_id: str) -> dict[str, Any]:
+        """Mark active and answer at once; the head is prefetched by a separate call."""
+        handle = self.store.resume(session_id, prefetch=False)
+        return {
+            "session_id": handle.session_id,
+            "tokens": handle.tokens,
+            "blocks": [(bytes(b.key), b.tier.value, b.tokens) for b in handle.blocks],
+        }
+
+    def delete_session(self, session_id: str) -> None:
+        self.store.delete_session(session_id)
+
+    def set_priority(self, session_id: str, priority: str) -> dict[str, Any]:
+        return session_dict(self.store.set_priority(session_id, priority))
+
+    # -- prefetch ----------------------------------------------------------------------
+
+    def prefetch_session_head(self, session_id: str, blocks: int | None = None) -> int:
+        """Bring the first blocks of a session into free hot-tier space."""
+        chain = self.store.session(session_id).chain
+        n = self.store.config.prefetch.max_prefetch_blocks if blocks is None else blocks
+        return self.store.prefetch(list(chain[:n]))
+
+    def prefetch_predicted(self, key: bytes) -> int:
+        """Prefetch what the Markov model expects after ``key``."""
+        return self.store.prefetch_predicted(BlockHash(bytes(key)))
+
+    # -- stats -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        st = self.store.stats().as_dict()
+        hot = st["tiers"]["hot"]
+        st["device_id"] = self.device_id
+        st["incarnation"] = self.incarnation
+        st["hot_usage"] = hot["used_bytes"] / hot["capacity_bytes"] if hot["capacity_bytes"] else 0
+        return st
+
+    def locations(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The tier of each block on this device (None: not here)."""
+        out: list[str | None] = []
+        for k in keys:
+            tier = self.store.locate(BlockHash(bytes(k)))
+            out.append(tier.value if tier is not None else None)
+        return out
+
+    def close(self) -> None:
+        self.store.close()
+
+
+#: The actor. A few concurrent calls (the store has its own lock) let a prefetch
+#: run beside a reader; Ray restarts it if its process dies, with an empty
+#: store, which the router detects by the changed incarnation.
+DeviceCacheActor = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4)(DeviceCache)

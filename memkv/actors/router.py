@@ -1,0 +1,529 @@
+"""The session router: one named actor per cluster.
+
+:class:`RouterState` is the plain, separately tested logic: the session table,
+placement (prefix affinity, then least loaded), hotness (an exponentially
+decayed access rate), cluster-wide block refcounts (so the archive deletes a
+block only when no session anywhere holds it), and the recovery decision for
+sessions of a device that restarted.
+
+:class:`SessionRouterActor` is the async Ray shell: it forwards each session
+operation to the device that owns the session, runs the three prefetch
+triggers (turn input ended, block N read — done by the device's read-ahead —
+and background prefetch while a device's hot tier is under-used), and notices
+restarted devices (a changed incarnation, or ``RayActorError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from memkv.errors import (
+    BlockLostError,
+    InvalidInputError,
+    MemkvError,
+    UnknownSessionError,
+)
+from memkv.storage.layout import KVLayout
+
+__all__ = ["DeviceLoad", "RouterState", "SessionRecord", "SessionRouter", "SessionRouterActor"]
+
+logger = logging.getLogger(__name__)
+
+PRIORITIES = ("high", "normal", "background")
+# How long the router waits for a restarted device to answer before giving up.
+DEVICE_RECOVERY_TIMEOUT_S = 120.0
+_RECOVERY_POLL_S = 0.2
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    """The router's view of a session (the truth for placement and recovery)."""
+
+    session_id: str
+    namespace: str
+    layout: dict[str, Any]
+    priority: str
+    device_id: str | None = None  # placed at the first put (prefix affinity needs the tokens)
+    chain: list[bytes] = field(default_factory=list)
+    tokens: int = 0
+    turn: int = 0
+    state: str = "active"  # active | suspended | archived | lost
+    archived: bool = False  # every block of the chain is in the archive
+    hotness: float = 0.0
+    last_access: float = 0.0
+    lost_reason: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "namespace": self.namespace,
+            "layout": self.layout,
+            "priority": self.priority,
+            "device_id": self.device_id,
+            "chain": list(self.chain),
+            "tokens": self.tokens,
+            "turn": self.turn,
+            "state": self.state,
+            "archived": self.archived,
+            "hotness": self.hotness,
+            "lost_reason": self.lost_reason,
+        }
+
+
+@dataclass(slots=True)
+class DeviceLoad:
+    sessions: int = 0
+    hot_usage: float = 0.0
+    incarnation: str | None = None
+
+
+class RouterState:
+    """Session table, placement, hotness and cluster-wide block refcounts.
+
+    Args:
+        hotness_half_life_s: the access rate's half-life.
+        prefix_affinity: place a new session on the device that already holds
+            the longest prefix of its chain.
+        clock: seconds (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        hotness_half_life_s: float = 300.0,
+        prefix_affinity: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if hotness_half_life_s <= 0:
+            raise InvalidInputError(f"hotness_half_life_s must be > 0, got {hotness_half_life_s}")
+        self._decay = math.log(2) / hotness_half_life_s
+        self._prefix_affinity = prefix_affinity
+        self._clock = clock
+        self.sessions: dict[str, SessionRecord] = {}
+        self.devices: dict[str, DeviceLoad] = {}
+        self._refcounts: Counter[bytes] = Counter()
+        # block -> devices whose sessions hold it (how many sessions on each)
+        self._block_devices: dict[bytes, Counter[str]] = {}
+
+    # -- devices -------------------------------------------------------------------
+
+    def add_device(self, device_id: str, incarnation: str | None = None) -> None:
+        self.devices.setdefault(device_id, DeviceLoad()).incarnation = incarnation
+
+    def update_load(self, device_id: str, hot_usage: float) -> None:
+        self.devices[device_id].hot_usage = hot_usage
+
+    def sessions_on(self, device_id: str) -> list[SessionRecord]:
+        return [r for r in self.sessions.values() if r.device_id == device_id]
+
+    # -- sessions ------------------------------------------------------------------
+
+    def create(
+        self, session_id: str, layout: dict[str, Any], namespace: str, priority: str
+    ) -> SessionRecord:
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidInputError(f"session id must be a non-empty str, got {session_id!r}")
+        if session_id in self.sessions:
+            raise InvalidInputError(f"session {session_id!r} already exists")
+        if priority not in PRIORITIES:
+            raise InvalidInputError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
+        KVLayout.from_dict(layout)  # validate now, not at the first put
+        record = SessionRecord(
+            session_id, namespace, dict(layout), priority, last_access=self._clock()
+        )
+        self.sessions[session_id] = record
+        return record
+
+    def get(self, session_id: str) -> SessionRecord:
+        record = self.sessions.get(session_id)
+        if record is None:
+            raise UnknownSessionError(f"no session {session_id!r}")
+        if record.state == "lost":
+            raise BlockLostError(f"session {session_id!r} is lost: {record.lost_reason}")
+        return record
+
+    def place(self, session_id: str, chain_hint: Sequence[bytes] = ()) -> str:
+        """The device of a session, choosing one on first use.
+
+        Prefix affinity first (the device whose sessions hold the longest
+        prefix of ``chain_hint``, so a shared prefix stays stored once), then
+        the device with the fewest sessions and the emptiest hot tier.
+        """
+        record = self.get(session_id)
+        if record.device_id is not None:
+            return record.device_id
+        if not self.devices:
+            raise MemkvError("no device is registered with the router")
+        choice: str | None = None
+        if self._prefix_affinity:
+            best = 0
+            for device_id in self.devices:
+                depth = 0
+                for key in chain_hint:
+                    if self._block_devices.get(key, Counter())[device_id] == 0:
+                        break
+                    depth += 1
+                if depth > best:
+                    best, choice = depth, device_id
+        if choice is None:
+            choice = min(
+                self.devices,
+                key=lambda d: (self.devices[d].sessions, self.devices[d].hot_usage, d),
+            )
+        record.device_id = choice
+        self.devices[choice].sessions += 1
+        return choice
+
+    def touch(self, session_id: str) -> None:
+        """Count an access in the session's hotness (decayed access rate)."""
+        record = self.get(session_id)
+        now = self._clock()
+        record.hotness = record.hotness * math.exp(-self._decay * (now - record.last_access)) + 1
+        record.last_access = now
+
+    def hotness(self, session_id: str) -> float:
+        record = self.get(session_id)
+        return record.hotness * math.exp(-self._decay * (self._clock() - record.last_access))
+
+    def record_put(
+        self, session_id: str, chain: Sequence[bytes], tokens: int, turn: int
+    ) -> list[bytes]:
+        """A put succeeded: the new chain. Returns blocks no session holds any more."""
+        record = self.get(session_id)
+        old = dict.fromkeys(record.chain)
+        new = dict.fromkeys(bytes(k) for k in chain)
+        for key in new:
+            if key not in old:
+                self._ref(key, record.device_id)
+        garbage = [key for key in old if key not in new and self._unref(key, record.device_id)]
+        record.chain = list(new)
+        record.tokens = tokens
+        record.turn = turn
+        record.state = "active"
+        record.archived = False
+        self.touch(session_id)
+        return garbage
+
+    def record_state(self, session_id: str, state: str, *, archived: bool) -> None:
+        record = self.get(session_id)
+        record.state = state
+        record.archived = archived
+
+    def delete(self, session_id: str) -> list[bytes]:
+        """Forget a session. Returns blocks no session holds any more."""
+        record = self.sessions.pop(session_id, None)
+        if record is None:
+            raise UnknownSessionError(f"no session {session_id!r}")
+        if record.device_id is not None and record.device_id in self.devices:
+            self.devices[record.device_id].sessions -= 1
+        return [k for k in dict.fromkeys(record.chain) if self._unref(k, record.device_id)]
+
+    def mark_lost(self, session_id: str, reason: str) -> None:
+        record = self.sessions[session_id]
+        record.state = "lost"
+        record.lost_reason = reason
+
+    def background_candidates(self, device_id: str, limit: int) -> list[str]:
+        """The hottest sessions of a device that are not active (worth prefetching)."""
+        now = self._clock()
+        candidates = [
+            r for r in self.sessions_on(device_id) if r.state in ("suspended", "archived")
+        ]
+        candidates.sort(
+            key=lambda r: r.hotness * math.exp(-self._decay * (now - r.last_access)), reverse=True
+        )
+        return [r.session_id for r in candidates[:limit]]
+
+    def refcount(self, key: bytes) -> int:
+        return self._refcounts[key]
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _ref(self, key: bytes, device_id: str | None) -> None:
+        self._refcounts[key] += 1
+        if device_id is not None:
+            self._block_devices.setdefault(key, Counter())[device_id] += 1
+
+    def _unref(self, key: bytes, device_id: str | None) -> bool:
+        self._refcounts[key] -= 1
+        if device_id is not None and key in self._block_devices:
+            counts = self._block_devices[key]
+            counts[device_id] -= 1
+            if counts[device_id] <= 0:
+                del counts[device_id]
+            if not counts:
+                del self._block_devices[key]
+        if self._refcounts[key] <= 0:
+            del self._refcounts[key]
+            return True
+        return False
+
+
+class SessionRouter:
+    """The async Ray shell around :class:`RouterState` (create as a named actor).
+
+    Args:
+        hotness_half_life_s, prefix_affinity: see :class:`RouterState`.
+        background_prefetch_interval_s: how often the background prefetcher runs.
+        hot_idle_fraction: background prefetch only while a device's hot-tier
+            use is below this.
+    """
+
+    def __init__(
+        self,
+        *,
+        hotness_half_life_s: float = 300.0,
+        prefix_affinity: bool = True,
+        background_prefetch_interval_s: float = 2.0,
+        hot_idle_fraction: float = 0.3,
+    ) -> None:
+        self.state = RouterState(
+            hotness_half_life_s=hotness_half_life_s, prefix_affinity=prefix_affinity
+        )
+        self._devices: dict[str, Any] = {}
+        self._archives: dict[str, Any] = {}
+        self._interval = background_prefetch_interval_s
+        self._hot_idle = hot_idle_fraction
+        self._background: asyncio.Task[None] | None = None
+        self._recovering: dict[str, asyncio.Future[None]] = {}
+        self.background_prefetched = 0
+
+    # -- membership ----------------------------------------------------------------------
+
+    async def register_device(self, device_id: str, handle: Any) -> None:
+        info = await handle.ping.remote()
+        self._devices[device_id] = handle
+        self.state.add_device(device_id, info["incarnation"])
+        self._ensure_background()
+
+    async def register_archive(self, archive_id: str, handle: Any) -> None:
+        await handle.ping.remote()
+        self._archives[archive_id] = handle
+
+    async def devices(self) -> dict[str, Any]:
+        return dict(self._devices)
+
+    async def ping(self) -> str:
+        return "ok"
+
+    # -- session lifecycle -------------------------------------------------------------
+
+    async def create_session(
+        self,
+        session_id: str,
+        layout: dict[str, Any],
+        namespace: str = "default",
+        priority: str = "normal",
+    ) -> dict[str, Any]:
+        return self.state.create(session_id, layout, namespace, priority).as_dict()
+
+    async def session(self, session_id: str) -> dict[str, Any]:
+        return self.state.get(session_id).as_dict()
+
+    async def device_of(self, session_id: str) -> tuple[str, Any]:
+        """The device that owns the session (readers call it directly, zero-copy)."""
+        record = self.state.get(session_id)
+        if record.device_id is None:
+            raise InvalidInputError(f"session {session_id!r} has no blocks yet")
+        await self._check_incarnation(record.device_id)
+        self.state.get(session_id)  # may have been marked lost by the recovery
+        return record.device_id, self._devices[record.device_id]
+
+    async def put_blocks(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        blocks: list[Any],
+        start_block: int = 0,
+        chain_hint: list[bytes] | None = None,
+    ) -> dict[str, Any]:
+        """Store a turn's blocks on the session's device (blocks: payloads or refs)."""
+        record = self.state.get(session_id)
+        first_put = record.device_id is None
+        device_id = self.state.place(session_id, chain_hint or [])
+        await self._check_incarnation(device_id)
+        device = self._devices[device_id]
+        if first_put:
+            await self._ensure_on_device(record, device)
+        result = await device.put_blocks.remote(session_id, token_ids, blocks, start_block)
+        garbage = self.state.record_put(session_id, result["chain"], len(token_ids), result["turn"])
+        await self._collect(garbage)
+        return result
+
+    async def notify_input_end(self, session_id: str) -> int:
+        """Trigger 1: a turn's input has ended, its cache is needed now: prefetch its head."""
+        device_id, device = await self.device_of(session_id)
+        self.state.touch(session_id)
+        return int(await device.prefetch_session_head.remote(session_id))
+
+    async def resume(self, session_id: str) -> dict[str, Any]:
+        """Answer at once with the chain and where each block is; prefetch runs behind."""
+        device_id, device = await self.device_of(session_id)
+        handle = await device.resume.remote(session_id)
+        self.state.record_state(session_id, "active", archived=False)
+        self.state.touch(session_id)
+        device.prefetch_session_head.remote(session_id)  # fire and forget
+        handle["device_id"] = device_id
+        return handle
+
+    async def suspend(self, session_id: str, offline: bool = False) -> dict[str, Any]:
+        device_id, device = await self.device_of(session_id)
+        info = await device.suspend.remote(session_id, offline)
+        self.state.record_state(session_id, info["state"], archived=True)
+        return info
+
+    async def set_priority(self, session_id: str, priority: str) -> dict[str, Any]:
+        record = self.state.get(session_id)
+        if priority not in PRIORITIES:
+            raise InvalidInputError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
+        record.priority = priority
+        if record.device_id is not None:
+            await self._devices[record.device_id].set_priority.remote(session_id, priority)
+        return record.as_dict()
+
+    async def delete_session(self, session_id: str) -> None:
+        record = self.state.sessions.get(session_id)
+        if record is None:
+            raise UnknownSessionError(f"no session {session_id!r}")
+        if record.device_id is not None and record.state != "lost":
+            device = self._devices[record.device_id]
+            if await device.has_session.remote(session_id):
+                await device.delete_session.remote(session_id)
+        await self._collect(self.state.delete(session_id))
+
+    async def stats(self) -> dict[str, Any]:
+        devices = {d: await h.stats.remote() for d, h in self._devices.items()}
+        archives = {a: await h.stats.remote() for a, h in self._archives.items()}
+        states = Counter(r.state for r in self.state.sessions.values())
+        return {
+            "sessions": len(self.state.sessions),
+            "session_states": dict(states),
+            "devices": devices,
+            "archives": archives,
+            "background_prefetched": self.background_prefetched,
+        }
+
+    async def device_failed(self, device_id: str) -> None:
+        """A client saw ``device_id`` fail: wait for its restart and recover its sessions."""
+        if device_id not in self._devices:
+            raise InvalidInputError(f"unknown device {device_id!r}")
+        await self._check_incarnation(device_id)
+
+    async def check_devices(self) -> dict[str, str]:
+        """Ping every device; recover those that restarted. Returns device -> incarnation."""
+        for device_id in list(self._devices):
+            await self._check_incarnation(device_id)
+        return {d: self.state.devices[d].incarnation or "" for d in self._devices}
+
+    # -- internals ---------------------------------------------------------------------
+
+    async def _ensure_on_device(self, record: SessionRecord, device: Any) -> None:
+        if record.chain:
+            await device.adopt_session.remote(record.as_dict())
+        else:
+            await device.create_session.remote(
+                record.session_id, record.layout, record.namespace, record.priority
+            )
+
+    async def _collect(self, garbage: list[bytes]) -> None:
+        if garbage and self._archives:
+            await asyncio.gather(*(a.delete.remote(garbage) for a in self._archives.values()))
+
+    async def _check_incarnation(self, device_id: str) -> None:
+        """Recover the device's sessions if its process was restarted since we last looked."""
+        pending = self._recovering.get(device_id)
+        if pending is not None:
+            await pending
+            return
+        handle = self._devices[device_id]
+        try:
+            info = await handle.ping.remote()
+        except RayActorError:
+            info = await self._wait_for_restart(device_id)
+        if info["incarnation"] != self.state.devices[device_id].incarnation:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._recovering[device_id] = future
+            try:
+                await self._recover(device_id, info["incarnation"])
+                future.set_result(None)
+            except BaseException as e:
+                future.set_exception(e)
+                raise
+            finally:
+                del self._recovering[device_id]
+
+    async def _wait_for_restart(self, device_id: str) -> dict[str, str]:
+        handle = self._devices[device_id]
+        deadline = time.monotonic() + DEVICE_RECOVERY_TIMEOUT_S
+        while True:
+            try:
+                return dict(await handle.ping.remote())
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(_RECOVERY_POLL_S)
+
+    async def _recover(self, device_id: str, incarnation: str) -> None:
+        """A device restarted empty: re-adopt its sessions from the archive, or mark them lost."""
+        logger.warning("device %s restarted; recovering its sessions from the archive", device_id)
+        self.state.devices[device_id].incarnation = incarnation
+        device = self._devices[device_id]
+        for record in self.state.sessions_on(device_id):
+            if record.state == "lost":
+                continue
+            if not record.chain:
+                await device.create_session.remote(
+                    record.session_id, record.layout, record.namespace, record.priority
+                )
+                continue
+            try:
+                info = await device.adopt_session.remote(record.as_dict())
+            except BlockLostError as e:
+                reason = (
+                    f"device {device_id} restarted before all of the session's blocks reached "
+                    f"the archive ({e})"
+                )
+                self.state.mark_lost(record.session_id, reason)
+                continue
+            self.state.record_state(record.session_id, info["state"], archived=True)
+
+    def _ensure_background(self) -> None:
+        if self._background is None or self._background.done():
+            self._background = asyncio.get_running_loop().create_task(self._background_prefetch())
+
+    async def _background_prefetch(self) -> None:
+        """Trigger 3: while a device's hot tier is under-used, bring back its hottest sessions."""
+        while True:
+            await asyncio.sleep(self._interval)
+            for device_id, handle in list(self._devices.items()):
+                try:
+                    stats = await handle.stats.remote()
+                    self.state.update_load(device_id, float(stats["hot_usage"]))
+                    if stats["incarnation"] != self.state.devices[device_id].incarnation:
+                        await self._check_incarnation(device_id)
+                        continue
+                    if stats["hot_usage"] >= self._hot_idle:
+                        continue
+                    for session_id in self.state.background_candidates(device_id, limit=4):
+                        self.background_prefetched += int(
+                            await handle.prefetch_session_head.remote(session_id)
+                        )
+                except (RayActorError, MemkvError) as e:
+                    # A device restarting or a session deleted meanwhile: the next
+                    # foreground call recovers it; background work just skips a round.
+                    logger.info("background prefetch skipped %s: %s", device_id, e)
+
+
+#: The actor: async, so slow device calls of one session do not block others.
+#: It is not restarted: its session table lives in memory (see the module notes).
+SessionRouterActor = ray.remote(max_restarts=0)(SessionRouter)

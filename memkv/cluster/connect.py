@@ -1,0 +1,377 @@
+"""``connect()``: the embedded default, or a Ray cluster started with ``ray up``.
+
+With no address memkv starts its own local Ray bound to 127.0.0.1 with one CPU
+"device" actor (or ``cluster.embedded_devices``), one archive actor under a
+local data directory and the router, and shuts down only what it started.
+With an address it joins that cluster and finds (or creates) the named actors:
+one device actor per unit of the ``memkv_device`` resource on each node, one
+archive actor per node advertising ``memkv_nvme``, and the router.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from memkv.actors.archive import ArchiveActor
+from memkv.actors.device import DeviceCacheActor
+from memkv.actors.payload import from_payload, to_payload
+from memkv.actors.router import SessionRouterActor
+from memkv.config import MemkvConfig, load_config
+from memkv.errors import ConfigError, InvalidInputError
+from memkv.storage.hashing import chain_hashes
+from memkv.storage.layout import KVLayout, split_kv
+
+__all__ = ["LOOPBACK_ENV", "MemkvCluster", "connect"]
+
+logger = logging.getLogger(__name__)
+
+#: Keep a local Ray on loopback, with no usage reporting (set before ray.init).
+LOOPBACK_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+LOOPBACK_ADDRESS = "127.0.0.1"
+# A read that hits a device while it restarts is retried this often after the
+# router has recovered the device.
+_DEVICE_RETRIES = 1
+_CLOSE_TIMEOUT_S = 30.0
+
+
+class MemkvCluster:
+    """A connection to memkv's actors, with the in-cluster client API.
+
+    In-cluster readers get blocks through Ray's object store (zero-copy reads);
+    the HTTP gateway is the way in from outside the cluster.
+    """
+
+    def __init__(
+        self,
+        config: MemkvConfig,
+        router: Any,
+        devices: dict[str, Any],
+        archives: dict[str, Any],
+        *,
+        owned: list[Any],
+        started_ray: bool,
+    ) -> None:
+        self.config = config
+        self.router = router
+        self.devices = devices
+        self.archives = archives
+        self._owned = owned
+        self._started_ray = started_ray
+        self._closed = False
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def create_session(
+        self,
+        session_id: str,
+        layout: KVLayout,
+        *,
+        namespace: str = "default",
+        priority: str = "normal",
+    ) -> dict[str, Any]:
+        return dict(
+            ray.get(
+                self.router.create_session.remote(session_id, layout.to_dict(), namespace, priority)
+            )
+        )
+
+    def session(self, session_id: str) -> dict[str, Any]:
+        return dict(ray.get(self.router.session.remote(session_id)))
+
+    def put_kv(
+        self,
+        session_id: str,
+        token_ids: Sequence[int] | np.ndarray,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+    ) -> dict[str, Any]:
+        """Store a session's whole KV (per-layer K and V for every token so far).
+
+        Only blocks from the first one that differs from the stored chain are
+        sent: earlier turns' blocks are never copied again.
+        """
+        record = self.session(session_id)
+        layout = KVLayout.from_dict(record["layout"])
+        tokens = [int(t) for t in token_ids]
+        chain = chain_hashes(tokens, layout, record["namespace"])
+        start = 0
+        for old, new in zip(record["chain"], chain, strict=False):
+            if bytes(old) != bytes(new):
+                break
+            start += 1
+        blocks = split_kv(layout, keys, values)
+        return self._put(session_id, tokens, chain, blocks[start:], start)
+
+    def put_blocks(
+        self,
+        session_id: str,
+        token_ids: Sequence[int] | np.ndarray,
+        blocks: Sequence[torch.Tensor],
+        start_block: int = 0,
+    ) -> dict[str, Any]:
+        """Store blocks ``start_block ..`` of a session whose tokens so far are ``token_ids``."""
+        record = self.session(session_id)
+        layout = KVLayout.from_dict(record["layout"])
+        tokens = [int(t) for t in token_ids]
+        chain = chain_hashes(tokens, layout, record["namespace"])
+        return self._put(session_id, tokens, chain, list(blocks), start_block)
+
+    def _put(
+        self,
+        session_id: str,
+        tokens: list[int],
+        chain: Sequence[bytes],
+        blocks: Sequence[torch.Tensor],
+        start_block: int,
+    ) -> dict[str, Any]:
+        if len(blocks) != len(chain) - start_block:
+            raise InvalidInputError(
+                f"{len(tokens)} tokens make {len(chain)} blocks; from block {start_block} "
+                f"expected {len(chain) - start_block} blocks, got {len(blocks)}"
+            )
+        # By reference: the router forwards the refs and the device maps the
+        # blocks from the object store, so no process copies them on the way.
+        refs = [ray.put(to_payload(chain[start_block + i], b)) for i, b in enumerate(blocks)]
+        return dict(
+            ray.get(
+                self.router.put_blocks.remote(
+                    session_id, tokens, refs, start_block, [bytes(k) for k in chain]
+                )
+            )
+        )
+
+    def resume(self, session_id: str) -> dict[str, Any]:
+        """Answers at once with the chain and each block's tier; blocks follow lazily."""
+        return dict(ray.get(self.router.resume.remote(session_id)))
+
+    def read_session(
+        self, session_id: str, start: int = 0, end: int | None = None
+    ) -> Iterator[tuple[bytes, torch.Tensor]]:
+        """Yield ``(key, block)`` in chain order as the device produces them.
+
+        Each block is its own object in the node's object store (a streaming
+        generator), so the first arrives before the last is promoted; tensors
+        are zero-copy read-only views (copy before writing). If the device dies
+        mid-read, the router recovers it (from the archive) and the read goes
+        on from the next block.
+        """
+        position = start
+        for attempt in range(_DEVICE_RETRIES + 1):
+            device_id, device = ray.get(self.router.device_of.remote(session_id))
+            stream = device.read_session.options(num_returns="streaming").remote(
+                session_id, position, end
+            )
+            try:
+                for ref in stream:
+                    payload = ray.get(ref)
+                    position += 1
+                    yield payload.key, from_payload(payload)
+                return
+            except RayActorError:
+                if attempt == _DEVICE_RETRIES:
+                    raise
+                ray.get(self.router.device_failed.remote(device_id))
+
+    def get_blocks(self, session_id: str, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        """Blocks by key from the session's device (retried once if the device restarted)."""
+        attempt = 0
+        while True:
+            device_id, device = ray.get(self.router.device_of.remote(session_id))
+            try:
+                payloads = ray.get(device.get_blocks.remote([bytes(k) for k in keys], session_id))
+                return [from_payload(p) for p in payloads]
+            except RayActorError:
+                if attempt >= _DEVICE_RETRIES:
+                    raise
+                attempt += 1
+                ray.get(self.router.device_failed.remote(device_id))
+
+    def suspend(self, session_id: str, *, offline: bool = False) -> dict[str, Any]:
+        return dict(ray.get(self.router.suspend.remote(session_id, offline)))
+
+    def set_priority(self, session_id: str, priority: str) -> dict[str, Any]:
+        return dict(ray.get(self.router.set_priority.remote(session_id, priority)))
+
+    def delete_session(self, session_id: str) -> None:
+        ray.get(self.router.delete_session.remote(session_id))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(ray.get(self.router.stats.remote()))
+
+    def device_of(self, session_id: str) -> str:
+        device_id, _ = ray.get(self.router.device_of.remote(session_id))
+        return str(device_id)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the actors this connection created, and Ray if it started it."""
+        if self._closed:
+            return
+        self._closed = True
+        # Close first: devices unlink their shared-memory warm pools and the
+        # archive flushes; ray.kill alone would leave both behind.
+        closing = [h.close.remote() for h in self._owned if h is not self.router]
+        try:
+            ray.get(closing, timeout=_CLOSE_TIMEOUT_S)
+        except (RayActorError, ray.exceptions.GetTimeoutError) as e:
+            logger.warning("some memkv actors did not close cleanly: %s", e)
+        for handle in self._owned:
+            try:
+                ray.kill(handle, no_restart=True)
+            except ValueError:  # already gone
+                pass
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> MemkvCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def connect(
+    address: str | None = None,
+    config: MemkvConfig | str | Path | None = None,
+    *,
+    profile: str | None = None,
+) -> MemkvCluster:
+    """Start the embedded default (``address=None``) or join a Ray cluster.
+
+    Args:
+        address: a Ray address (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``),
+            or None for an embedded local Ray on 127.0.0.1.
+        config: a :class:`MemkvConfig`, a YAML path, or None for the defaults.
+        profile: a named profile of the config (``a100``, ``h100``, ``edge``).
+
+    Returns:
+        A :class:`MemkvCluster`; call ``shutdown()`` (or use ``with``) when done.
+    """
+    cfg = config if isinstance(config, MemkvConfig) else load_config(config, profile=profile)
+    settings = cfg.cluster
+    started = False
+    if address is None:
+        if ray.is_initialized():
+            raise ConfigError(
+                "Ray is already initialised in this process; pass its address to join it"
+            )
+        for name, value in LOOPBACK_ENV.items():
+            os.environ.setdefault(name, value)
+        ray.init(
+            address="local",
+            namespace=settings.namespace,
+            num_cpus=settings.embedded_num_cpus,
+            resources={
+                settings.device_resource: settings.embedded_devices,
+                settings.nvme_resource: 1,
+            },
+            object_store_memory=settings.embedded_object_store_bytes,
+            include_dashboard=False,
+            _node_ip_address=LOOPBACK_ADDRESS,
+            configure_logging=True,
+            logging_level=logging.WARNING,
+        )
+        started = True
+    elif not ray.is_initialized():
+        ray.init(address=address, namespace=settings.namespace)
+    try:
+        return _bring_up(cfg, embedded=started, started_ray=started)
+    except BaseException:
+        if started:
+            ray.shutdown()
+        raise
+
+
+def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCluster:
+    settings = cfg.cluster
+    lifetime = None if embedded else "detached"
+    owned: list[Any] = []
+    # num_cpus=0: these are long-lived services placed by memkv's own resources;
+    # Ray's default of one CPU each would leave a second device unscheduled on a
+    # small node (it waits for a CPU the first one never gives back).
+    common = {
+        "namespace": settings.namespace,
+        "get_if_exists": True,
+        "lifetime": lifetime,
+        "num_cpus": 0,
+    }
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    archives: dict[str, Any] = {}
+    archive_by_node: dict[str, str] = {}
+    for node in nodes:
+        if node["Resources"].get(settings.nvme_resource, 0) < 1:
+            continue
+        node_id = node["NodeID"]
+        name = f"memkv-archive-{node_id[:12]}"
+        handle = ArchiveActor.options(
+            name=name,
+            resources={settings.nvme_resource: 1},
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            **common,
+        ).remote(
+            cfg.archive.archive_config(),
+            compact_interval_s=cfg.archive.compact_interval_s,
+        )
+        archives[name] = handle
+        archive_by_node[node_id] = name
+    if not archives:
+        raise ConfigError(
+            f"no node advertises the {settings.nvme_resource!r} resource: memkv needs at least "
+            f"one archive node"
+        )
+    fallback_archive = next(iter(archives))
+
+    devices: dict[str, Any] = {}
+    for node in nodes:
+        node_id = node["NodeID"]
+        gpus = int(node["Resources"].get("GPU", 0))
+        count = int(node["Resources"].get(settings.device_resource, 0))
+        if settings.devices_per_node is not None:
+            count = min(count, settings.devices_per_node)
+        for i in range(count):
+            name = f"memkv-device-{node_id[:12]}-{i}"
+            handle = DeviceCacheActor.options(
+                name=name,
+                num_gpus=1 if gpus > i else 0,
+                resources={settings.device_resource: 1},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                **common,
+            ).remote(
+                name,
+                cfg.device,
+                archive_by_node.get(node_id, fallback_archive),
+            )
+            devices[name] = handle
+    if not devices:
+        raise ConfigError(
+            f"no node advertises the {settings.device_resource!r} resource: memkv needs at "
+            f"least one device"
+        )
+
+    router = SessionRouterActor.options(name=settings.router_name, **common).remote(
+        hotness_half_life_s=cfg.router.hotness_half_life_s,
+        prefix_affinity=cfg.router.prefix_affinity,
+        background_prefetch_interval_s=cfg.router.background_prefetch_interval_s,
+        hot_idle_fraction=cfg.device.prefetch.hot_idle_fraction,
+    )
+    ray.get([router.register_archive.remote(n, h) for n, h in archives.items()])
+    ray.get([router.register_device.remote(n, h) for n, h in devices.items()])
+    if embedded:
+        owned = [router, *devices.values(), *archives.values()]
+    return MemkvCluster(cfg, router, devices, archives, owned=owned, started_ray=started_ray)

@@ -1,0 +1,737 @@
+"""One validated, typed, frozen configuration of a memkv deployment.
+
+The storage engine has one settings class per component
+(:mod:`memkv.storage.config`); this module groups them per *process role* of a
+deployment — a device actor, an archive actor, the router, the cluster
+bootstrap, the gateway — and loads them from YAML.
+
+Where values come from, lowest precedence first:
+
+1. the field defaults of the models below;
+2. the base sections of the YAML file (``path``, else the packaged
+   ``memkv/configs/memkv.yaml``, which equals the defaults and documents every
+   field);
+3. the selected **profile**: ``profiles.<name>`` of the file, deep-merged over
+   its base. The packaged profiles (``default``, ``a100``, ``h100``, ``edge``)
+   are always available; a profile of the same name in your own file replaces
+   the packaged one. The name comes from the ``profile`` argument, else
+   ``$MEMKV_PROFILE``, else the file's ``profile:`` key, else ``default``;
+4. the environment: ``$MEMKV_DATA_DIR`` (root of local data; the archive goes
+   to ``$MEMKV_DATA_DIR/archive``), then ``MEMKV_<SECTION>__<FIELD>[__<FIELD>…]``
+   variables, e.g. ``MEMKV_GATEWAY__PORT=9000`` or
+   ``MEMKV_DEVICE__ALLOCATOR__MIN_UNIT_BYTES=8388608``; values are parsed as
+   YAML scalars, as in the file (``null`` for None);
+5. the ``overrides`` argument (explicit arguments beat the environment).
+
+Unknown keys anywhere raise :class:`~memkv.errors.ConfigError` naming the key
+path, where it came from and the valid keys; so does every value pydantic
+rejects.
+
+Example:
+    >>> cfg = load_config(profile="h100", environ={})
+    >>> cfg.device.allocator.min_unit_bytes == 8 * MIB
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import reprlib
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path, PurePath
+from typing import Any, Final, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from memkv.errors import ConfigError
+from memkv.storage.codecs import CodecPolicy
+from memkv.storage.config import (
+    MIB,
+    AllocatorConfig,
+    ArchiveConfig,
+    CodecConfig,
+    EvictionConfig,
+    PrecisionConfig,
+    PrefetchConfig,
+    StoreConfig,
+)
+
+__all__ = [
+    "DATA_DIR_ENV",
+    "DEFAULT_DATA_DIR",
+    "DEFAULT_PROFILE",
+    "ENV_PREFIX",
+    "GIB",
+    "PROFILE_ENV",
+    "ArchiveSettings",
+    "ClusterSettings",
+    "DeviceSettings",
+    "GatewaySettings",
+    "MemkvConfig",
+    "RouterSettings",
+    "dump_config",
+    "load_config",
+    "packaged_config_path",
+]
+
+GIB: Final = 1 << 30
+
+#: Environment variables of the form MEMKV_<SECTION>__<FIELD> override fields.
+ENV_PREFIX: Final = "MEMKV_"
+# Double underscore separates nesting levels: field names themselves contain "_".
+_ENV_NESTING: Final = "__"
+#: Root of local data (the archive lives in its ``archive`` subdirectory).
+DATA_DIR_ENV: Final = "MEMKV_DATA_DIR"
+#: Picks the profile when ``load_config`` gets none.
+PROFILE_ENV: Final = "MEMKV_PROFILE"
+#: Where local data goes by default; ``~`` is expanded when a path is used, not
+#: when the config is loaded, so one config serves every node's user.
+DEFAULT_DATA_DIR: Final = Path("~/.cache/memkv")
+_ARCHIVE_SUBDIR: Final = "archive"
+#: Profile used when neither the caller, the environment nor the file picks one.
+DEFAULT_PROFILE: Final = "default"
+
+# The default YAML ships inside the package so an installed memkv finds it
+# without a checkout; configs/memkv.yaml at the repo root is a byte-identical
+# copy for `ray up` file mounts (a test keeps the two equal).
+_PACKAGE: Final = "memkv"
+_PACKAGED_CONFIG: Final = ("configs", "memkv.yaml")
+
+# Ray refuses an object store smaller than this
+# (ray._private.ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES); not imported
+# so that loading a config does not import Ray.
+_RAY_MIN_OBJECT_STORE_BYTES: Final = 75 * MIB
+_MAX_PORT: Final = 65535
+# An embedded (single-machine) cluster with more device actors than this is a
+# typo rather than a plan: each one reserves its own hot and warm arenas.
+_MAX_EMBEDDED_DEVICES: Final = 64
+
+_DEVICE_RE: Final = re.compile(r"^(auto|cpu|cuda:\d+)$")
+_CONCRETE_DEVICE_RE: Final = re.compile(r"^(cpu|cuda:\d+)$")
+# Ray resource and actor names end up in shell commands and dashboards: keep them plain.
+_NAME_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_PROFILE_NAME_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _archive_default(name: str) -> Any:
+    """The storage ArchiveConfig's default of ``name``, so the two never drift apart."""
+    return ArchiveConfig.model_fields[name].default
+
+
+def _check_name(value: str, what: str) -> str:
+    if not _NAME_RE.match(value):
+        raise ValueError(
+            f"{what} must start with a letter or '_' and hold only letters, digits, "
+            f"'_', '.', '-'; got {value!r}"
+        )
+    return value
+
+
+class DeviceSettings(_Frozen):
+    """One device actor: its hot (device) and warm (host) tiers and engine policies."""
+
+    hot_capacity_bytes: int = Field(
+        default=2 * GIB,
+        gt=0,
+        description="Hot tier bytes in device memory (GPU HBM, or RAM for a CPU device); "
+        "rounded down to whole allocator units.",
+    )
+    warm_capacity_bytes: int = Field(
+        default=4 * GIB,
+        gt=0,
+        description="Warm tier bytes of host shared memory (pinned on GPU hosts); rounded "
+        "down to whole allocator units.",
+    )
+    device: str = Field(
+        default="auto",
+        description="'auto' = cuda:<the actor's GPU> when the actor has one, else cpu; "
+        "or an explicit 'cpu' / 'cuda:N'.",
+    )
+    allocator: AllocatorConfig = Field(
+        default_factory=AllocatorConfig, description="Buddy allocator of both arenas."
+    )
+    eviction: EvictionConfig = Field(
+        default_factory=EvictionConfig, description="Eviction policy of both memory tiers."
+    )
+    prefetch: PrefetchConfig = Field(
+        default_factory=PrefetchConfig, description="Markov-chain prefetcher."
+    )
+    precision: PrecisionConfig = Field(
+        default_factory=PrecisionConfig, description="Dtype of blocks by age and sharing."
+    )
+    codecs: CodecConfig = Field(default_factory=CodecConfig, description="Per-tier codecs.")
+    debug_refcounts: bool = Field(
+        default=False, description="Check refcount invariants on every operation (slow)."
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, v: str) -> str:
+        if not _DEVICE_RE.match(v):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda:N'; got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _tiers_hold_a_unit(self) -> DeviceSettings:
+        # The store would refuse these at start-up on some remote node; refuse at load.
+        unit = self.allocator.min_unit_bytes
+        for name in ("hot_capacity_bytes", "warm_capacity_bytes"):
+            if getattr(self, name) < unit:
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) must be at least one allocator unit "
+                    f"(allocator.min_unit_bytes = {unit})"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _codecs_exist(self) -> DeviceSettings:
+        # The engine checks codec names only when a store starts, on some node; the
+        # policy's own check (an InvalidInputError, a ValueError) runs at load instead.
+        CodecPolicy(self.codecs)
+        return self
+
+    def resolve_device(self, local_gpu: int | None) -> str:
+        """The concrete torch device of an actor.
+
+        Args:
+            local_gpu: index of the actor's GPU as the actor sees it (under Ray,
+                usually 0: Ray narrows ``CUDA_VISIBLE_DEVICES``), or None when
+                the actor has no GPU.
+
+        Returns:
+            ``device`` unless it is ``"auto"``; then ``cuda:<local_gpu>``, or
+            ``cpu`` without a GPU.
+
+        Raises:
+            ConfigError: ``local_gpu`` is negative.
+        """
+        if local_gpu is not None and local_gpu < 0:
+            raise ConfigError(f"local_gpu must be a GPU index >= 0 or None, got {local_gpu}")
+        if self.device != "auto":
+            return self.device
+        return "cpu" if local_gpu is None else f"cuda:{local_gpu}"
+
+    def store_config(
+        self,
+        *,
+        device: str,
+        archive: ArchiveConfig | None,
+        cold_capacity_bytes: int | None = None,
+    ) -> StoreConfig:
+        """The storage engine's :class:`StoreConfig` of one device actor.
+
+        Args:
+            device: the concrete device, ``cpu`` or ``cuda:N`` (see
+                :meth:`resolve_device`).
+            archive: where the store's own cold tier writes (see
+                :meth:`ArchiveSettings.archive_config`); None when the cold
+                tier is a cluster archive actor instead.
+            cold_capacity_bytes: cap of that cold tier; None = the disk.
+
+        Returns:
+            A validated, frozen StoreConfig.
+
+        Raises:
+            ConfigError: ``device`` is not concrete, or a value is out of bounds.
+        """
+        if not _CONCRETE_DEVICE_RE.match(device):
+            raise ConfigError(
+                f"store_config needs a concrete device, 'cpu' or 'cuda:N'; got {device!r} "
+                "(resolve 'auto' with resolve_device first)"
+            )
+        try:
+            return StoreConfig(
+                hot_capacity_bytes=self.hot_capacity_bytes,
+                warm_capacity_bytes=self.warm_capacity_bytes,
+                cold_capacity_bytes=cold_capacity_bytes,
+                device=device,
+                allocator=self.allocator,
+                eviction=self.eviction,
+                prefetch=self.prefetch,
+                precision=self.precision,
+                codecs=self.codecs,
+                archive=archive,
+                debug_refcounts=self.debug_refcounts,
+            )
+        except ValidationError as e:
+            raise ConfigError(f"invalid StoreConfig: {_format_errors(e)}") from e
+
+
+class ArchiveSettings(_Frozen):
+    """One archive actor: the cold tier's segment files on a node's NVMe path.
+
+    Which cold codec a block gets (and ``cold_min_turns_old``) is codec policy
+    and lives in ``device.codecs``.
+    """
+
+    directory: Path = Field(
+        default=DEFAULT_DATA_DIR / _ARCHIVE_SUBDIR,
+        description="Directory of the segment files, created if missing; '~' is expanded "
+        "on the node that uses it. $MEMKV_DATA_DIR/archive replaces it in load_config.",
+    )
+    capacity_bytes: int | None = Field(
+        default=None, gt=0, description="Cold tier bytes on disk; None = limited by the disk."
+    )
+    segment_max_bytes: int = Field(
+        default=_archive_default("segment_max_bytes"),
+        ge=4096,
+        description="A segment file is sealed when it reaches this size.",
+    )
+    fsync: Literal["always", "batch", "never"] = Field(
+        default=_archive_default("fsync"),
+        description="always: fsync every record; batch: every fsync_batch records and on "
+        "flush/close; never: leave it to the OS (tests, benchmarks).",
+    )
+    fsync_batch: int = Field(
+        default=_archive_default("fsync_batch"),
+        ge=1,
+        description="Records per fsync in batch mode.",
+    )
+    verify_on_open: bool = Field(
+        default=_archive_default("verify_on_open"),
+        description="Verify every payload checksum when opening (else sealed segments' "
+        "payloads are verified on each read).",
+    )
+    compact_garbage_ratio: float = Field(
+        default=_archive_default("compact_garbage_ratio"),
+        gt=0,
+        le=1,
+        description="Compact a sealed segment once this share of it is dead.",
+    )
+    compact_interval_s: float = Field(
+        default=60.0, gt=0, description="Seconds between the archive actor's compaction passes."
+    )
+
+    def archive_config(self, subdir: str | None = None) -> ArchiveConfig:
+        """The storage engine's :class:`ArchiveConfig` under this directory.
+
+        Args:
+            subdir: one path component below ``directory`` (e.g. a per-actor
+                name, so two actors never share segment files), or None.
+
+        Returns:
+            A validated, frozen ArchiveConfig with ``~`` expanded.
+
+        Raises:
+            ConfigError: ``subdir`` is empty, absolute, or not a single plain
+                path component.
+        """
+        directory = self.directory.expanduser()
+        if subdir is not None:
+            parts = PurePath(subdir).parts
+            if len(parts) != 1 or parts[0] in (".", "..") or PurePath(subdir).is_absolute():
+                raise ConfigError(
+                    f"subdir must be a single plain path component like 'device-0'; got {subdir!r}"
+                )
+            directory = directory / subdir
+        try:
+            return ArchiveConfig(
+                directory=directory,
+                segment_max_bytes=self.segment_max_bytes,
+                fsync=self.fsync,
+                fsync_batch=self.fsync_batch,
+                verify_on_open=self.verify_on_open,
+                compact_garbage_ratio=self.compact_garbage_ratio,
+            )
+        except ValidationError as e:
+            raise ConfigError(f"invalid ArchiveConfig: {_format_errors(e)}") from e
+
+
+class RouterSettings(_Frozen):
+    """The cluster's SessionRouterActor.
+
+    When background prefetch may run (hot-tier use below a share) is
+    ``device.prefetch.hot_idle_fraction``: one knob, read by the router.
+    """
+
+    hotness_half_life_s: float = Field(
+        default=300.0, gt=0, description="Half-life of a session's decayed access rate."
+    )
+    background_prefetch_interval_s: float = Field(
+        default=2.0, gt=0, description="Seconds between background prefetch rounds."
+    )
+    high_priority_hot_share: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Share of each hot tier that high-priority sessions may reserve.",
+    )
+    placement: Literal["least_loaded"] = Field(
+        default="least_loaded",
+        description="How a new session picks its device actor: least_loaded = most free "
+        "hot+warm bytes.",
+    )
+    prefix_affinity: bool = Field(
+        default=True,
+        description="Place a new session on the device that already holds its longest "
+        "cached prefix, when that device has room.",
+    )
+
+
+class ClusterSettings(_Frozen):
+    """Finding Ray, naming and placing the actors, and the embedded local Ray."""
+
+    namespace: str = Field(
+        default="memkv", min_length=1, description="Ray namespace of memkv's named actors."
+    )
+    router_name: str = Field(
+        default="memkv-router", min_length=1, description="Ray name of the SessionRouterActor."
+    )
+    devices_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        description="Device actors per node; None = one per GPU of the node, or one CPU "
+        "device where it has none.",
+    )
+    device_resource: str = Field(
+        default="memkv_device",
+        description="Custom Ray resource a node advertises once per device actor it hosts.",
+    )
+    nvme_resource: str = Field(
+        default="memkv_nvme",
+        description="Custom Ray resource of nodes with an NVMe archive path (one archive "
+        "actor each).",
+    )
+    embedded_devices: int = Field(
+        default=1,
+        ge=1,
+        le=_MAX_EMBEDDED_DEVICES,
+        description="Device actors of the embedded local Ray (no cluster address given).",
+    )
+    embedded_object_store_bytes: int = Field(
+        default=512 * MIB,
+        ge=_RAY_MIN_OBJECT_STORE_BYTES,
+        description="Object store of the embedded local Ray (Ray's minimum is 75 MiB).",
+    )
+    embedded_num_cpus: int | None = Field(
+        default=None, ge=1, description="CPUs the embedded Ray may use; None = all."
+    )
+
+    @field_validator("namespace", "router_name", "device_resource", "nvme_resource")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        return _check_name(v, "a Ray namespace, actor or resource name")
+
+    @model_validator(mode="after")
+    def _distinct_resources(self) -> ClusterSettings:
+        if self.device_resource == self.nvme_resource:
+            raise ValueError(
+                f"device_resource and nvme_resource must differ; both are {self.device_resource!r}"
+            )
+        return self
+
+
+class GatewaySettings(_Frozen):
+    """The FastAPI gateway."""
+
+    host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="Address to bind; 127.0.0.1 keeps it local, 0.0.0.0 serves the network.",
+    )
+    port: int = Field(default=8080, ge=1, le=_MAX_PORT, description="TCP port to bind.")
+    max_body_bytes: int = Field(
+        default=GIB, gt=0, description="Largest request body accepted (a turn's KV blocks)."
+    )
+
+
+class MemkvConfig(_Frozen):
+    """The whole configuration of a memkv deployment, validated and frozen."""
+
+    profile: str = Field(
+        default=DEFAULT_PROFILE,
+        description="Name of the profile that was applied (see load_config).",
+    )
+    device: DeviceSettings = Field(
+        default_factory=DeviceSettings, description="Every device actor (hot + warm tiers)."
+    )
+    archive: ArchiveSettings = Field(
+        default_factory=ArchiveSettings, description="Every archive actor (cold tier)."
+    )
+    router: RouterSettings = Field(
+        default_factory=RouterSettings, description="The session router."
+    )
+    cluster: ClusterSettings = Field(
+        default_factory=ClusterSettings, description="Ray, actor names and placement."
+    )
+    gateway: GatewaySettings = Field(
+        default_factory=GatewaySettings, description="The HTTP gateway."
+    )
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_name(cls, v: str) -> str:
+        if not _PROFILE_NAME_RE.match(v):
+            raise ValueError(f"profile must be a plain name like 'h100'; got {v!r}")
+        return v
+
+    def store_config(self, *, device: str, archive_subdir: str | None = None) -> StoreConfig:
+        """The StoreConfig of a device actor whose cold tier is this config's archive.
+
+        Args:
+            device: the concrete device, ``cpu`` or ``cuda:N``.
+            archive_subdir: one path component under ``archive.directory``
+                (give each actor its own), or None.
+
+        Returns:
+            ``device.store_config`` wired to ``archive.archive_config`` and
+            ``archive.capacity_bytes``.
+
+        Raises:
+            ConfigError: as :meth:`DeviceSettings.store_config` and
+                :meth:`ArchiveSettings.archive_config`.
+        """
+        return self.device.store_config(
+            device=device,
+            archive=self.archive.archive_config(archive_subdir),
+            cold_capacity_bytes=self.archive.capacity_bytes,
+        )
+
+
+# Top-level sections of a config document (everything but the bookkeeping keys).
+_SECTIONS: Final = tuple(name for name in MemkvConfig.model_fields if name != "profile")
+_DOC_KEYS: Final = ("profile", "profiles", *_SECTIONS)
+
+
+def packaged_config_path() -> Path:
+    """Path of the default YAML shipped inside the package.
+
+    Raises:
+        ConfigError: the file is missing (an install without package data).
+    """
+    traversable = resources.files(_PACKAGE)
+    for part in _PACKAGED_CONFIG:
+        traversable = traversable.joinpath(part)
+    path = Path(str(traversable))
+    if not path.is_file():
+        raise ConfigError(
+            f"the packaged default config {path} is missing; reinstall memkv with its "
+            "package data, or pass a config path"
+        )
+    return path
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    profile: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> MemkvConfig:
+    """Load, merge and validate a memkv configuration (precedence: module docstring).
+
+    Args:
+        path: a YAML config file; None = the packaged default.
+        profile: profile to apply; None = ``$MEMKV_PROFILE``, else the file's
+            ``profile:`` key, else ``default``.
+        overrides: nested section -> field -> value mapping merged last.
+        environ: the environment to read ``MEMKV_*`` from; None = ``os.environ``.
+
+    Returns:
+        The validated, frozen config; its ``profile`` names the profile applied.
+
+    Raises:
+        ConfigError: unreadable or malformed file, unknown profile, unknown key
+            (named with its path and source, and the valid keys), or a value
+            out of bounds.
+    """
+    env = os.environ if environ is None else environ
+    packaged_source = packaged_config_path()
+    packaged = _read_document(packaged_source)
+    if path is None:
+        doc, source = packaged, str(packaged_source)
+    else:
+        source = str(path)
+        doc = _read_document(Path(path).expanduser())
+
+    profiles = {**packaged.get("profiles", {}), **doc.get("profiles", {})}
+    name = profile or env.get(PROFILE_ENV) or doc.get("profile") or DEFAULT_PROFILE
+    if not isinstance(name, str) or name not in profiles:
+        raise ConfigError(
+            f"unknown profile {name!r} (from {_profile_source(profile, env, doc)}); "
+            f"expected one of {sorted(profiles)}"
+        )
+
+    merged = {key: copy.deepcopy(value) for key, value in doc.items() if key in _SECTIONS}
+    layers: list[tuple[Mapping[str, Any], str]] = [
+        (profiles[name], f"{source} profiles.{name}"),
+        *_env_layers(env),
+    ]
+    if overrides is not None:
+        layers.append((overrides, "overrides"))
+    for layer, layer_source in layers:
+        _check_sections(layer, layer_source)
+        merged = _deep_merge(merged, layer)
+    merged["profile"] = name
+    # A bad value may come from any layer: name them all (the checks above named keys exactly).
+    applied = [f"{source} with profile {name!r}", *(s for _, s in layers[1:])]
+    return _validate(merged, " + ".join(applied))
+
+
+def dump_config(config: MemkvConfig) -> dict[str, Any]:
+    """A plain, YAML/JSON-friendly dict of ``config`` that loads back to the same config.
+
+    Paths become strings. The dict carries ``profile`` and redefines that
+    profile as empty (``profiles: {name: {}}``): its values already include the
+    profile, and re-applying it on load would undo later overrides of fields
+    the profile sets.
+
+    Args:
+        config: the config to dump.
+
+    Returns:
+        ``{"profile": ..., "profiles": {profile: {}}, "device": {...}, ...}``;
+        ``load_config`` of a YAML file holding it gives back ``config``.
+    """
+    data: dict[str, Any] = config.model_dump(mode="json")
+    data["profiles"] = {config.profile: {}}
+    return data
+
+
+# -- loading helpers ---------------------------------------------------------------------------
+
+
+def _read_document(path: Path) -> dict[str, Any]:
+    """Parse a config file and check its shape (not yet its values)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {path} must hold a mapping, got {type(doc).__name__}")
+    _check_keys(doc, _DOC_KEYS, "", str(path))
+    _check_sections({k: v for k, v in doc.items() if k in _SECTIONS}, str(path))
+    profiles = doc.get("profiles", {})
+    if profiles is None:
+        profiles = doc["profiles"] = {}
+    if not isinstance(profiles, dict):
+        raise ConfigError(f"{path}: 'profiles' must map profile names to overrides")
+    for name, body in profiles.items():
+        if body is None:
+            profiles[name] = body = {}
+        if not isinstance(name, str) or not _PROFILE_NAME_RE.match(name):
+            raise ConfigError(
+                f"{path}: profile names must be plain names like 'h100'; got {name!r}"
+            )
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: profiles.{name} must be a mapping of sections")
+        _check_sections(body, f"{path} profiles.{name}")
+    chosen = doc.get("profile")
+    if chosen is not None and not isinstance(chosen, str):
+        raise ConfigError(f"{path}: 'profile' must be a profile name, got {chosen!r}")
+    return doc
+
+
+def _check_keys(data: Mapping[str, Any], valid: Sequence[str], where: str, source: str) -> None:
+    for key in data:
+        if key not in valid:
+            at = f"{where}.{key}" if where else str(key)
+            raise ConfigError(
+                f"{source}: unknown key {at!r}; valid keys"
+                f"{' under ' + repr(where) if where else ''}: {sorted(valid)}"
+            )
+
+
+def _check_sections(data: Mapping[str, Any], source: str) -> None:
+    """Reject unknown keys of a partial config (sections and their fields), recursively."""
+    _check_keys(data, _SECTIONS, "", source)
+    for key, value in data.items():
+        _check_model_keys(value, MemkvConfig.model_fields[key].annotation, key, source)
+
+
+def _check_model_keys(value: Any, annotation: Any, where: str, source: str) -> None:
+    # Only mappings meant for a nested model are walked; a wrong type is pydantic's to report.
+    if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        return
+    if not isinstance(value, Mapping):
+        return
+    fields = annotation.model_fields
+    _check_keys(value, tuple(fields), where, source)
+    for key, inner in value.items():
+        _check_model_keys(inner, fields[key].annotation, f"{where}.{key}", source)
+
+
+def _env_layers(env: Mapping[str, str]) -> list[tuple[dict[str, Any], str]]:
+    """Overrides from the environment, as (partial config, source) in merge order."""
+    layers: list[tuple[dict[str, Any], str]] = []
+    data_dir = env.get(DATA_DIR_ENV)
+    if data_dir:
+        layers.append(
+            ({"archive": {"directory": str(Path(data_dir) / _ARCHIVE_SUBDIR)}}, DATA_DIR_ENV)
+        )
+    # Sorted so that the merge (and any error) does not depend on the environment's order.
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or _ENV_NESTING not in var:
+            continue
+        parts = var[len(ENV_PREFIX) :].lower().split(_ENV_NESTING)
+        if any(not part for part in parts):
+            raise ConfigError(
+                f"environment variable {var}: expected MEMKV_<SECTION>__<FIELD>, "
+                "e.g. MEMKV_GATEWAY__PORT"
+            )
+        value: Any = _parse_env_value(env[var])
+        for part in reversed(parts):
+            value = {part: value}
+        layers.append((value, f"environment variable {var}"))
+    return layers
+
+
+def _parse_env_value(raw: str) -> Any:
+    # YAML scalars, as in the file: "9000" -> 9000, "true" -> True, "null" -> None.
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over`` merged in: mappings recursively, anything else replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _profile_source(profile: str | None, env: Mapping[str, str], doc: Mapping[str, Any]) -> str:
+    if profile:
+        return "the profile argument"
+    if env.get(PROFILE_ENV):
+        return f"${PROFILE_ENV}"
+    return "the file's 'profile' key" if doc.get("profile") else "the default"
+
+
+def _validate(data: dict[str, Any], source: str) -> MemkvConfig:
+    try:
+        return MemkvConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config ({source}): {_format_errors(e)}") from e
+
+
+def _format_errors(error: ValidationError) -> str:
+    """pydantic's errors as 'dotted.path: message (got value)' lines."""
+    lines = []
+    for err in error.errors():
+        where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        value = err.get("input")
+        # A model-level check's input is the whole section: its message says enough.
+        got = "" if isinstance(value, Mapping) else f" (got {reprlib.repr(value)})"
+        lines.append(f"{where}: {err['msg']}{got}")
+    return "; ".join(lines)

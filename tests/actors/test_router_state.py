@@ -1,0 +1,128 @@
+import pytest
+
+from memkv.actors.router import RouterState
+from memkv.errors import BlockLostError, InvalidInputError, MemkvError, UnknownSessionError
+from memkv.storage.layout import KVLayout
+
+LAYOUT = KVLayout("m", 2, 2, 8, block_tokens=4).to_dict()
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def state(**kw):
+    s = RouterState(clock=kw.pop("clock", Clock()), **kw)
+    s.add_device("d0", "inc0")
+    s.add_device("d1", "inc1")
+    return s
+
+
+def test_least_loaded_placement_spreads_sessions():
+    s = state()
+    for i in range(4):
+        s.create(f"s{i}", LAYOUT, "t", "normal")
+        s.place(f"s{i}", [f"chain-{i}".encode()])
+        s.record_put(f"s{i}", [f"chain-{i}".encode()], 4, 1)
+    assert {r.device_id for r in s.sessions.values()} == {"d0", "d1"}
+    assert s.devices["d0"].sessions == s.devices["d1"].sessions == 2
+
+
+def test_prefix_affinity_places_sharers_together():
+    s = state()
+    s.create("a", LAYOUT, "t", "normal")
+    s.create("filler", LAYOUT, "t", "normal")
+    first = s.place("a", [b"p1", b"p2", b"a3"])
+    s.record_put("a", [b"p1", b"p2", b"a3"], 12, 1)
+    s.place("filler", [b"x"])  # the other device is now less loaded...
+    s.record_put("filler", [b"x"], 4, 1)
+    s.create("b", LAYOUT, "t", "normal")
+    s.create("c", LAYOUT, "t", "normal")
+    # ...but b shares a's prefix, so it goes where that prefix is.
+    assert s.place("b", [b"p1", b"p2", b"b3"]) == first
+    no_affinity = state(prefix_affinity=False)
+    no_affinity.create("a", LAYOUT, "t", "normal")
+    no_affinity.create("b", LAYOUT, "t", "normal")
+    d = no_affinity.place("a", [b"p1"])
+    no_affinity.record_put("a", [b"p1"], 4, 1)
+    assert no_affinity.place("b", [b"p1"]) != d
+
+
+def test_cluster_refcounts_report_garbage_only_when_nobody_holds_a_block():
+    s = state()
+    for sid in ("a", "b"):
+        s.create(sid, LAYOUT, "t", "normal")
+        s.place(sid, [b"p"])
+    assert s.record_put("a", [b"p", b"a1"], 8, 1) == []
+    assert s.record_put("b", [b"p", b"b1"], 8, 1) == []
+    assert s.refcount(b"p") == 2
+    # a's partial tail replaced: the old tail is garbage, the prefix is not
+    assert s.record_put("a", [b"p", b"a2"], 8, 2) == [b"a1"]
+    assert s.delete("a") == [b"a2"]
+    assert s.delete("b") == [b"p", b"b1"]
+    with pytest.raises(UnknownSessionError):
+        s.delete("b")
+
+
+def test_hotness_decays_with_half_life():
+    clock = Clock()
+    s = state(clock=clock, hotness_half_life_s=10)
+    s.create("a", LAYOUT, "t", "normal")
+    s.touch("a")
+    s.touch("a")
+    assert s.hotness("a") == pytest.approx(2.0)
+    clock.t = 10
+    assert s.hotness("a") == pytest.approx(1.0)
+    clock.t = 20
+    s.touch("a")
+    assert s.hotness("a") == pytest.approx(1.5)
+
+
+def test_background_candidates_are_the_hottest_inactive_sessions():
+    clock = Clock()
+    s = state(clock=clock)
+    for sid, touches in (("cold", 1), ("warm", 3), ("active", 9)):
+        s.create(sid, LAYOUT, "t", "normal")
+        s.place(sid, [sid.encode()])
+        s.record_put(sid, [sid.encode()], 4, 1)
+        for _ in range(touches):
+            s.touch(sid)
+    d = s.sessions["cold"].device_id
+    for sid in ("cold", "warm", "active"):
+        s.sessions[sid].device_id = d
+    s.record_state("cold", "archived", archived=True)
+    s.record_state("warm", "suspended", archived=True)
+    assert s.background_candidates(d, limit=4) == ["warm", "cold"]
+
+
+def test_lost_sessions_raise_block_lost():
+    s = state()
+    s.create("a", LAYOUT, "t", "normal")
+    s.mark_lost("a", "device d0 restarted before ...")
+    with pytest.raises(BlockLostError, match="restarted"):
+        s.get("a")
+
+
+def test_bad_input():
+    s = state()
+    with pytest.raises(InvalidInputError, match="priority"):
+        s.create("a", LAYOUT, "t", "urgent")
+    with pytest.raises(InvalidInputError):
+        s.create("", LAYOUT, "t", "normal")
+    with pytest.raises(InvalidInputError, match="layout"):
+        s.create("a", {"model_id": "m"}, "t", "normal")
+    s.create("a", LAYOUT, "t", "normal")
+    with pytest.raises(InvalidInputError, match="already exists"):
+        s.create("a", LAYOUT, "t", "normal")
+    with pytest.raises(UnknownSessionError):
+        s.get("nope")
+    empty = RouterState()
+    empty.create("x", LAYOUT, "t", "normal")
+    with pytest.raises(MemkvError, match="no device"):
+        empty.place("x")
+    with pytest.raises(InvalidInputError):
+        RouterState(hotness_half_life_s=0)

@@ -1,0 +1,139 @@
+"""Integration: two device actors, one archive actor and the router on one local Ray."""
+
+import itertools
+
+import pytest
+import ray
+import torch
+
+from memkv.errors import BlockLostError, UnknownSessionError
+from memkv.storage.layout import KVLayout, split_kv
+
+LAYOUT = KVLayout("cluster-test", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
+_ids = itertools.count()
+
+
+def kv(tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
+    keys = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
+    values = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
+    return keys, values
+
+
+def new_session(cluster, tokens, *, seed, prefix=(), priority="normal", namespace="tenant"):
+    sid = f"s{next(_ids)}"
+    cluster.create_session(sid, LAYOUT, namespace=namespace, priority=priority)
+    token_ids = list(prefix) + [10_000 + seed * 1000 + i for i in range(tokens - len(prefix))]
+    keys, values = kv(tokens, seed)
+    cluster.put_kv(sid, token_ids, keys, values)
+    return sid, token_ids, split_kv(LAYOUT, keys, values)
+
+
+def read(cluster, sid):
+    return [block.clone() for _, block in cluster.read_session(sid)]
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def device_blocks(cluster, device_id):
+    return ray.get(cluster.devices[device_id].stats.remote())["blocks"]
+
+
+def test_sessions_are_placed_on_both_devices(cluster):
+    placed = {cluster.device_of(new_session(cluster, 8, seed=i)[0]) for i in range(4)}
+    assert placed == set(cluster.devices)
+
+
+def test_a_shared_prefix_is_stored_once(cluster):
+    prefix = list(range(8))  # two full blocks of a system prompt
+    a, _, a_blocks = new_session(cluster, 12, seed=100, prefix=prefix)
+    device = cluster.device_of(a)
+    before = device_blocks(cluster, device)
+    b, _, b_blocks = new_session(cluster, 12, seed=101, prefix=prefix)
+    assert cluster.device_of(b) == device  # prefix affinity
+    assert device_blocks(cluster, device) == before + 1  # only b's own block is new
+    assert same(read(cluster, b)[:2], a_blocks[:2])
+
+
+def test_suspend_archives_and_resume_is_lazy_and_byte_identical(cluster):
+    sid, _, blocks = new_session(cluster, 40, seed=200)
+    info = cluster.suspend(sid)
+    assert info["state"] == "archived"
+    device = cluster.devices[cluster.device_of(sid)]
+    assert ray.get(device.locations.remote(info["chain"])) == ["cold"] * 10
+    handle = cluster.resume(sid)
+    # The answer lists the chain before any block was promoted: lazy.
+    assert [tier for _, tier, _ in handle["blocks"]] == ["cold"] * 10
+    stream = cluster.read_session(sid)
+    first_key, first = next(stream)
+    assert first_key == info["chain"][0] and torch.equal(first, blocks[0])
+    assert same([first.clone()] + [b.clone() for _, b in stream], blocks)
+
+
+def test_high_priority_stays_hot_while_background_is_demoted(cluster):
+    prefix = [7, 7, 7, 7]  # shared first block: both land on the same device
+    vip, _, _ = new_session(cluster, 16, seed=300, prefix=prefix, priority="high")
+    # 64 blocks against a 32-block hot tier: pressure.
+    bg, _, bg_blocks = new_session(cluster, 256, seed=301, prefix=prefix, priority="background")
+    assert cluster.device_of(vip) == cluster.device_of(bg)
+    device = cluster.devices[cluster.device_of(vip)]
+    vip_chain = cluster.session(vip)["chain"]
+    bg_chain = cluster.session(bg)["chain"]
+    assert set(ray.get(device.locations.remote(vip_chain))) == {"hot"}
+    bg_tiers = ray.get(device.locations.remote(bg_chain[1:]))
+    assert bg_tiers.count("hot") < 32 and {"warm", "cold"} & set(bg_tiers)
+    # (block 0 is the shared one, stored from vip's KV)
+    assert same(read(cluster, bg)[1:], bg_blocks[1:])
+
+
+def test_killed_device_serves_archived_sessions_again(cluster):
+    archived, _, blocks = new_session(cluster, 24, seed=400)
+    device_id = cluster.device_of(archived)
+    cluster.suspend(archived)
+    # An active session on the same device whose blocks never left memory.
+    active = None
+    for seed in range(401, 420):
+        sid, _, _ = new_session(cluster, 4, seed=seed)
+        if cluster.device_of(sid) == device_id:
+            active = sid
+            break
+    assert active is not None
+    before = ray.get(cluster.devices[device_id].ping.remote())["incarnation"]
+    ray.kill(cluster.devices[device_id], no_restart=False)
+
+    assert same(read(cluster, archived), blocks)  # the router noticed and re-adopted it
+    after = ray.get(cluster.devices[device_id].ping.remote())["incarnation"]
+    assert after != before
+    with pytest.raises(BlockLostError, match="restarted"):
+        cluster.session(active)
+    cluster.delete_session(active)  # a lost session can still be deleted
+    with pytest.raises(UnknownSessionError):
+        cluster.session(active)
+
+
+def test_delete_frees_blocks_everywhere(cluster):
+    sid, _, _ = new_session(cluster, 16, seed=500, namespace="delete-me")
+    device = cluster.device_of(sid)
+    before = device_blocks(cluster, device)
+    chain = cluster.session(sid)["chain"]
+    cluster.suspend(sid)
+    archive = next(iter(cluster.archives.values()))
+    assert ray.get(archive.contains.remote(chain)) == [True] * 4
+    cluster.delete_session(sid)
+    assert device_blocks(cluster, device) == before - 4
+    assert ray.get(archive.contains.remote(chain)) == [False] * 4
+
+
+def test_restarted_archive_rebuilds_its_index_and_serves_again(cluster):
+    sid, _, blocks = new_session(cluster, 20, seed=600, namespace="archive-restart")
+    cluster.suspend(sid)
+    (name, archive), *_ = cluster.archives.items()
+    before = ray.get(archive.ping.remote())
+    ray.kill(archive, no_restart=False)
+    # The device's reads wait out the restart; the archive reopened its segments.
+    assert same(read(cluster, sid), blocks)
+    assert ray.get(archive.ping.remote()) != before
+    assert ray.get(archive.stats.remote())["blocks"] >= 5
