@@ -301,6 +301,10 @@ class SessionRouter:
     # -- membership ----------------------------------------------------------------------
 
     async def register_device(self, device_id: str, handle: Any) -> None:
+        """Add a device; registering a known one again (``memkv up`` is repeatable) checks it."""
+        if device_id in self._devices:
+            await self._check_incarnation(device_id)
+            return
         info = await handle.ping.remote()
         self._devices[device_id] = handle
         self.state.add_device(device_id, info["incarnation"])
@@ -361,10 +365,18 @@ class SessionRouter:
         return result
 
     async def notify_input_end(self, session_id: str) -> int:
-        """Trigger 1: a turn's input has ended, its cache is needed now: prefetch its head."""
+        """Trigger 1: a turn's input has ended and its cache is needed now.
+
+        Prefetches the session's head, then what the Markov model expects after
+        its last block (e.g. another session that usually follows this one).
+        """
         device_id, device = await self.device_of(session_id)
         self.state.touch(session_id)
-        return int(await device.prefetch_session_head.remote(session_id))
+        moved = int(await device.prefetch_session_head.remote(session_id))
+        chain = self.state.get(session_id).chain
+        if chain:
+            moved += int(await device.prefetch_predicted.remote(chain[-1]))
+        return moved
 
     async def resume(self, session_id: str) -> dict[str, Any]:
         """Answer at once with the chain and where each block is; prefetch runs behind."""

@@ -1,0 +1,56 @@
+"""`memkv up` on the embedded default: starts, reports its actors, stops cleanly on SIGINT."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from memkv.cli import app
+
+
+def test_help_lists_the_commands():
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("up", "status", "demo"):
+        assert command in result.output
+
+
+def test_up_embedded_starts_and_stops_cleanly(tmp_path: Path):
+    env = {
+        **os.environ,
+        "MEMKV_DATA_DIR": str(tmp_path),
+        "MEMKV_CLUSTER__NAMESPACE": "memkv-cli-test",
+        "MEMKV_CLUSTER__EMBEDDED_OBJECT_STORE_BYTES": str(100 * 1024 * 1024),
+        "MEMKV_DEVICE__HOT_CAPACITY_BYTES": str(4 << 20),
+        "MEMKV_DEVICE__WARM_CAPACITY_BYTES": str(4 << 20),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memkv.cli", "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:  # blocks until `up` reports (Ray start takes seconds)
+            lines.append(line)
+            if "Ctrl-C stops it" in line:
+                break
+        summary = json.loads("".join(lines[:-1]))
+        assert len(summary["devices"]) == 1 and len(summary["archives"]) == 1
+        assert summary["namespace"] == "memkv-cli-test"
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        assert "memkv stopped." in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (tmp_path / "archive").is_dir()
