@@ -1,10 +1,11 @@
 """The ``memkv`` command: ``up``, ``status``, ``demo``.
 
 ``memkv up`` with no address starts the embedded default (a local Ray on
-127.0.0.1 with one CPU device, an archive and the router) and serves until
-interrupted. With ``--address`` it joins a Ray cluster (e.g. from the head
-node's start commands of ``configs/ray-cluster-*.yaml``), creates the named,
-detached actors that are missing, and returns.
+127.0.0.1 with one CPU device, an archive and the router) and serves the HTTP
+gateway until interrupted. With ``--address`` it joins a Ray cluster (from the
+start commands of ``configs/ray-cluster-*.yaml``) and creates the named,
+detached actors that are missing; the head also serves the gateway, worker
+nodes pass ``--no-gateway`` and return.
 """
 
 from __future__ import annotations
@@ -32,26 +33,43 @@ ProfileOpt = Annotated[
 
 
 @app.command()
-def up(address: AddressOpt = None, config: ConfigOpt = None, profile: ProfileOpt = None) -> None:
-    """Start memkv (embedded) or bring up its actors on a Ray cluster."""
+def up(
+    address: AddressOpt = None,
+    config: ConfigOpt = None,
+    profile: ProfileOpt = None,
+    gateway: Annotated[
+        bool, typer.Option(help="Serve the HTTP gateway here (worker nodes pass --no-gateway).")
+    ] = True,
+) -> None:
+    """Start memkv (embedded) or bring up its actors on a Ray cluster, and serve the gateway."""
+    from memkv.api.server import GatewayServer
     from memkv.cluster import connect
 
     cluster = connect(address, config, profile=profile)
-    summary = {
+    summary: dict[str, Any] = {
         "devices": sorted(cluster.devices),
         "archives": sorted(cluster.archives),
         "router": cluster.config.cluster.router_name,
         "namespace": cluster.config.cluster.namespace,
     }
-    typer.echo(json.dumps(summary, indent=2))
-    if address is not None:
-        typer.echo("memkv actors are up (detached); this command can exit.")
+    if not gateway:
+        typer.echo(json.dumps(summary, indent=2))
+        typer.echo("memkv actors are up; this command can exit.")
+        cluster.disconnect()
         return
-    typer.echo("memkv is running on the embedded default; Ctrl-C stops it.")
+    settings = cluster.config.gateway
+    server = GatewayServer.start(
+        cluster, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes
+    )
+    summary["gateway"] = server.url
+    typer.echo(json.dumps(summary, indent=2))
+    where = "the embedded default" if address is None else f"the cluster at {address}"
+    typer.echo(f"memkv is serving {server.url} on {where}; Ctrl-C stops it.")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    server.stop()
     cluster.shutdown()
     typer.echo("memkv stopped.")
 

@@ -438,7 +438,9 @@ class GatewaySettings(_Frozen):
         min_length=1,
         description="Address to bind; 127.0.0.1 keeps it local, 0.0.0.0 serves the network.",
     )
-    port: int = Field(default=8080, ge=1, le=_MAX_PORT, description="TCP port to bind.")
+    port: int = Field(
+        default=8080, ge=0, le=_MAX_PORT, description="TCP port to bind (0: any free port)."
+    )
     max_body_bytes: int = Field(
         default=GIB, gt=0, description="Largest request body accepted (a turn's KV blocks)."
     )

@@ -10,7 +10,9 @@ Every error memkv raises on purpose is a :class:`MemkvError`. Expected outcomes
     │   ├── LayoutMismatchError             tensor shape/dtype/fingerprint vs layout
     │   ├── PrecisionOverflowError          value not representable in the target dtype
     │   ├── AllocatorMisuseError            double free, foreign offset, bad size
-    │   └── ConfigError                     invalid configuration value
+    │   ├── ConfigError                     invalid configuration value
+    │   └── ConflictError                   clashes with what is stored (id taken,
+    │                                       layout differs, turn out of order)
     ├── NotFoundError (LookupError)
     │   ├── UnknownBlockError               no block with that key
     │   └── UnknownSessionError             no session with that id
@@ -31,6 +33,7 @@ __all__ = [
     "CapacityError",
     "ClosedError",
     "ConfigError",
+    "ConflictError",
     "CorruptDataError",
     "InvalidInputError",
     "InvariantViolationError",
@@ -65,6 +68,11 @@ class AllocatorMisuseError(InvalidInputError):
 
 class ConfigError(InvalidInputError):
     """A configuration value is invalid."""
+
+
+class ConflictError(InvalidInputError):
+    """The request clashes with the current state: the id is taken, the layout differs
+    from the session's, or a turn index is out of order."""
 
 
 class NotFoundError(MemkvError, LookupError):

@@ -1,4 +1,9 @@
-"""Suite-wide settings: keep Ray (in later suites) on loopback; skip GPU tests without a GPU."""
+"""Suite-wide fixtures and settings.
+
+Ray stays on loopback; GPU tests skip without a GPU; and one embedded memkv
+cluster (Ray can be initialised once per process, and it costs seconds and
+about 1 GiB) plus one gateway serve every integration test of the session.
+"""
 
 import os
 
@@ -30,3 +35,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+UNIT = 4096
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """Two device actors, one archive actor and the router on one local Ray."""
+    from memkv.cluster import connect
+    from memkv.config import load_config
+
+    archive_dir = tmp_path_factory.mktemp("archive")
+    config = load_config(
+        overrides={
+            "cluster": {
+                "namespace": "memkv-test",
+                "embedded_devices": 2,
+                "embedded_object_store_bytes": 200 * 1024 * 1024,
+                "embedded_num_cpus": 2,
+            },
+            # Small tiers (8 blocks of 512 bytes per unit) so pressure is cheap to create.
+            "device": {
+                "hot_capacity_bytes": 4 * UNIT,
+                "warm_capacity_bytes": 4 * UNIT,
+                "allocator": {"min_unit_bytes": UNIT},
+                # Keep later rounds in the model dtype: fp32 models' caches then
+                # round-trip exactly (the transformers tests compare generations).
+                "precision": {"later_dtype": "float32"},
+                "debug_refcounts": True,
+            },
+            "archive": {"directory": str(archive_dir), "fsync": "never"},
+            "router": {"background_prefetch_interval_s": 0.5},
+        },
+        environ={},
+    )
+    with connect(config=config) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def gateway(cluster):
+    """A real uvicorn serving the gateway on 127.0.0.1 (a free port)."""
+    from memkv.api.server import GatewayServer
+
+    with GatewayServer.start(cluster, host="127.0.0.1", port=0, max_body_bytes=8 << 20) as gw:
+        yield gw

@@ -1,4 +1,4 @@
-"""`memkv up` on the embedded default: starts, reports its actors, stops cleanly on SIGINT."""
+"""`memkv up` on the embedded default: starts, serves the gateway, stops cleanly on SIGINT."""
 
 import json
 import os
@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 from typer.testing import CliRunner
 
 from memkv.cli import app
@@ -27,6 +28,7 @@ def test_up_embedded_starts_and_stops_cleanly(tmp_path: Path):
         "MEMKV_CLUSTER__EMBEDDED_OBJECT_STORE_BYTES": str(100 * 1024 * 1024),
         "MEMKV_DEVICE__HOT_CAPACITY_BYTES": str(4 << 20),
         "MEMKV_DEVICE__WARM_CAPACITY_BYTES": str(4 << 20),
+        "MEMKV_GATEWAY__PORT": "0",  # any free port
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "memkv.cli", "up"],
@@ -45,6 +47,8 @@ def test_up_embedded_starts_and_stops_cleanly(tmp_path: Path):
         summary = json.loads("".join(lines[:-1]))
         assert len(summary["devices"]) == 1 and len(summary["archives"]) == 1
         assert summary["namespace"] == "memkv-cli-test"
+        assert summary["gateway"].startswith("http://127.0.0.1:")
+        assert httpx.get(summary["gateway"] + "/readyz", timeout=30).json() == {"status": "ready"}
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0

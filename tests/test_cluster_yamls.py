@@ -252,3 +252,23 @@ def test_broken_start_command_fails_the_bash_check() -> None:
         ["bash", "-n", "-c", "if true; then memkv up"], capture_output=True, check=False
     )
     assert result.returncode != 0
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=_ids(CLUSTER_YAMLS))
+def test_memkv_up_commands_parse_with_the_real_cli(path: Path) -> None:
+    import typer
+
+    from memkv.cli import app
+
+    command = typer.main.get_command(app)
+    cfg = _load(path)
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        for line in _memkv_up(cfg[key]):
+            args = shlex.split(line.split("memkv up", 1)[1].split(">", 1)[0].split("&", 1)[0])
+            args = [a.replace("~", "/home/ray") for a in args]
+            up = command.commands["up"]  # type: ignore[attr-defined]
+            # --config must exist to parse; check the flags and values without it.
+            flags = [a for a in args if a.startswith("--")]
+            assert set(flags) <= {p.opts[0] for p in up.params} | {"--no-gateway"}, flags
+            # The head serves the gateway; worker nodes must return (no gateway).
+            assert ("--no-gateway" in args) == (key == "worker_start_ray_commands"), line

@@ -292,7 +292,7 @@ def test_unknown_keys_in_overrides() -> None:
 @pytest.mark.parametrize(
     ("overrides", "pattern"),
     [
-        ({"gateway": {"port": 0}}, r"gateway\.port: Input should be greater than or equal to 1"),
+        ({"gateway": {"port": -1}}, r"gateway\.port: Input should be greater than or equal to 0"),
         ({"gateway": {"port": 65536}}, r"gateway\.port"),
         ({"gateway": {"max_body_bytes": 0}}, r"gateway\.max_body_bytes"),
         ({"device": {"hot_capacity_bytes": 0}}, r"device\.hot_capacity_bytes"),

@@ -39,6 +39,8 @@ __all__ = [
 ]
 
 
+# Blocks a streaming read may run ahead of its consumer before it waits.
+READ_BACKPRESSURE_BLOCKS = 2
 # Pause between retries while the archive actor restarts.
 _ARCHIVE_RETRY_S = 0.2
 
@@ -238,18 +240,27 @@ class DeviceCache:
 
     def get_blocks(self, keys: Sequence[bytes], stream: str | None = None) -> list[BlockPayload]:
         """Blocks by key, each promoted to the hot tier (batched: one call, many blocks)."""
-        return [to_payload(k, self.store.get(BlockHash(bytes(k)), stream=stream)) for k in keys]
+        out = []
+        for k in keys:
+            fetched = self.store.fetch(BlockHash(bytes(k)), stream=stream)
+            out.append(to_payload(k, fetched.block, fetched.tier.value))
+        return out
 
+    @ray.method(
+        num_returns="streaming", _generator_backpressure_num_objects=READ_BACKPRESSURE_BLOCKS
+    )
     def read_session(
         self, session_id: str, start: int = 0, end: int | None = None
     ) -> Iterator[BlockPayload]:
-        """Yield a session's blocks in order (call with ``num_returns="streaming"``).
+        """Yield a session's blocks in order (a Ray streaming generator).
 
         Each block is an object of its own, so a reader holds the first before
-        the last is loaded; the store reads ahead of the reader.
+        the last is loaded. Back-pressure keeps the device a few blocks ahead of
+        its reader (the store's read-ahead prefetches a window beyond that), so
+        a resume promotes blocks as they are needed, not all at once.
         """
-        for key, block in self.store.read_session(session_id, start, end):
-            yield to_payload(key, block)
+        for fetched in self.store.iter_session(session_id, start, end):
+            yield to_payload(fetched.key, fetched.block, fetched.tier.value)
 
     def match_prefix(
         self, layout: dict[str, Any], namespace: str, token_ids: Sequence[int]

@@ -34,13 +34,14 @@ class BlockPayload:
     key: bytes
     dtype: str
     data: np.ndarray
+    tier: str | None = None  # where the block was found when read (hot, warm, cold)
 
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
 
-def to_payload(key: bytes, block: torch.Tensor) -> BlockPayload:
+def to_payload(key: bytes, block: torch.Tensor, tier: str | None = None) -> BlockPayload:
     """Wrap a CPU block for transfer (no copy when it is already contiguous)."""
     if block.dtype not in _WIRE_DTYPES:
         raise LayoutMismatchError(
@@ -50,7 +51,7 @@ def to_payload(key: bytes, block: torch.Tensor) -> BlockPayload:
     t = block.detach().cpu().contiguous()
     if block.dtype is torch.bfloat16:
         t = t.view(torch.int16)
-    return BlockPayload(bytes(key), name, t.numpy().view(np_dtype))
+    return BlockPayload(bytes(key), name, t.numpy().view(np_dtype), tier)
 
 
 def from_payload(payload: BlockPayload, *, copy: bool = False) -> torch.Tensor:

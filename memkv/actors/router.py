@@ -29,11 +29,14 @@ from ray.exceptions import RayActorError
 
 from memkv.errors import (
     BlockLostError,
+    ConflictError,
     InvalidInputError,
     MemkvError,
+    UnknownBlockError,
     UnknownSessionError,
 )
-from memkv.storage.layout import KVLayout
+from memkv.storage.hashing import chain_hashes
+from memkv.storage.layout import KVLayout, block_token_count
 
 __all__ = ["DeviceLoad", "RouterState", "SessionRecord", "SessionRouter", "SessionRouterActor"]
 
@@ -134,7 +137,7 @@ class RouterState:
         if not isinstance(session_id, str) or not session_id:
             raise InvalidInputError(f"session id must be a non-empty str, got {session_id!r}")
         if session_id in self.sessions:
-            raise InvalidInputError(f"session {session_id!r} already exists")
+            raise ConflictError(f"session {session_id!r} already exists")
         if priority not in PRIORITIES:
             raise InvalidInputError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
         KVLayout.from_dict(layout)  # validate now, not at the first put
@@ -247,6 +250,35 @@ class RouterState:
     def refcount(self, key: bytes) -> int:
         return self._refcounts[key]
 
+    def match_prefix(
+        self, layout: KVLayout, namespace: str, token_ids: Sequence[int]
+    ) -> tuple[int, list[bytes]]:
+        """Leading tokens of ``token_ids`` whose blocks some session of ``namespace`` holds."""
+        counts = block_token_count(layout, len(token_ids))
+        matched: list[bytes] = []
+        tokens = 0
+        for key, n in zip(chain_hashes(token_ids, layout, namespace), counts, strict=True):
+            if self._refcounts[bytes(key)] <= 0:
+                break
+            matched.append(bytes(key))
+            tokens += n
+        return tokens, matched
+
+    def locate(self, keys: Sequence[bytes]) -> dict[str, list[bytes]]:
+        """Group ``keys`` by a device whose sessions hold them.
+
+        Raises:
+            UnknownBlockError: a key no session holds.
+        """
+        by_device: dict[str, list[bytes]] = {}
+        for key in keys:
+            holders = self._block_devices.get(bytes(key))
+            if not holders:
+                raise UnknownBlockError(f"no session holds block {bytes(key).hex()}")
+            device_id = max(holders, key=lambda d: holders[d])
+            by_device.setdefault(device_id, []).append(bytes(key))
+        return by_device
+
     # -- internals -----------------------------------------------------------------------
 
     def _ref(self, key: bytes, device_id: str | None) -> None:
@@ -296,6 +328,7 @@ class SessionRouter:
         self._hot_idle = hot_idle_fraction
         self._background: asyncio.Task[None] | None = None
         self._recovering: dict[str, asyncio.Future[None]] = {}
+        self._session_locks: dict[str, asyncio.Lock] = {}
         self.background_prefetched = 0
 
     # -- membership ----------------------------------------------------------------------
@@ -350,9 +383,36 @@ class SessionRouter:
         blocks: list[Any],
         start_block: int = 0,
         chain_hint: list[bytes] | None = None,
+        turn: int | None = None,
     ) -> dict[str, Any]:
-        """Store a turn's blocks on the session's device (blocks: payloads or refs)."""
+        """Store a turn's blocks on the session's device (blocks: payloads or refs).
+
+        Args:
+            turn: the turn index this append creates (the session's turn + 1).
+                A retry of the last applied turn with the same tokens answers as
+                before without storing anything (idempotent); any other
+                mismatch is a ConflictError. None skips the check.
+        """
+        lock = self._session_locks.setdefault(session_id, asyncio.Lock())
+        async with lock:
+            return await self._put_blocks(
+                session_id, token_ids, blocks, start_block, chain_hint, turn
+            )
+
+    async def _put_blocks(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        blocks: list[Any],
+        start_block: int,
+        chain_hint: list[bytes] | None,
+        turn: int | None,
+    ) -> dict[str, Any]:
         record = self.state.get(session_id)
+        if turn is not None:
+            replay = _check_turn(record, turn, chain_hint, len(token_ids))
+            if replay is not None:
+                return replay
         first_put = record.device_id is None
         device_id = self.state.place(session_id, chain_hint or [])
         await self._check_incarnation(device_id)
@@ -363,6 +423,21 @@ class SessionRouter:
         garbage = self.state.record_put(session_id, result["chain"], len(token_ids), result["turn"])
         await self._collect(garbage)
         return result
+
+    async def match_prefix(
+        self, layout: dict[str, Any], namespace: str, token_ids: list[int]
+    ) -> dict[str, Any]:
+        """How many leading tokens are cached by any session of ``namespace``."""
+        tokens, blocks = self.state.match_prefix(KVLayout.from_dict(layout), namespace, token_ids)
+        return {"tokens": tokens, "blocks": blocks}
+
+    async def locate_blocks(self, keys: list[bytes]) -> list[tuple[str, Any, list[bytes]]]:
+        """``(device_id, handle, keys)`` groups: where to read blocks by key."""
+        out = []
+        for device_id, group in self.state.locate(keys).items():
+            await self._check_incarnation(device_id)
+            out.append((device_id, self._devices[device_id], group))
+        return out
 
     async def notify_input_end(self, session_id: str) -> int:
         """Trigger 1: a turn's input has ended and its cache is needed now.
@@ -412,6 +487,7 @@ class SessionRouter:
             if await device.has_session.remote(session_id):
                 await device.delete_session.remote(session_id)
         await self._collect(self.state.delete(session_id))
+        self._session_locks.pop(session_id, None)
 
     async def stats(self) -> dict[str, Any]:
         devices = {d: await h.stats.remote() for d, h in self._devices.items()}
@@ -534,6 +610,33 @@ class SessionRouter:
                     # A device restarting or a session deleted meanwhile: the next
                     # foreground call recovers it; background work just skips a round.
                     logger.info("background prefetch skipped %s: %s", device_id, e)
+
+
+def _check_turn(
+    record: SessionRecord, turn: int, chain: list[bytes] | None, tokens: int
+) -> dict[str, Any] | None:
+    """None to go ahead; the earlier answer for a retried turn; ConflictError otherwise."""
+    if turn == record.turn and chain is not None and list(chain) == record.chain:
+        return {
+            "chain": list(record.chain),
+            "new_blocks": 0,
+            "deduplicated_blocks": 0,
+            "released_blocks": 0,
+            "turn": record.turn,
+            "replayed": True,
+        }
+    if turn <= record.turn:
+        raise ConflictError(
+            f"turn {turn} of session {record.session_id!r} was already applied with other "
+            f"tokens; the session is at turn {record.turn} ({record.tokens} tokens, "
+            f"this append has {tokens})"
+        )
+    if turn != record.turn + 1:
+        raise ConflictError(
+            f"turn {turn} is out of order: session {record.session_id!r} is at turn "
+            f"{record.turn}, the next append is turn {record.turn + 1}"
+        )
+    return None
 
 
 #: The actor: async, so slow device calls of one session do not block others.

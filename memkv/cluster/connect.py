@@ -218,8 +218,20 @@ class MemkvCluster:
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    def disconnect(self) -> None:
+        """Leave the cluster's (detached) actors running; disconnect from Ray."""
+        if self._closed:
+            return
+        self._closed = True
+        if ray.is_initialized():
+            ray.shutdown()
+
     def shutdown(self) -> None:
-        """Stop the actors this connection created, and Ray if it started it."""
+        """Stop the actors this connection created, and Ray if it started it.
+
+        Against a cluster it created nothing (its actors are detached and
+        shared), so this only disconnects.
+        """
         if self._closed:
             return
         self._closed = True

@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from memkv.errors import (
     CapacityError,
     ClosedError,
     ConfigError,
+    ConflictError,
     CorruptDataError,
     InvalidInputError,
     LayoutMismatchError,
@@ -67,6 +68,7 @@ from memkv.storage.tiers import (
 
 __all__ = [
     "BlockLocation",
+    "FetchedBlock",
     "PrefixMatch",
     "PutResult",
     "ResumeHandle",
@@ -154,6 +156,14 @@ class PrefixMatch:
 
     tokens: int
     blocks: tuple[BlockHash, ...]
+
+
+class FetchedBlock(NamedTuple):
+    """A block read from the store, and where it was found."""
+
+    key: BlockHash
+    block: torch.Tensor
+    tier: Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,7 +372,7 @@ class TieredStore:
             self._ensure_open()
             _check_session_id(session_id)
             if session_id in self._sessions:
-                raise InvalidInputError(f"session {session_id!r} already exists")
+                raise ConflictError(f"session {session_id!r} already exists")
             counts = block_token_count(layout, tokens)
             if len(counts) != len(chain):
                 raise InvalidInputError(
@@ -430,7 +440,7 @@ class TieredStore:
                 raise InvalidInputError(f"namespace must be a non-empty str, got {namespace!r}")
             prio = _priority(priority)
             if session_id in self._sessions:
-                raise InvalidInputError(f"session {session_id!r} already exists")
+                raise ConflictError(f"session {session_id!r} already exists")
             now = self._clock()
             s = _Session(session_id, layout, namespace, prio, created_at=now, last_access=now)
             self._sessions[session_id] = s
@@ -637,6 +647,10 @@ class TieredStore:
             UnknownBlockError: not stored.
             CorruptDataError: the only copy failed its checksum (never served).
         """
+        return self.fetch(key, stream=stream).block
+
+    def fetch(self, key: BlockHash, *, stream: str | None = None) -> FetchedBlock:
+        """Like :meth:`get`, and also the tier the block was found in."""
         with self._lock:
             self._ensure_open()
             entry = self._blocks.get(key)
@@ -658,26 +672,32 @@ class TieredStore:
             elif entry.pins == 0:
                 self._promote(entry, block, now)
             self._prefetcher.observe(key, stream)
-            return block
+            return FetchedBlock(key, block, found)
 
     def read_session(
         self, session_id: str, start: int = 0, end: int | None = None
     ) -> Iterator[tuple[BlockHash, torch.Tensor]]:
-        """Yield a session's blocks in order, promoting each as it is needed.
+        """Yield a session's ``(key, block)`` in order, promoting each as it is needed.
 
         Before each block is returned the next ``lookahead_window`` blocks are
         prefetched into free hot-tier space, so a lazy resume reads ahead of its
         consumer without evicting anything for it.
         """
+        for fetched in self.iter_session(session_id, start, end):
+            yield fetched.key, fetched.block
+
+    def iter_session(
+        self, session_id: str, start: int = 0, end: int | None = None
+    ) -> Iterator[FetchedBlock]:
+        """:meth:`read_session`, with the tier each block was found in."""
         with self._lock:
             chain = list(self._session(session_id).chain)
         stop = len(chain) if end is None else min(end, len(chain))
         window = self.config.prefetch.lookahead_window
         for i in range(max(start, 0), stop):
-            key = chain[i]
-            block = self.get(key, stream=session_id)
+            fetched = self.fetch(chain[i], stream=session_id)
             self.prefetch(chain[i + 1 : min(i + 1 + window, stop)])
-            yield key, block
+            yield fetched
 
     def match_prefix(
         self, layout: KVLayout, namespace: str, token_ids: Sequence[int] | np.ndarray

@@ -1,0 +1,395 @@
+"""The HTTP gateway: FastAPI routes over the router and device actors.
+
+Session lifecycle under ``/v1``; KV payloads travel as binary frame bodies
+(:mod:`memkv.api.wire`, docs/wire-format.md), never pickle. Reads stream: a
+resume's first block is on the wire before its last is promoted. Errors are
+JSON ``{"error": {"type": ..., "message": ...}}`` with a status chosen from
+memkv's exception hierarchy (only this module maps exceptions to HTTP).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import ray
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from pydantic import BaseModel, ConfigDict, Field
+from ray.exceptions import RayError
+
+from memkv.actors.payload import BlockPayload
+from memkv.api.wire import (
+    FrameReader,
+    WireError,
+    block_frame_prefix,
+    block_payload,
+    end_frame,
+)
+from memkv.errors import (
+    BlockLostError,
+    CapacityError,
+    ClosedError,
+    ConflictError,
+    CorruptDataError,
+    InvalidInputError,
+    LayoutMismatchError,
+    MemkvError,
+    NotFoundError,
+)
+from memkv.storage.hashing import chain_hashes, token_array
+from memkv.storage.layout import KVLayout
+
+__all__ = ["FRAMES_MEDIA_TYPE", "create_app"]
+
+FRAMES_MEDIA_TYPE = "application/x-memkv-frames"
+
+# Most specific first: the first isinstance match decides the status.
+_STATUS: list[tuple[type[BaseException], int]] = [
+    (ConflictError, 409),
+    (NotFoundError, 404),
+    (BlockLostError, 410),
+    (InvalidInputError, 422),
+    (CapacityError, 507),
+    (CorruptDataError, 500),
+    (ClosedError, 503),
+    (MemkvError, 500),
+]
+
+
+class PayloadTooLarge(InvalidInputError):
+    """A request body is larger than the gateway accepts."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LayoutIn(_Model):
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+    block_tokens: int = 256
+
+
+class SessionCreate(_Model):
+    session_id: str = Field(min_length=1, max_length=256)
+    layout: LayoutIn
+    namespace: str = Field(default="default", min_length=1, max_length=256)
+    priority: str = "normal"
+
+
+class SuspendIn(_Model):
+    offline: bool = False
+
+
+class MatchIn(_Model):
+    layout: LayoutIn
+    namespace: str = "default"
+    token_ids: list[int]
+
+
+class BlocksByKeyIn(_Model):
+    namespace: str
+    keys: list[str] = Field(description="Block keys, hex.")
+
+
+def _session_out(record: dict[str, Any]) -> dict[str, Any]:
+    out = dict(record)
+    out["chain"] = [bytes(k).hex() for k in record.get("chain", [])]
+    return out
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    # Errors raised in an actor arrive wrapped (RayTaskError subclasses the cause);
+    # report the cause's own type and message, not the remote traceback.
+    cause = getattr(exc, "cause", None)
+    shown = cause if isinstance(cause, BaseException) else exc
+    status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 500)
+    if isinstance(exc, PayloadTooLarge):
+        status = 413
+    name = type(shown).__name__
+    return JSONResponse(
+        {"error": {"type": name, "message": str(shown), "status": status}}, status_code=status
+    )
+
+
+def create_app(router: Any, *, max_body_bytes: int = 1 << 30) -> FastAPI:
+    """The gateway app for a router actor handle.
+
+    Args:
+        router: the SessionRouter actor.
+        max_body_bytes: larger append bodies are refused with 413.
+    """
+    app = FastAPI(
+        title="memkv gateway",
+        version="1",
+        description="Session lifecycle of memkv, the KV-cache store for LLM agents.",
+    )
+    registry = CollectorRegistry()
+    requests = Counter(
+        "memkv_http_requests", "HTTP requests", ["route", "status"], registry=registry
+    )
+    latency = Histogram(
+        "memkv_http_request_seconds",
+        "Request latency (to the response head)",
+        ["route"],
+        registry=registry,
+    )
+    payload_bytes = Counter(
+        "memkv_payload_bytes", "KV payload bytes", ["direction"], registry=registry
+    )
+
+    @app.middleware("http")
+    async def _metrics(request: Request, call_next: Any) -> Response:
+        start = time.perf_counter()
+        response: Response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        requests.labels(path, str(response.status_code)).inc()
+        latency.labels(path).observe(time.perf_counter() - start)
+        return response
+
+    @app.exception_handler(MemkvError)
+    async def _memkv_error(request: Request, exc: MemkvError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(
+            {"error": {"type": "InvalidInputError", "message": str(exc.errors()), "status": 422}},
+            status_code=422,
+        )
+
+    # -- health ------------------------------------------------------------------------
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """The gateway process is up."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz() -> JSONResponse:
+        """The router answers (the cluster can serve)."""
+        try:
+            await router.ping.remote()
+        except RayError as e:
+            return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", tags=["health"])
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- sessions ------------------------------------------------------------------------
+
+    @app.post("/v1/sessions", status_code=201, tags=["sessions"])
+    async def create_session(body: SessionCreate) -> dict[str, Any]:
+        layout = KVLayout.from_dict(body.layout.model_dump())
+        record = await router.create_session.remote(
+            body.session_id, layout.to_dict(), body.namespace, body.priority
+        )
+        return _session_out(record)
+
+    @app.get("/v1/sessions/{session_id}", tags=["sessions"])
+    async def get_session(session_id: str) -> dict[str, Any]:
+        return _session_out(await router.session.remote(session_id))
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"])
+    async def delete_session(session_id: str) -> Response:
+        await router.delete_session.remote(session_id)
+        return Response(status_code=204)
+
+    @app.post("/v1/sessions/{session_id}/suspend", tags=["sessions"])
+    async def suspend(session_id: str, body: SuspendIn | None = None) -> dict[str, Any]:
+        offline = body.offline if body is not None else False
+        return _session_out(await router.suspend.remote(session_id, offline))
+
+    @app.post("/v1/sessions/{session_id}/resume", tags=["sessions"])
+    async def resume(session_id: str) -> dict[str, Any]:
+        handle = await router.resume.remote(session_id)
+        return {
+            "session_id": handle["session_id"],
+            "device_id": handle["device_id"],
+            "tokens": handle["tokens"],
+            "blocks": [
+                {"key": bytes(k).hex(), "tier": tier, "tokens": n}
+                for k, tier, n in handle["blocks"]
+            ],
+        }
+
+    @app.post("/v1/sessions/{session_id}/input-end", tags=["sessions"])
+    async def input_end(session_id: str) -> dict[str, int]:
+        """A turn's input is complete: prefetch the session's cache now."""
+        return {"prefetched": int(await router.notify_input_end.remote(session_id))}
+
+    # -- KV data -----------------------------------------------------------------------
+
+    @app.post(
+        "/v1/sessions/{session_id}/turns",
+        tags=["kv"],
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {FRAMES_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+            }
+        },
+    )
+    async def append_turn(session_id: str, request: Request) -> dict[str, Any]:
+        """Append a turn: a ``turn`` frame then its ``block`` frames (docs/wire-format.md).
+
+        Idempotent by the turn index: a retry of the last turn with the same
+        tokens answers as before (``replayed``) and stores nothing.
+        """
+        frames = await _read_frames(request, max_body_bytes)
+        if not frames or frames[0].kind != "turn":
+            raise WireError("an append body starts with a 'turn' frame")
+        head = frames[0].header
+        record = await router.session.remote(session_id)
+        layout = KVLayout.from_dict(record["layout"])
+        sent_layout = head.get("layout")
+        if sent_layout is not None and KVLayout.from_dict(sent_layout) != layout:
+            raise ConflictError(
+                f"the body's layout {sent_layout} differs from session {session_id!r}'s "
+                f"{layout.to_dict()}"
+            )
+        tokens = _tokens(head)
+        chain = chain_hashes(tokens, layout, record["namespace"])
+        start = head.get("start_block", 0)
+        turn = head.get("turn")
+        if not isinstance(start, int) or not 0 <= start <= len(chain):
+            raise WireError(f"'start_block' must be an int in [0, {len(chain)}], got {start!r}")
+        if turn is not None and not isinstance(turn, int):
+            raise WireError(f"'turn' must be an int or absent, got {turn!r}")
+        blocks = frames[1:]
+        if len(blocks) != len(chain) - start:
+            raise WireError(
+                f"{len(tokens)} tokens make {len(chain)} blocks: from block {start} the body "
+                f"must carry {len(chain) - start} block frames, it has {len(blocks)}"
+            )
+        refs = []
+        for i, frame in enumerate(blocks, start=start):
+            key, dtype, array = block_payload(frame)
+            if key != chain[i]:
+                raise WireError(f"block {i}: its key does not match the hash of its tokens")
+            if dtype != layout.dtype:
+                raise LayoutMismatchError(
+                    f"block {i} is {dtype}, the session's layout is {layout.dtype}"
+                )
+            refs.append(ray.put(BlockPayload(key, dtype, array)))
+            payload_bytes.labels("in").inc(array.nbytes)
+        result = await router.put_blocks.remote(
+            session_id, tokens.tolist(), refs, start, [bytes(k) for k in chain], turn
+        )
+        result["chain"] = [bytes(k).hex() for k in result["chain"]]
+        return result
+
+    @app.get("/v1/sessions/{session_id}/blocks", tags=["kv"])
+    async def read_blocks(
+        session_id: str,
+        start: int = Query(default=0, ge=0),
+        end: int | None = Query(default=None, ge=0),
+    ) -> StreamingResponse:
+        """Stream a session's blocks in chain order (frames; ends with an ``end`` frame)."""
+        _, device = await router.device_of.remote(session_id)
+        stream = device.read_session.options(num_returns="streaming").remote(session_id, start, end)
+
+        async def body() -> AsyncIterator[bytes | memoryview]:
+            n = 0
+            async for ref in stream:
+                payload: BlockPayload = await ref
+                for chunk in _block_chunks(start + n, payload):
+                    yield chunk
+                payload_bytes.labels("out").inc(payload.nbytes)
+                n += 1
+            yield end_frame(n)
+
+        return StreamingResponse(body(), media_type=FRAMES_MEDIA_TYPE)
+
+    @app.post("/v1/blocks/read", tags=["kv"])
+    async def read_blocks_by_key(body: BlocksByKeyIn) -> StreamingResponse:
+        """Stream blocks by key (e.g. a prefix found by /v1/match), in the order asked."""
+        try:
+            keys = [bytes.fromhex(k) for k in body.keys]
+        except ValueError as e:
+            raise InvalidInputError(f"keys must be hex strings: {e}") from e
+        groups = await router.locate_blocks.remote(keys)
+        found: dict[bytes, BlockPayload] = {}
+        for _, device, group in groups:
+            for payload in await device.get_blocks.remote(group):
+                found[payload.key] = payload
+
+        async def stream() -> AsyncIterator[bytes | memoryview]:
+            for i, key in enumerate(keys):
+                for chunk in _block_chunks(i, found[key]):
+                    yield chunk
+                payload_bytes.labels("out").inc(found[key].nbytes)
+            yield end_frame(len(keys))
+
+        return StreamingResponse(stream(), media_type=FRAMES_MEDIA_TYPE)
+
+    @app.post("/v1/match", tags=["kv"])
+    async def match(body: MatchIn) -> dict[str, Any]:
+        """How many leading tokens are already cached (any session of the namespace)."""
+        layout = KVLayout.from_dict(body.layout.model_dump())
+        token_array(body.token_ids)  # validate before asking the router
+        result = await router.match_prefix.remote(layout.to_dict(), body.namespace, body.token_ids)
+        return {"tokens": result["tokens"], "blocks": [bytes(k).hex() for k in result["blocks"]]}
+
+    @app.get("/v1/stats", tags=["cluster"])
+    async def stats() -> dict[str, Any]:
+        return dict(await router.stats.remote())
+
+    return app
+
+
+def _tokens(head: dict[str, Any]) -> np.ndarray:
+    raw = head.get("tokens")
+    if isinstance(raw, bytes):
+        if len(raw) % 8:
+            raise WireError("'tokens' must be int64 little-endian bytes (a multiple of 8)")
+        return token_array(np.frombuffer(raw, dtype="<i8"))
+    if isinstance(raw, list):
+        return token_array(raw)
+    raise WireError("the turn frame needs 'tokens': int64 little-endian bytes or a list of ints")
+
+
+def _block_chunks(index: int, payload: BlockPayload) -> list[bytes | memoryview]:
+    data = memoryview(np.ascontiguousarray(payload.data)).cast("B")
+    prefix = block_frame_prefix(
+        index=index,
+        key=payload.key,
+        dtype=payload.dtype,
+        shape=tuple(payload.data.shape),
+        data=data,
+        tier=payload.tier,
+    )
+    return [prefix, data]
+
+
+async def _read_frames(request: Request, max_body_bytes: int) -> list[Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {max_body_bytes}")
+    reader = FrameReader(max_payload_bytes=max_body_bytes)
+    frames = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > max_body_bytes:
+            raise PayloadTooLarge(f"body exceeds the limit of {max_body_bytes} bytes")
+        frames.extend(reader.feed(chunk))
+    reader.close()
+    return frames

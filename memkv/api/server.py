@@ -1,0 +1,101 @@
+"""Running the gateway: uvicorn (uvloop + httptools) on a socket we bind ourselves."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+import uvloop
+
+from memkv.api.app import create_app
+
+__all__ = ["GatewayServer"]
+
+# How long start() waits for uvicorn to report that it is serving.
+_STARTUP_TIMEOUT_S = 30.0
+_POLL_S = 0.02
+
+
+class GatewayServer:
+    """A uvicorn server for the gateway app, in a background thread.
+
+    Example:
+        >>> with GatewayServer.start(cluster, port=0) as gw:   # doctest: +SKIP
+        ...     print(gw.url)
+    """
+
+    def __init__(self, server: uvicorn.Server, sock: socket.socket, thread: threading.Thread):
+        self._server = server
+        self._sock = sock
+        self._thread = thread
+        host, port = sock.getsockname()[:2]
+        self.host, self.port = host, port
+        self.url = f"http://{host}:{port}"
+
+    @classmethod
+    def start(
+        cls,
+        cluster: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        max_body_bytes: int = 1 << 30,
+    ) -> GatewayServer:
+        """Bind ``host:port`` (0 = any free port) and serve until :meth:`stop`.
+
+        Args:
+            cluster: a :class:`memkv.cluster.MemkvCluster` (its router is used).
+        """
+        app = create_app(cluster.router, max_body_bytes=max_body_bytes)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        config = uvicorn.Config(
+            app,
+            loop="uvloop",
+            http="httptools",
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
+        server = uvicorn.Server(config)
+
+        def serve() -> None:
+            # uvloop for the gateway's event loop, as uvicorn's own run() would set up.
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                runner.run(server.serve(sockets=[sock]))
+
+        thread = threading.Thread(
+            target=serve,
+            name="memkv-gateway",
+            daemon=True,
+        )
+        thread.start()
+        gateway = cls(server, sock, thread)
+        gateway._wait_started()
+        return gateway
+
+    def _wait_started(self) -> None:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the gateway thread exited during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway did not start within {_STARTUP_TIMEOUT_S} s")
+            time.sleep(_POLL_S)
+
+    def stop(self) -> None:
+        """Stop serving and join the thread."""
+        self._server.should_exit = True
+        self._thread.join(timeout=_STARTUP_TIMEOUT_S)
+        self._sock.close()
+
+    def __enter__(self) -> GatewayServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,234 @@
+"""memkv's binary wire format for KV payloads (see docs/wire-format.md).
+
+A body is a sequence of *frames*::
+
+    frame  := MAGIC (4 bytes, b"MKVF") | header_len (u32, little-endian)
+              | header (msgpack map, header_len bytes) | payload (header["nbytes"] bytes)
+
+* An append request is one ``turn`` frame (no payload) followed by its
+  ``block`` frames; a read response is ``block`` frames then one ``end``
+  frame, so a truncated stream is detected.
+* A block header names the block's key, dtype, shape, byte size and the
+  CRC32 of its payload; the payload is the tensor's raw C-order bytes.
+* Never pickle: headers are msgpack of plain values only.
+
+:class:`FrameReader` parses incrementally from arbitrary chunks straight into
+one preallocated buffer per payload, so a request body is copied once (from the
+socket into the buffer the block is then read from).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from memkv.errors import InvalidInputError, LayoutMismatchError
+
+__all__ = [
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "Frame",
+    "FrameReader",
+    "WireError",
+    "block_frame_prefix",
+    "block_payload",
+    "encode_frame",
+    "end_frame",
+    "numpy_dtype",
+]
+
+MAGIC = b"MKVF"
+_PREFIX = struct.Struct("<4sI")
+#: Headers are small (keys, shapes, token ids); anything bigger is malformed.
+MAX_HEADER_BYTES = 16 << 20
+
+# bfloat16 has no numpy dtype: its payload is read as uint16 bits.
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class WireError(InvalidInputError):
+    """A body is malformed, truncated, or its headers disagree with its payloads."""
+
+
+@dataclass(slots=True)
+class Frame:
+    header: dict[str, Any]
+    payload: bytearray = field(default_factory=bytearray)
+
+    @property
+    def kind(self) -> str:
+        return str(self.header.get("kind"))
+
+
+def numpy_dtype(dtype: str) -> type[np.generic]:
+    """The numpy dtype a payload of ``dtype`` is viewed as (bf16 as uint16 bits)."""
+    try:
+        return _NUMPY_DTYPES[dtype]
+    except KeyError:
+        raise LayoutMismatchError(
+            f"unknown block dtype {dtype!r}; expected one of {sorted(_NUMPY_DTYPES)}"
+        ) from None
+
+
+def encode_frame(
+    header: dict[str, Any], payload: bytes | memoryview = b""
+) -> list[bytes | memoryview]:
+    """A frame as chunks to write (the payload is not copied)."""
+    if payload:
+        header = {**header, "nbytes": len(memoryview(payload).cast("B"))}
+    packed = msgpack.packb(header, use_bin_type=True)
+    return (
+        [_PREFIX.pack(MAGIC, len(packed)) + packed, payload]
+        if payload
+        else [_PREFIX.pack(MAGIC, len(packed)) + packed]
+    )
+
+
+def block_frame_prefix(
+    *, index: int, key: bytes, dtype: str, shape: tuple[int, ...], data: memoryview, **extra: Any
+) -> bytes:
+    """The prefix (magic, length, header) of a block frame whose payload is ``data``."""
+    header = {
+        "kind": "block",
+        "index": index,
+        "key": bytes(key),
+        "dtype": dtype,
+        "shape": list(shape),
+        "nbytes": data.nbytes,
+        "crc32": zlib.crc32(data),
+        **extra,
+    }
+    packed = msgpack.packb(header, use_bin_type=True)
+    return _PREFIX.pack(MAGIC, len(packed)) + packed
+
+
+def end_frame(count: int) -> bytes:
+    packed = msgpack.packb({"kind": "end", "count": count}, use_bin_type=True)
+    return _PREFIX.pack(MAGIC, len(packed)) + packed
+
+
+def block_payload(frame: Frame) -> tuple[bytes, str, np.ndarray]:
+    """Check a block frame against its header; return ``(key, dtype, array)`` (no copy).
+
+    Raises:
+        WireError: a missing or ill-typed field, a size that does not match the
+            shape and dtype, or a payload whose CRC32 differs from the header's.
+    """
+    h = frame.header
+    if frame.kind != "block":
+        raise WireError(f"expected a block frame, got {frame.kind!r}")
+    key, dtype, shape, crc = h.get("key"), h.get("dtype"), h.get("shape"), h.get("crc32")
+    if not isinstance(key, bytes) or len(key) != 16:
+        raise WireError(f"block {h.get('index')}: 'key' must be 16 bytes, got {key!r:.40}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise WireError(f"block {h.get('index')}: 'shape' must be a list of ints, got {shape!r}")
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+        raise WireError(
+            f"block {h.get('index')}: 'dtype' must be one of {sorted(_ITEMSIZE)}, got {dtype!r}"
+        )
+    expected = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
+    if expected != len(frame.payload):
+        raise WireError(
+            f"block {h.get('index')}: header says shape {shape} of {dtype} ({expected} bytes), "
+            f"payload has {len(frame.payload)} bytes"
+        )
+    if not isinstance(crc, int) or zlib.crc32(frame.payload) != crc:
+        raise WireError(f"block {h.get('index')}: payload checksum does not match its header")
+    array = np.frombuffer(frame.payload, dtype=numpy_dtype(dtype)).reshape(shape)
+    return key, dtype, array
+
+
+class FrameReader:
+    """Incremental frame parser: feed chunks, collect frames.
+
+    Args:
+        max_payload_bytes: the largest payload accepted in one frame.
+    """
+
+    def __init__(self, max_payload_bytes: int) -> None:
+        self._max_payload = max_payload_bytes
+        self._buf = bytearray()  # bytes of an incomplete prefix/header
+        self._frame: Frame | None = None  # frame whose payload is being filled
+        self._filled = 0
+
+    def feed(self, chunk: bytes | memoryview) -> Iterator[Frame]:
+        """Consume ``chunk``; yield every frame it completes.
+
+        Header bytes are gathered in a small buffer (only as many as the header
+        needs); payload bytes go straight into the frame's own buffer.
+        """
+        view = memoryview(chunk).cast("B")
+        while view:
+            if self._frame is None:
+                taken = self._gather_header(view)
+                view = view[taken:]
+                frame = self._take_header()
+                if frame is None:
+                    continue  # the header needs more bytes than this chunk had
+                if not frame.payload:
+                    yield frame
+                    continue
+                self._frame, self._filled = frame, 0
+                continue
+            need = len(self._frame.payload) - self._filled
+            take = min(need, len(view))
+            self._frame.payload[self._filled : self._filled + take] = view[:take]
+            self._filled += take
+            view = view[take:]
+            if self._filled == len(self._frame.payload):
+                frame, self._frame = self._frame, None
+                yield frame
+
+    def _gather_header(self, view: memoryview) -> int:
+        """Move the bytes the next header still needs from ``view``; return how many."""
+        if len(self._buf) < _PREFIX.size:
+            need = _PREFIX.size - len(self._buf)
+        else:
+            _, header_len = _PREFIX.unpack_from(self._buf)
+            need = _PREFIX.size + min(header_len, MAX_HEADER_BYTES + 1) - len(self._buf)
+        take = min(need, len(view))
+        self._buf += view[:take]
+        if len(self._buf) == _PREFIX.size and take == need:
+            # The prefix just completed: the header length is known now.
+            _, header_len = _PREFIX.unpack_from(self._buf)
+            more = min(header_len, MAX_HEADER_BYTES + 1, len(view) - take)
+            self._buf += view[take : take + more]
+            take += more
+        return take
+
+    def close(self) -> None:
+        """The body ended: anything pending means it was truncated."""
+        if self._frame is not None or self._buf:
+            raise WireError("truncated body: it ends in the middle of a frame")
+
+    def _take_header(self) -> Frame | None:
+        if len(self._buf) < _PREFIX.size:
+            return None
+        magic, header_len = _PREFIX.unpack_from(self._buf)
+        if magic != MAGIC:
+            raise WireError(f"bad frame magic {bytes(magic)!r}, expected {MAGIC!r}")
+        if header_len > MAX_HEADER_BYTES:
+            raise WireError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+        end = _PREFIX.size + header_len
+        if len(self._buf) < end:
+            return None
+        try:
+            header = msgpack.unpackb(bytes(self._buf[_PREFIX.size : end]), raw=False)
+        except (ValueError, msgpack.UnpackException) as e:
+            raise WireError(f"frame header is not valid msgpack: {e}") from e
+        if not isinstance(header, dict):
+            raise WireError("a frame header must be a msgpack map")
+        nbytes = header.get("nbytes", 0)
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise WireError(f"frame 'nbytes' must be a non-negative int, got {nbytes!r}")
+        if nbytes > self._max_payload:
+            raise WireError(f"frame payload of {nbytes} bytes exceeds {self._max_payload}")
+        del self._buf[:end]
+        return Frame(header, bytearray(nbytes))

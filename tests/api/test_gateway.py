@@ -1,0 +1,248 @@
+"""HTTP end to end: a real uvicorn on 127.0.0.1 over the embedded cluster."""
+
+import asyncio
+import itertools
+
+import httpx
+import pytest
+import torch
+
+from memkv.api.wire import encode_frame
+from memkv.client import AsyncClient, Client
+from memkv.errors import (
+    ConflictError,
+    InvalidInputError,
+    LayoutMismatchError,
+    MemkvError,
+    UnknownSessionError,
+)
+from memkv.storage.hashing import chain_hashes
+from memkv.storage.layout import KVLayout, split_kv
+
+LAYOUT = KVLayout("gateway-test", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
+FRAMES = {"content-type": "application/x-memkv-frames"}
+_ids = itertools.count()
+
+
+def kv(tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
+    keys = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
+    values = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
+    return keys, values
+
+
+@pytest.fixture
+def client(gateway):
+    with Client(gateway.url) as c:
+        yield c
+
+
+def new_id():
+    return f"http-{next(_ids)}"
+
+
+def same(blocks, expected):
+    return len(blocks) == len(expected) and all(
+        torch.equal(a, b) for a, b in zip(blocks, expected, strict=True)
+    )
+
+
+def test_session_lifecycle_end_to_end(client):
+    sid = new_id()
+    created = client.create_session(sid, LAYOUT, namespace="t-life", priority="normal")
+    assert created.state == "active" and created.turn == 0 and created.chain == []
+    keys, values = kv(30, seed=1)  # turn 1: 14 tokens, turn 2: 30 tokens
+    tokens = list(range(1000, 1030))
+    r1 = client.append_turn(
+        sid, tokens[:14], [k[:, :14] for k in keys], [v[:, :14] for v in values]
+    )
+    assert (r1.turn, r1.new_blocks) == (1, 4)
+    r2 = client.append_turn(sid, tokens, keys, values)
+    assert r2.turn == 2 and r2.released_blocks == 1  # the partial tail was replaced
+    expected = split_kv(LAYOUT, keys, values)
+    assert same([b.tensor for b in client.read_blocks(sid)], expected)
+    assert [b.index for b in client.read_blocks(sid, start=2, end=4)] == [2, 3]
+
+    m = client.match(LAYOUT, "t-life", tokens)
+    assert m.tokens == 30 and len(m.blocks) == 8
+    # A longer input matches whole blocks only: the stored partial tail (tokens
+    # 28..29) is not the input's block 7 (tokens 28..31).
+    longer = client.match(LAYOUT, "t-life", tokens + [5, 6, 7])
+    assert longer.tokens == 28 and longer.blocks == m.blocks[:7]
+    assert client.match(LAYOUT, "other-tenant", tokens).tokens == 0
+    by_key = client.read_blocks_by_key("t-life", m.blocks[:3])
+    assert same([b.tensor for b in by_key], expected[:3])
+
+    suspended = client.suspend(sid)
+    assert suspended.state == "archived"
+    resumed = client.resume(sid)
+    assert resumed.tokens == 30 and {t for _, t, _ in resumed.blocks} == {"cold"}
+    streamed = list(client.read_blocks(sid))
+    assert same([b.tensor for b in streamed], expected)
+    assert all(b.tier in ("hot", "warm", "cold") for b in streamed)
+
+    client.delete_session(sid)
+    with pytest.raises(UnknownSessionError):
+        client.session(sid)
+
+
+def test_append_is_idempotent_by_turn(client):
+    sid = new_id()
+    client.create_session(sid, LAYOUT, namespace="t-idem")
+    keys, values = kv(8, seed=2)
+    first = client.append_turn(sid, list(range(8)), keys, values, turn=1)
+    again = client.append_turn(sid, list(range(8)), keys, values, turn=1)
+    assert again.replayed and again.chain == first.chain and again.turn == 1
+    with pytest.raises(ConflictError, match="out of order"):
+        client.append_turn(sid, list(range(8)), keys, values, turn=3)
+    with pytest.raises(ConflictError, match="already applied"):
+        client.append_turn(sid, list(range(100, 108)), keys, values, turn=1)
+    assert client.session(sid).turn == 1
+
+
+def raw_turn(sid, tokens, blocks, *, start=0, turn=1, layout=LAYOUT, namespace="t-bad"):
+    chain = chain_hashes(tokens, layout, namespace)
+    body = b"".join(
+        encode_frame(
+            {
+                "kind": "turn",
+                "turn": turn,
+                "tokens": list(tokens),
+                "start_block": start,
+                "layout": layout.to_dict(),
+                "blocks": len(blocks),
+            }
+        )
+    )
+    for i, b in enumerate(blocks, start=start):
+        import zlib
+
+        data = memoryview(b.contiguous().numpy()).cast("B")
+        body += b"".join(
+            bytes(c)
+            for c in encode_frame(
+                {
+                    "kind": "block",
+                    "index": i,
+                    "key": bytes(chain[i]),
+                    "dtype": "float16",
+                    "shape": list(b.shape),
+                    "crc32": zlib.crc32(data),
+                },
+                data,
+            )
+        )
+    return body
+
+
+def test_bad_input_gets_its_status_and_changes_nothing(gateway, client):
+    sid = new_id()
+    client.create_session(sid, LAYOUT, namespace="t-bad")
+    keys, values = kv(8, seed=3)
+    client.append_turn(sid, list(range(8)), keys, values)
+    before = client.session(sid)
+    expected = split_kv(LAYOUT, keys, values)
+    url = f"/v1/sessions/{sid}/turns"
+    new_blocks = split_kv(LAYOUT, *kv(12, seed=4))
+    good = raw_turn(sid, list(range(12)), new_blocks, turn=2)
+
+    with httpx.Client(base_url=gateway.url) as http:
+        cases = {
+            "garbage": (b"not a frame at all", 422),
+            "truncated": (good[:-10], 422),
+            "checksum": (good[:-1] + bytes([good[-1] ^ 1]), 422),
+            "too few blocks": (raw_turn(sid, list(range(12)), new_blocks[:2], turn=2), 422),
+            "oversized": (b"\0" * (9 << 20), 413),
+        }
+        for name, (body, status) in cases.items():
+            r = http.post(url, content=body, headers=FRAMES)
+            assert r.status_code == status, (name, r.text)
+            assert "error" in r.json()
+        other = KVLayout("other-model", 2, 2, 8, block_tokens=4)
+        r = http.post(
+            url,
+            content=raw_turn(sid, list(range(8)), expected, turn=2, layout=other),
+            headers=FRAMES,
+        )
+        assert r.status_code == 409 and r.json()["error"]["type"] == "ConflictError"
+        shape_lies = raw_turn(sid, list(range(12)), new_blocks, turn=2).replace(
+            b"\x95\x02\x02\x02\x04\x08", b"\x95\x02\x02\x02\x04\x09", 1
+        )
+        assert http.post(url, content=shape_lies, headers=FRAMES).status_code == 422
+        assert http.post("/v1/sessions/nope/turns", content=good, headers=FRAMES).status_code == 404
+        assert http.get("/v1/sessions/nope").status_code == 404
+        assert (
+            http.post(
+                "/v1/sessions", json={"session_id": sid, "layout": LAYOUT.to_dict()}
+            ).status_code
+            == 409
+        )
+        assert (
+            http.post(
+                "/v1/sessions", json={"session_id": "x", "layout": {"model_id": "m"}}
+            ).status_code
+            == 422
+        )
+        assert (
+            http.post("/v1/match", json={"layout": LAYOUT.to_dict(), "token_ids": [-1]}).status_code
+            == 422
+        )
+
+    after = client.session(sid)
+    assert (after.turn, after.tokens, after.chain) == (before.turn, before.tokens, before.chain)
+    assert same([b.tensor for b in client.read_blocks(sid)], expected)
+    with pytest.raises(LayoutMismatchError):
+        client.append_turn(sid, list(range(8)), [k.float() for k in keys], values)
+    with pytest.raises(InvalidInputError):
+        client.append_turn(sid, list(range(8)), blocks=expected[:1])
+
+
+def test_health_metrics_and_docs(gateway, client):
+    assert client.health() == {"status": "ok"}
+    assert client.ready()
+    with httpx.Client(base_url=gateway.url) as http:
+        metrics = http.get("/metrics").text
+        assert "memkv_http_requests_total" in metrics
+        spec = http.get("/openapi.json").json()
+        assert "/v1/sessions/{session_id}/turns" in spec["paths"]
+        assert http.get("/docs").status_code == 200
+    stats = client.stats()
+    assert len(stats["devices"]) == 2 and stats["sessions"] >= 1
+
+
+def test_async_client(gateway):
+    async def flow():
+        async with AsyncClient(gateway.url) as c:
+            sid = new_id()
+            await c.create_session(sid, LAYOUT, namespace="t-async")
+            keys, values = kv(9, seed=5)
+            await c.append_turn(sid, list(range(9)), keys, values)
+            blocks = [b.tensor async for b in c.read_blocks(sid)]
+            assert same(blocks, split_kv(LAYOUT, keys, values))
+            assert (await c.match(LAYOUT, "t-async", list(range(9)))).tokens == 9
+            await c.delete_session(sid)
+            with pytest.raises(UnknownSessionError):
+                await c.session(sid)
+
+    asyncio.run(flow())
+
+
+def test_client_retries_idempotent_calls_only():
+    calls = []
+
+    def handler(request):
+        calls.append(request.method)
+        if len(calls) == 1:
+            return httpx.Response(503, json={"error": {"type": "ClosedError", "message": "x"}})
+        return httpx.Response(200, json={"status": "ok"})
+
+    with Client("http://test", transport=httpx.MockTransport(handler)) as c:
+        assert c.health() == {"status": "ok"}
+    assert calls == ["GET", "GET"]
+
+    calls.clear()
+    with Client("http://test", transport=httpx.MockTransport(handler)) as c:
+        with pytest.raises(MemkvError):
+            c.delete_session("s")  # not idempotent: no retry
+    assert calls == ["DELETE"]
