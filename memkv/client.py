@@ -200,7 +200,7 @@ def _append_body(
         layout.check_block(block)
         t = block.detach().cpu().contiguous()
         raw = t.view(torch.int16) if t.dtype is torch.bfloat16 else t
-        data = memoryview(raw.numpy()).cast("B")
+        data = memoryview(raw.numpy().data).cast("B")
         chunks.extend(
             encode_frame(
                 {

@@ -30,6 +30,7 @@ from ray.exceptions import RayError
 
 from memkv.actors.payload import BlockPayload
 from memkv.api.wire import (
+    Frame,
     FrameReader,
     WireError,
     block_frame_prefix,
@@ -367,7 +368,7 @@ def _tokens(head: dict[str, Any]) -> np.ndarray:
 
 
 def _block_chunks(index: int, payload: BlockPayload) -> list[bytes | memoryview]:
-    data = memoryview(np.ascontiguousarray(payload.data)).cast("B")
+    data = memoryview(np.ascontiguousarray(payload.data).data).cast("B")
     prefix = block_frame_prefix(
         index=index,
         key=payload.key,
@@ -379,12 +380,12 @@ def _block_chunks(index: int, payload: BlockPayload) -> list[bytes | memoryview]
     return [prefix, data]
 
 
-async def _read_frames(request: Request, max_body_bytes: int) -> list[Any]:
+async def _read_frames(request: Request, max_body_bytes: int) -> list[Frame]:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {max_body_bytes}")
     reader = FrameReader(max_payload_bytes=max_body_bytes)
-    frames = []
+    frames: list[Frame] = []
     total = 0
     async for chunk in request.stream():
         total += len(chunk)

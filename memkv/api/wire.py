@@ -49,7 +49,11 @@ _PREFIX = struct.Struct("<4sI")
 MAX_HEADER_BYTES = 16 << 20
 
 # bfloat16 has no numpy dtype: its payload is read as uint16 bits.
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+_NUMPY_DTYPES: dict[str, type[np.generic]] = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+}
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
