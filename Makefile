@@ -15,7 +15,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv test lint typecheck unit demo bench-eviction bench-codecs clean
+.PHONY: venv test lint typecheck unit demo bench bench-eviction bench-codecs clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,9 @@ test: lint typecheck unit
 
 demo: $(STAMP)
 	$(PY) -m memkv.demo
+
+bench: $(STAMP)
+	$(PY) -m memkv.cli bench all
 
 bench-eviction: $(STAMP)
 	$(PY) benchmarks/replay_trace.py $(TRACE)

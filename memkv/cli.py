@@ -1,4 +1,4 @@
-"""The ``memkv`` command: ``up``, ``status``, ``demo``.
+"""The ``memkv`` command: ``up``, ``status``, ``demo``, ``bench``.
 
 ``memkv up`` with no address starts the embedded default (a local Ray on
 127.0.0.1 with one CPU device, an archive and the router) and serves the HTTP
@@ -102,6 +102,16 @@ def demo(
     from memkv.demo import main as demo_main
 
     raise typer.Exit(demo_main(["--sessions", str(sessions), "--seed", str(seed)]))
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench(ctx: typer.Context) -> None:
+    """Run the benchmark suites (``memkv bench --help`` lists them and their options)."""
+    from memkv.bench import main as bench_main
+
+    raise typer.Exit(bench_main(list(ctx.args)))
 
 
 def main() -> None:
