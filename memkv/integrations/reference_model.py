@@ -12,7 +12,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["REFERENCE_CONFIG", "build_reference_model", "cache_kv", "reference_layout"]
+from memkv.integrations.transformers import cache_to_kv, layout_for
+from memkv.storage.layout import KVLayout
+from memkv.storage.precision import convert
+
+__all__ = [
+    "REFERENCE_CONFIG",
+    "REFERENCE_MODEL_ID",
+    "build_reference_model",
+    "cache_kv",
+    "reference_layout",
+]
+
+#: The model id its caches are fingerprinted with (add the seed: other seeds, other weights).
+REFERENCE_MODEL_ID = "memkv-reference-llama"
 
 #: 8 layers, hidden 512, 8 heads, 2 KV heads: a 4k-token cache is 16 MiB in fp16.
 REFERENCE_CONFIG: dict[str, Any] = {
@@ -31,35 +44,27 @@ def build_reference_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**REFERENCE_CONFIG))
+    model: Any = LlamaForCausalLM(LlamaConfig(**REFERENCE_CONFIG))
     return model.to(dtype).eval()
 
 
 def reference_layout(
     model: Any,
     *,
-    model_id: str = "memkv-reference-llama",
-    dtype: str = "float16",
+    model_id: str = REFERENCE_MODEL_ID,
+    dtype: str | torch.dtype | None = None,
     block_tokens: int = 256,
-) -> Any:
-    """The KVLayout of ``model``'s cache (stored in ``dtype``)."""
-    from memkv.storage.layout import KVLayout
-
-    return KVLayout.from_model_config(
-        model.config,
-        model_id=model_id,
-        dtype=dtype,  # type: ignore[arg-type]
-        block_tokens=block_tokens,
-    )
+) -> KVLayout:
+    """The KVLayout of ``model``'s cache, stored in ``dtype`` (default: the model's, lossless)."""
+    return layout_for(model, model_id=model_id, dtype=dtype, block_tokens=block_tokens)
 
 
 def cache_kv(
     cache: Any, dtype: torch.dtype | None = None
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer K and V ``[kv_heads, tokens, head_dim]`` of a transformers DynamicCache."""
-    keys = [layer.keys[0] for layer in cache.layers]
-    values = [layer.values[0] for layer in cache.layers]
+    """Per-layer K and V ``[kv_heads, tokens, head_dim]`` of a DynamicCache, in ``dtype``."""
+    keys, values = cache_to_kv(cache)
     if dtype is not None:
-        keys = [k.to(dtype) for k in keys]
-        values = [v.to(dtype) for v in values]
+        keys = [convert(k, dtype) for k in keys]
+        values = [convert(v, dtype) for v in values]
     return keys, values
