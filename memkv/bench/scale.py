@@ -1,0 +1,170 @@
+"""Scale suite: many sessions with a shared prefix through the router.
+
+Creates 10,000 sessions (``--quick``: 200) whose first block is one shared
+system prompt, measures:
+
+* session operations per second at the router (create, lookup, delete), the
+  calls submitted concurrently as an inference fleet would;
+* a burst of turns (the shared prefix, deduplicated, plus one own block per
+  session) through the in-cluster API, one caller;
+* gateway requests per second for small requests (session lookups) from
+  client threads;
+* the router process' resident memory per idle session (from /proc, same node);
+* the hot tier's occupancy after the burst.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memkv.bench.context import BenchContext
+from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
+from memkv.storage.layout import KVLayout
+
+__all__ = ["run"]
+
+SESSIONS = 10_000
+QUICK_SESSIONS = 200
+#: Router calls in flight at once (an inference fleet's worth of callers).
+IN_FLIGHT = 256
+GATEWAY_THREADS = 8
+GATEWAY_REQUESTS = 4000
+QUICK_GATEWAY_REQUESTS = 200
+#: One 16-token block per step: 1 layer x 2 x 1 head x 16 tokens x 16 dims fp16 = 1 KiB.
+LAYOUT = KVLayout("bench-scale", num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=16)
+NAMESPACE = "bench-scale"
+_KIB = 1024
+_MS = 1000.0
+_P50, _P99 = 50, 99
+
+
+def _rss_bytes(pid: int) -> int | None:
+    """Resident set size of a local process, from /proc (None elsewhere)."""
+    status = Path(f"/proc/{pid}/status")
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * _KIB
+    except OSError:
+        return None
+    return None
+
+
+def _router_pid(router: Any) -> int | None:
+    import ray
+
+    try:
+        return int(ray.get(router.__ray_call__.remote(lambda _self: os.getpid())))
+    except (AttributeError, TypeError, ray.exceptions.RayError):
+        return None  # an older Ray without __ray_call__: memory is not measured
+
+
+def _rate(submit: Callable[[int], Any], n: int, what: str) -> float:
+    """Operations per second of ``n`` router calls, ``IN_FLIGHT`` outstanding at a time."""
+    import ray
+
+    start = time.perf_counter()
+    for lo in track(range(0, n, IN_FLIGHT), what, total=-(-n // IN_FLIGHT)):
+        ray.get([submit(i) for i in range(lo, min(n, lo + IN_FLIGHT))])
+    return n / (time.perf_counter() - start)
+
+
+def _gateway_rate(url: str, sids: list[str], requests: int) -> dict[str, float]:
+    import httpx
+
+    per = max(1, requests // GATEWAY_THREADS)
+
+    def worker(t: int) -> list[float]:
+        lat: list[float] = []
+        with httpx.Client(base_url=url) as http:
+            for i in range(per):
+                sid = sids[(t * per + i) % len(sids)]
+                t0 = time.perf_counter()
+                r = http.get(f"/v1/sessions/{sid}")
+                lat.append(time.perf_counter() - t0)
+                if r.status_code != httpx.codes.OK:
+                    raise RuntimeError(f"gateway answered {r.status_code} to a session lookup")
+        return lat
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(GATEWAY_THREADS) as pool:
+        lat = [x for part in pool.map(worker, range(GATEWAY_THREADS)) for x in part]
+    wall = time.perf_counter() - start
+    return {"requests": len(lat), "req_s": len(lat) / wall,
+            "p50_ms": percentile(lat, _P50) * _MS, "p99_ms": percentile(lat, _P99) * _MS}
+
+
+def run(ctx: BenchContext) -> SuiteResult:
+    """Create, fill, look up and delete many sessions; the table is rates and memory."""
+    n = QUICK_SESSIONS if ctx.quick else SESSIONS
+    cluster = ctx.get_cluster()
+    router = cluster.router
+    run_id = uuid.uuid4().hex[:6]
+    sids = [f"scale-{run_id}-{i}" for i in range(n)]
+    bt = LAYOUT.block_tokens
+    prefix = list(range(bt))  # the shared "system prompt" block
+    block = torch.randn(LAYOUT.block_shape()).to(torch.float16)
+    pid = _router_pid(router)
+    rss_before = _rss_bytes(pid) if pid is not None else None
+
+    create_s = _rate(lambda i: router.create_session.remote(sids[i], LAYOUT.to_dict(),
+                                                            NAMESPACE, "normal"),
+                     n, "scale: create sessions")
+    rss_idle = _rss_bytes(pid) if pid is not None else None
+    lookup_s = _rate(lambda i: router.session.remote(sids[i]), n, "scale: look up sessions")
+
+    start = time.perf_counter()
+    for i in track(range(n), "scale: burst of turns"):
+        own = list(range(bt * (i + 1), bt * (i + 2)))
+        cluster.put_blocks(sids[i], prefix + own, [block, block])
+    put_s = n / (time.perf_counter() - start)
+    stats = cluster.stats()
+    hot_usage = {d: s.get("hot_usage") for d, s in stats["devices"].items()}
+    dedup = {d: s.get("dedup_hits") for d, s in stats["devices"].items()}
+
+    requests = QUICK_GATEWAY_REQUESTS if ctx.quick else GATEWAY_REQUESTS
+    gateway = _gateway_rate(ctx.get_gateway_url(), sids, requests)
+    delete_s = _rate(lambda i: router.delete_session.remote(sids[i]), n, "scale: delete sessions")
+
+    per_session = ((rss_idle - rss_before) / n
+                   if rss_idle is not None and rss_before is not None else None)
+    rows: list[list[Any]] = [
+        ["create session (router)", create_s, f"{IN_FLIGHT} in flight"],
+        ["look up session (router)", lookup_s, f"{IN_FLIGHT} in flight"],
+        ["turn: shared prefix + 1 block (in-cluster API)", put_s, "one caller, sequential"],
+        ["look up session (gateway HTTP)", gateway["req_s"],
+         f"{GATEWAY_THREADS} client threads; P50 {gateway['p50_ms']:.2f} ms, "
+         f"P99 {gateway['p99_ms']:.2f} ms"],
+        ["delete session (router)", delete_s, f"{IN_FLIGHT} in flight"],
+    ]
+    notes = [
+        f"{n} sessions, layout {list(LAYOUT.block_shape())} fp16 ({LAYOUT.block_nbytes()} B "
+        f"blocks); every session's first block is the same shared prefix (stored once).",
+        "router resident memory per idle session: "
+        + (f"{per_session:.0f} B (RSS {rss_before} -> {rss_idle} B over {n} creates)"
+           if per_session is not None else "not measured (router pid not reachable)"),
+        f"hot-tier occupancy after the burst: {hot_usage}; dedup hits: {dedup}.",
+    ]
+    return SuiteResult(
+        suite="scale",
+        title=f"{n} sessions with a shared prefix: operations per second",
+        columns=["operation", "ops/s", "how"],
+        rows=rows,
+        figures={"sessions": n, "create_ops_s": create_s, "lookup_ops_s": lookup_s,
+                 "turn_ops_s": put_s, "delete_ops_s": delete_s, "gateway": gateway,
+                 "router_rss_before": rss_before, "router_rss_idle": rss_idle,
+                 "router_bytes_per_idle_session": per_session, "hot_usage": hot_usage,
+                 "dedup_hits": dedup},
+        notes=notes,
+        plot=PlotSpec(PlotKind.BAR, "operation", "operations / s", [r[0] for r in rows],
+                      {"ops/s": [float(r[1]) for r in rows]}, log_y=True),
+        quick=ctx.quick,
+    )

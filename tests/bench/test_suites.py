@@ -1,0 +1,128 @@
+"""Every suite in quick mode on the session's small cluster: figures exist and are sane.
+
+Never timing thresholds: only that each suite measured what it claims, with
+finite positive figures and the files written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memkv.bench import SUITES, main, run_suite
+from memkv.bench.context import BenchContext
+from memkv.bench.report import SCHEMA, load_results
+
+
+@pytest.fixture()
+def ctx(cluster: Any, gateway: Any, tmp_path: Path) -> BenchContext:
+    return BenchContext(quick=True, out=tmp_path / "results", cluster=cluster,
+                        gateway_url=gateway.url)
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def _written(ctx: BenchContext, suite: str) -> dict[str, Any]:
+    doc = json.loads((ctx.out / f"{suite}.json").read_text())
+    assert doc["schema"] == SCHEMA and doc["suite"] == suite and doc["quick"]
+    assert (ctx.out / f"{suite}.png").stat().st_size > 0
+    assert doc["rows"] and all(len(r) == len(doc["columns"]) for r in doc["rows"])
+    return doc
+
+
+def test_resume_quick(ctx: BenchContext) -> None:
+    result = run_suite("resume", ctx)
+    doc = _written(ctx, "resume")
+    assert [s["cached_tokens"] for s in doc["figures"]["sizes"]] == [256, 512]
+    for size in result.figures["sizes"]:
+        assert _positive(size["recompute_s"]) and _positive(size["ideal_s"])
+        assert _positive(size["gateway_restore_e2e_s"])
+        for path in ("gateway", "in_cluster", "in_process"):
+            t = size[path]
+            assert all(_positive(t[k]) for k in ("fetch_s", "decode_s", "copy_s", "prefill_s"))
+            assert t["ttft_s"] == pytest.approx(
+                t["fetch_s"] + t["decode_s"] + t["copy_s"] + t["prefill_s"])
+        assert sum(size["gateway_tiers"].values()) > 0
+
+
+def test_dataplane_quick(ctx: BenchContext) -> None:
+    result = run_suite("dataplane", ctx)
+    doc = _written(ctx, "dataplane")
+    found = {(r["target"], r["op"], r["concurrency"]) for r in doc["figures"]["results"]}
+    for c in (1, 4):
+        assert {("gateway (HTTP)", "put", c), ("gateway (HTTP)", "get", c)} <= found
+    for r in result.figures["results"]:
+        assert r["ops"] > 0 and _positive(r["gb_s"])
+        assert 0 < r["p50_ms"] <= r["p99_ms"]
+    if not result.figures["redis"]:
+        assert any("redis-server not found" in n for n in result.notes)
+
+
+def test_codecs_quick(ctx: BenchContext) -> None:
+    result = run_suite("codecs", ctx)
+    _written(ctx, "codecs")
+    by_label = {r["label"]: r for r in result.figures["results"]}
+    for r in by_label.values():
+        assert _positive(r["ratio_vs_fp16"]) and _positive(r["encode_mb_s"])
+        assert _positive(r["decode_mb_s"])
+    assert by_label["zstd-3+shuffle"]["max_abs_err"] == 0  # lossless
+    assert by_label["delta_rl default"]["ratio_vs_fp16"] > 1
+
+
+def test_scale_quick(ctx: BenchContext) -> None:
+    result = run_suite("scale", ctx)
+    _written(ctx, "scale")
+    f = result.figures
+    for key in ("create_ops_s", "lookup_ops_s", "turn_ops_s", "delete_ops_s"):
+        assert _positive(f[key])
+    assert f["gateway"]["requests"] > 0 and _positive(f["gateway"]["req_s"])
+    assert all(0 <= u <= 1 for u in f["hot_usage"].values())
+
+
+def test_eviction_quick_on_a_trace_file(ctx: BenchContext, tmp_path: Path) -> None:
+    from memkv.bench.eviction import synthetic_trace
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(
+        json.dumps({"timestamp": r.timestamp, "input_length": 0, "output_length": 0,
+                    "hash_ids": list(r.hash_ids)}) + "\n" for r in synthetic_trace(40)))
+    ctx.trace = trace
+    result = run_suite("eviction", ctx)
+    _written(ctx, "eviction")
+    for row in result.figures["rows"]:
+        ratios = {k: v["hit_ratio"] for k, v in row["policies"].items()}
+        assert all(0 <= r <= 1 for r in ratios.values())
+        if "Belady (optimum)" in ratios:  # capacities under the reference minimum skip them
+            assert ratios["Belady (optimum)"] >= ratios["LRU (libcachesim)"]
+            # The same LRU through two implementations: the replays agree exactly.
+            assert ratios["memkv LRU"] == pytest.approx(ratios["LRU (libcachesim)"])
+
+
+def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path) -> None:
+    md = tmp_path / "BENCHMARKS.md"
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "hash_ids": [1, 2, 3]}) + "\n"
+                     + json.dumps({"timestamp": 5, "hash_ids": [1, 2, 4]}) + "\n")
+    # A 4-block trace: memkv's policies run, the reference ones are skipped (too small).
+    (ctx.out).mkdir(parents=True)
+    (ctx.out / "legacy.json").write_text('{"benchmark": "old format"}')
+    status = main(["eviction", "--quick", "--trace", str(trace), "--out", str(ctx.out),
+                   "--markdown", str(md)], ctx=ctx)
+    assert status == 0
+    row = load_results(ctx.out)[0]["figures"]["rows"][0]
+    assert set(row["policies"]) == {"memkv LRU-K", "memkv LRU"}
+    text = md.read_text()
+    assert "## eviction" in text and "| capacity |" in text
+    assert [d["suite"] for d in load_results(ctx.out)] == ["eviction"]
+
+
+def test_unknown_suite_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        main(["nope"])
+    assert set(SUITES) == {"resume", "dataplane", "codecs", "eviction", "scale"}
