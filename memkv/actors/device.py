@@ -41,6 +41,7 @@ __all__ = [
 
 # Blocks a streaming read may run ahead of its consumer before it waits.
 READ_BACKPRESSURE_BLOCKS = 2
+
 # Pause between retries while the archive actor restarts.
 _ARCHIVE_RETRY_S = 0.2
 

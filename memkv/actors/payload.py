@@ -16,7 +16,20 @@ import torch
 
 from memkv.errors import LayoutMismatchError
 
-__all__ = ["BlockPayload", "from_payload", "to_payload"]
+__all__ = [
+    "READ_BATCH_BLOCKS",
+    "READ_WINDOW_BATCHES",
+    "BlockPayload",
+    "from_payload",
+    "to_payload",
+]
+
+#: Readers fetch a session in batches of this many blocks, with this many
+#: batches in flight: lazy (nothing is promoted far ahead of the reader) and,
+#: measured here, ~3x the throughput of one streamed Ray object per block
+#: (1.5 vs 0.5 GB/s for 1 MiB blocks).
+READ_BATCH_BLOCKS = 4
+READ_WINDOW_BATCHES = 2
 
 # bfloat16 has no numpy dtype: it travels as its 16 raw bits.
 _WIRE_DTYPES: dict[torch.dtype, tuple[str, np.dtype]] = {

@@ -424,6 +424,15 @@ class SessionRouter:
         await self._collect(garbage)
         return result
 
+    async def read_plan(
+        self, session_id: str, start: int = 0, end: int | None = None
+    ) -> tuple[str, Any, list[bytes]]:
+        """Where to read a session's blocks: ``(device_id, device handle, keys in order)``."""
+        device_id, device = await self.device_of(session_id)
+        self.state.touch(session_id)
+        chain = self.state.get(session_id).chain
+        return device_id, device, chain[max(start, 0) : end]
+
     async def match_prefix(
         self, layout: dict[str, Any], namespace: str, token_ids: list[int]
     ) -> dict[str, Any]:

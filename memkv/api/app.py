@@ -10,6 +10,7 @@ memkv's exception hierarchy (only this module maps exceptions to HTTP).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,7 +29,7 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayError
 
-from memkv.actors.payload import BlockPayload
+from memkv.actors.payload import READ_BATCH_BLOCKS, READ_WINDOW_BATCHES, BlockPayload
 from memkv.api.wire import (
     Frame,
     FrameReader,
@@ -303,14 +304,16 @@ def create_app(router: Any, *, max_body_bytes: int = 1 << 30) -> FastAPI:
         start: int = Query(default=0, ge=0),
         end: int | None = Query(default=None, ge=0),
     ) -> StreamingResponse:
-        """Stream a session's blocks in chain order (frames; ends with an ``end`` frame)."""
-        _, device = await router.device_of.remote(session_id)
-        stream = device.read_session.options(num_returns="streaming").remote(session_id, start, end)
+        """Stream a session's blocks in chain order (frames; ends with an ``end`` frame).
+
+        Blocks are fetched in small pipelined batches, so the first is on the
+        wire before later ones are promoted from the warm or cold tier.
+        """
+        _, device, keys = await router.read_plan.remote(session_id, start, end)
 
         async def body() -> AsyncIterator[bytes | memoryview]:
             n = 0
-            async for ref in stream:
-                payload: BlockPayload = await ref
+            async for payload in _pipelined(device, keys, session_id):
                 for chunk in _block_chunks(start + n, payload):
                     yield chunk
                 payload_bytes.labels("out").inc(payload.nbytes)
@@ -354,6 +357,20 @@ def create_app(router: Any, *, max_body_bytes: int = 1 << 30) -> FastAPI:
         return dict(await router.stats.remote())
 
     return app
+
+
+async def _pipelined(device: Any, keys: list[bytes], stream: str) -> AsyncIterator[BlockPayload]:
+    """Payloads of ``keys`` in order, with a bounded window of batched get_blocks calls."""
+    batches = [keys[i : i + READ_BATCH_BLOCKS] for i in range(0, len(keys), READ_BATCH_BLOCKS)]
+    in_flight: deque[Any] = deque()
+    for batch in batches:
+        in_flight.append(device.get_blocks.remote(batch, stream))
+        if len(in_flight) > READ_WINDOW_BATCHES:
+            for payload in await in_flight.popleft():
+                yield payload
+    while in_flight:
+        for payload in await in_flight.popleft():
+            yield payload
 
 
 def _tokens(head: dict[str, Any]) -> np.ndarray:

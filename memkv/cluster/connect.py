@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from memkv.actors.archive import ArchiveActor
 from memkv.actors.device import DeviceCacheActor
-from memkv.actors.payload import from_payload, to_payload
+from memkv.actors.payload import (
+    READ_BATCH_BLOCKS,
+    READ_WINDOW_BATCHES,
+    BlockPayload,
+    from_payload,
+    to_payload,
+)
 from memkv.actors.router import SessionRouterActor
 from memkv.config import MemkvConfig, load_config
 from memkv.errors import ConfigError, InvalidInputError
@@ -161,29 +168,30 @@ class MemkvCluster:
     def read_session(
         self, session_id: str, start: int = 0, end: int | None = None
     ) -> Iterator[tuple[bytes, torch.Tensor]]:
-        """Yield ``(key, block)`` in chain order as the device produces them.
+        """Yield ``(key, block)`` in chain order, fetched lazily in small pipelined batches.
 
-        Each block is its own object in the node's object store (a streaming
-        generator), so the first arrives before the last is promoted; tensors
-        are zero-copy read-only views (copy before writing). If the device dies
-        mid-read, the router recovers it (from the archive) and the read goes
-        on from the next block.
+        A batch of :data:`READ_BATCH_BLOCKS` is one object in the node's object
+        store (zero-copy read-only views: copy before writing); at most
+        :data:`READ_WINDOW_BATCHES` are in flight, so the device promotes
+        blocks just ahead of the reader, and the first arrives before the last
+        is loaded. If the device dies mid-read, the router recovers it (from
+        the archive) and the read goes on from the next block.
         """
         position = start
-        for attempt in range(_DEVICE_RETRIES + 1):
-            device_id, device = ray.get(self.router.device_of.remote(session_id))
-            stream = device.read_session.options(num_returns="streaming").remote(
-                session_id, position, end
+        attempt = 0
+        while True:
+            device_id, device, keys = ray.get(
+                self.router.read_plan.remote(session_id, position, end)
             )
             try:
-                for ref in stream:
-                    payload = ray.get(ref)
+                for payload in _pipelined(device, keys, session_id):
                     position += 1
                     yield payload.key, from_payload(payload)
                 return
             except RayActorError:
-                if attempt == _DEVICE_RETRIES:
+                if attempt >= _DEVICE_RETRIES:
                     raise
+                attempt += 1
                 ray.get(self.router.device_failed.remote(device_id))
 
     def get_blocks(self, session_id: str, keys: Sequence[bytes]) -> list[torch.Tensor]:
@@ -255,6 +263,18 @@ class MemkvCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _pipelined(device: Any, keys: list[bytes], stream: str) -> Iterator[BlockPayload]:
+    """Payloads of ``keys`` in order, with a bounded window of batched get_blocks calls."""
+    batches = [keys[i : i + READ_BATCH_BLOCKS] for i in range(0, len(keys), READ_BATCH_BLOCKS)]
+    in_flight: deque[Any] = deque()
+    for batch in batches:
+        in_flight.append(device.get_blocks.remote(batch, stream))
+        if len(in_flight) > READ_WINDOW_BATCHES:
+            yield from ray.get(in_flight.popleft())
+    while in_flight:
+        yield from ray.get(in_flight.popleft())
 
 
 def connect(
