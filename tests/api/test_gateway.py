@@ -246,3 +246,21 @@ def test_client_retries_idempotent_calls_only():
         with pytest.raises(MemkvError):
             c.delete_session("s")  # not idempotent: no retry
     assert calls == ["DELETE"]
+
+
+def test_resume_over_http_is_lazy(client):
+    sid = new_id()
+    client.create_session(sid, LAYOUT, namespace="t-lazy")
+    keys, values = kv(64, seed=6)  # 16 blocks
+    client.append_turn(sid, list(range(64)), keys, values)
+    client.suspend(sid)
+    resumed = client.resume(sid)
+    assert [t for _, t, _ in resumed.blocks] == ["cold"] * 16  # answered before any promotion
+    stream = client.read_blocks(sid)
+    first = next(stream)
+    assert first.index == 0
+    rest = list(stream)
+    # Each block carries the tier it was found in when the reader's fetch reached
+    # it: the tail was still in the archive, so nothing promoted it ahead of need.
+    assert rest[-1].tier == "cold"
+    assert same([first.tensor] + [b.tensor for b in rest], split_kv(LAYOUT, keys, values))
