@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 PRIORITIES = ("high", "normal", "background")
 # How long the router waits for a restarted device to answer before giving up.
 DEVICE_RECOVERY_TIMEOUT_S = 120.0
+# A device that answered a ping this recently is not pinged again per request.
+DEVICE_CHECK_INTERVAL_S = 1.0
 _RECOVERY_POLL_S = 0.2
 
 
@@ -329,6 +331,7 @@ class SessionRouter:
         self._background: asyncio.Task[None] | None = None
         self._recovering: dict[str, asyncio.Future[None]] = {}
         self._session_locks: dict[str, asyncio.Lock] = {}
+        self._checked: dict[str, float] = {}  # device -> when it last answered a ping
         self.background_prefetched = 0
 
     # -- membership ----------------------------------------------------------------------
@@ -336,7 +339,7 @@ class SessionRouter:
     async def register_device(self, device_id: str, handle: Any) -> None:
         """Add a device; registering a known one again (``memkv up`` is repeatable) checks it."""
         if device_id in self._devices:
-            await self._check_incarnation(device_id)
+            await self._check_incarnation(device_id, force=True)
             return
         info = await handle.ping.remote()
         self._devices[device_id] = handle
@@ -416,10 +419,11 @@ class SessionRouter:
         first_put = record.device_id is None
         device_id = self.state.place(session_id, chain_hint or [])
         await self._check_incarnation(device_id)
-        device = self._devices[device_id]
         if first_put:
-            await self._ensure_on_device(record, device)
-        result = await device.put_blocks.remote(session_id, token_ids, blocks, start_block)
+            await self._ensure_on_device(record, self._devices[device_id])
+        result = await self._call(
+            device_id, session_id, "put_blocks", session_id, token_ids, blocks, start_block
+        )
         garbage = self.state.record_put(session_id, result["chain"], len(token_ids), result["turn"])
         await self._collect(garbage)
         return result
@@ -454,18 +458,18 @@ class SessionRouter:
         Prefetches the session's head, then what the Markov model expects after
         its last block (e.g. another session that usually follows this one).
         """
-        device_id, device = await self.device_of(session_id)
+        device_id, _ = await self.device_of(session_id)
         self.state.touch(session_id)
-        moved = int(await device.prefetch_session_head.remote(session_id))
+        moved = int(await self._call(device_id, session_id, "prefetch_session_head", session_id))
         chain = self.state.get(session_id).chain
         if chain:
-            moved += int(await device.prefetch_predicted.remote(chain[-1]))
+            moved += int(await self._call(device_id, session_id, "prefetch_predicted", chain[-1]))
         return moved
 
     async def resume(self, session_id: str) -> dict[str, Any]:
         """Answer at once with the chain and where each block is; prefetch runs behind."""
         device_id, device = await self.device_of(session_id)
-        handle = await device.resume.remote(session_id)
+        handle = await self._call(device_id, session_id, "resume", session_id)
         self.state.record_state(session_id, "active", archived=False)
         self.state.touch(session_id)
         device.prefetch_session_head.remote(session_id)  # fire and forget
@@ -473,8 +477,8 @@ class SessionRouter:
         return handle
 
     async def suspend(self, session_id: str, offline: bool = False) -> dict[str, Any]:
-        device_id, device = await self.device_of(session_id)
-        info = await device.suspend.remote(session_id, offline)
+        device_id, _ = await self.device_of(session_id)
+        info = await self._call(device_id, session_id, "suspend", session_id, offline)
         self.state.record_state(session_id, info["state"], archived=True)
         return info
 
@@ -484,7 +488,7 @@ class SessionRouter:
             raise InvalidInputError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
         record.priority = priority
         if record.device_id is not None:
-            await self._devices[record.device_id].set_priority.remote(session_id, priority)
+            await self._call(record.device_id, session_id, "set_priority", session_id, priority)
         return record.as_dict()
 
     async def delete_session(self, session_id: str) -> None:
@@ -492,9 +496,8 @@ class SessionRouter:
         if record is None:
             raise UnknownSessionError(f"no session {session_id!r}")
         if record.device_id is not None and record.state != "lost":
-            device = self._devices[record.device_id]
-            if await device.has_session.remote(session_id):
-                await device.delete_session.remote(session_id)
+            if await self._call(record.device_id, None, "has_session", session_id):
+                await self._call(record.device_id, None, "delete_session", session_id)
         await self._collect(self.state.delete(session_id))
         self._session_locks.pop(session_id, None)
 
@@ -514,12 +517,12 @@ class SessionRouter:
         """A client saw ``device_id`` fail: wait for its restart and recover its sessions."""
         if device_id not in self._devices:
             raise InvalidInputError(f"unknown device {device_id!r}")
-        await self._check_incarnation(device_id)
+        await self._check_incarnation(device_id, force=True)
 
     async def check_devices(self) -> dict[str, str]:
         """Ping every device; recover those that restarted. Returns device -> incarnation."""
         for device_id in list(self._devices):
-            await self._check_incarnation(device_id)
+            await self._check_incarnation(device_id, force=True)
         return {d: self.state.devices[d].incarnation or "" for d in self._devices}
 
     # -- internals ---------------------------------------------------------------------
@@ -536,17 +539,43 @@ class SessionRouter:
         if garbage and self._archives:
             await asyncio.gather(*(a.delete.remote(garbage) for a in self._archives.values()))
 
-    async def _check_incarnation(self, device_id: str) -> None:
-        """Recover the device's sessions if its process was restarted since we last looked."""
+    async def _call(self, device_id: str, session_id: str | None, method: str, *args: Any) -> Any:
+        """Call a device method; if the device died meanwhile, recover it and call again.
+
+        After a recovery the session may have been marked lost; it is checked
+        again so the caller gets BlockLostError rather than an unknown session.
+        """
+        await self._check_incarnation(device_id)
+        try:
+            return await getattr(self._devices[device_id], method).remote(*args)
+        except RayActorError:
+            await self._check_incarnation(device_id, force=True)
+            if session_id is not None:
+                self.state.get(session_id)
+            return await getattr(self._devices[device_id], method).remote(*args)
+
+    async def _check_incarnation(self, device_id: str, *, force: bool = False) -> None:
+        """Recover the device's sessions if its process was restarted since we last looked.
+
+        A device answered within the last DEVICE_CHECK_INTERVAL_S is not pinged
+        again (a ping per request costs a round trip); a restart in between
+        surfaces as RayActorError on the caller's own call, and callers then
+        report it with ``device_failed`` (``force``).
+        """
         pending = self._recovering.get(device_id)
         if pending is not None:
             await pending
+            return
+        if not force and time.monotonic() - self._checked.get(device_id, -1e9) < (
+            DEVICE_CHECK_INTERVAL_S
+        ):
             return
         handle = self._devices[device_id]
         try:
             info = await handle.ping.remote()
         except RayActorError:
             info = await self._wait_for_restart(device_id)
+        self._checked[device_id] = time.monotonic()
         if info["incarnation"] != self.state.devices[device_id].incarnation:
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._recovering[device_id] = future
@@ -607,7 +636,7 @@ class SessionRouter:
                     stats = await handle.stats.remote()
                     self.state.update_load(device_id, float(stats["hot_usage"]))
                     if stats["incarnation"] != self.state.devices[device_id].incarnation:
-                        await self._check_incarnation(device_id)
+                        await self._check_incarnation(device_id, force=True)
                         continue
                     if stats["hot_usage"] >= self._hot_idle:
                         continue

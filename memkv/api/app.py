@@ -27,7 +27,7 @@ from prometheus_client import (
     generate_latest,
 )
 from pydantic import BaseModel, ConfigDict, Field
-from ray.exceptions import RayError
+from ray.exceptions import RayActorError, RayError
 
 from memkv.actors.payload import READ_BATCH_BLOCKS, READ_WINDOW_BATCHES, BlockPayload
 from memkv.api.wire import (
@@ -167,6 +167,15 @@ def create_app(router: Any, *, max_body_bytes: int = 1 << 30) -> FastAPI:
     @app.exception_handler(MemkvError)
     async def _memkv_error(request: Request, exc: MemkvError) -> JSONResponse:
         return _error_response(exc)
+
+    @app.exception_handler(RayActorError)
+    async def _actor_unavailable(request: Request, exc: RayActorError) -> JSONResponse:
+        # An actor is restarting: the router recovers it; the client may retry.
+        return JSONResponse(
+            {"error": {"type": "ClosedError", "message": str(exc)[:500], "status": 503}},
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

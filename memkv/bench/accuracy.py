@@ -1,0 +1,611 @@
+"""Perplexity cost of each precision and codec, on a small Llama trained here.
+
+No package ships a trained causal LM and nothing is downloaded, so the codecs
+suite trains one: a byte-level (vocabulary 256) LlamaForCausalLM on the Python
+standard library's own ``.py`` files, on the CPU, for a wall-clock budget of a
+few minutes. The weights are saved once under the user's cache directory
+(``$MEMKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/memkv``, else ``~/.cache/memkv``)
+and reused while their manifest matches. Files are split by path, so the text
+perplexity is measured on was never trained on.
+
+Perplexity with a codec: prefill ``prefix`` bytes of a held-out window, pass
+the cache through the codec (encode then decode with memkv's real codecs on
+blocks cut by :func:`~memkv.storage.layout.split_kv`), then score the next
+``cont`` bytes by teacher forcing on top of the decoded cache, against the
+same bytes scored on the unmodified (fp32) cache. Every scored byte is
+predicted through the modified cache, so the difference is the codec's alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional alias
+
+from memkv.bench.report import console
+from memkv.errors import InvalidInputError
+from memkv.integrations.transformers import DEFAULT_BLOCK_TOKENS
+from memkv.storage.codecs import Codec
+from memkv.storage.layout import KVLayout, join_blocks, split_kv
+from memkv.storage.precision import convert, dequantize_int8, quantize_int8
+
+__all__ = [
+    "DEFAULT_TRAIN_MINUTES",
+    "MODEL_ID",
+    "ByteCorpus",
+    "KVTransform",
+    "PerplexityResult",
+    "TrainedModel",
+    "codec_transform",
+    "default_cache_dir",
+    "int8_transform",
+    "load_stdlib_corpus",
+    "perplexity_with_codec",
+    "perplexity_with_codecs",
+    "precision_transform",
+    "train_byte_llama",
+    "trained_kv_blocks",
+]
+
+#: Fingerprint id of the trained model's caches.
+MODEL_ID = "memkv-byte-llama"
+VOCAB = 256  # bytes are the tokens: no tokenizer to ship or download
+
+#: 4 layers, hidden 256, 4 heads of 64, 2 KV heads (GQA like the reference
+#: model): ~3 M parameters, some hundreds of steps in a few CPU minutes.
+FULL_CONFIG: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+#: Tests: the same architecture, tiny, trained for seconds (figures, not quality).
+QUICK_CONFIG: dict[str, Any] = {
+    **FULL_CONFIG,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+DEFAULT_TRAIN_MINUTES = 5.0
+QUICK_TRAIN_SECONDS = 2.0
+QUICK_MAX_STEPS = 20
+QUICK_FILES = 40  # the first files in path order: enough text for seconds of training
+
+#: Training windows: longer than prefix + cont + 1 of the evaluation, so every
+#: evaluated position was seen in training.
+TRAIN_CONTEXT = 288
+BATCH = 8
+PEAK_LR = 2e-3
+MIN_LR_FRACTION = 0.1  # cosine decay (over the time budget) ends at 10% of the peak
+WARMUP_STEPS = 30
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.95)
+GRAD_CLIP = 1.0
+EVAL_BATCHES = 4  # held-out loss recorded in the manifest
+
+#: One file in HOLDOUT_EVERY (by index in path order) is held out for evaluation.
+HOLDOUT_EVERY = 20
+FILE_SEPARATOR = b"\n\n"
+#: Bump when the data selection or training procedure changes: retrains.
+RECIPE_VERSION = 1
+MANIFEST = "memkv-manifest.json"
+_SECONDS_PER_MINUTE = 60.0
+_EVAL_CHUNK = 32  # windows per batched forward pass in perplexity evaluation
+
+DEFAULT_PREFIX = 192
+DEFAULT_CONT = 64
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+@dataclass(frozen=True, slots=True)
+class ByteCorpus:
+    """The standard library's sources as bytes, split by file.
+
+    Attributes:
+        train: concatenated training files (uint8 ids).
+        held_out: concatenated held-out files (uint8 ids).
+        files: number of files read.
+        held_out_files: number of them held out.
+        digest: sha256 over the file paths and sizes (what was read).
+    """
+
+    train: torch.Tensor
+    held_out: torch.Tensor
+    files: int
+    held_out_files: int
+    digest: str
+
+
+def _stdlib_files(root: Path) -> list[Path]:
+    # Installed third-party packages are not the standard library.
+    skip = {"site-packages", "dist-packages"}
+    return [p for p in sorted(root.rglob("*.py")) if not skip & set(p.relative_to(root).parts)]
+
+
+def load_stdlib_corpus(*, quick: bool = False, root: Path | None = None) -> ByteCorpus:
+    """Read the ``.py`` files of the standard library in path order, split by file.
+
+    Args:
+        quick: read only the first :data:`QUICK_FILES` files.
+        root: the directory to read (default ``sysconfig.get_paths()["stdlib"]``).
+
+    Returns:
+        :class:`ByteCorpus`; every :data:`HOLDOUT_EVERY`-th file is held out.
+
+    Raises:
+        InvalidInputError: no ``.py`` files under ``root``.
+    """
+    base = Path(sysconfig.get_paths()["stdlib"]) if root is None else root
+    files = _stdlib_files(base)
+    if quick:
+        files = files[:QUICK_FILES]
+    if not files:
+        raise InvalidInputError(f"expected .py files under {base}, found none")
+    train: list[bytes] = []
+    held: list[bytes] = []
+    digest = hashlib.sha256()
+    for i, path in enumerate(files):
+        data = path.read_bytes()
+        digest.update(f"{path.relative_to(base)}:{len(data)}\n".encode())
+        (held if i % HOLDOUT_EVERY == 0 else train).append(data)
+    return ByteCorpus(
+        train=torch.frombuffer(bytearray(FILE_SEPARATOR.join(train)), dtype=torch.uint8),
+        held_out=torch.frombuffer(bytearray(FILE_SEPARATOR.join(held)), dtype=torch.uint8),
+        files=len(files),
+        held_out_files=len(held),
+        digest=digest.hexdigest(),
+    )
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True, slots=True)
+class TrainedModel:
+    """What :func:`train_byte_llama` hands back besides the model.
+
+    Attributes:
+        path: where the weights are saved (None: quick, in memory only).
+        cached: loaded from a previous run rather than trained now.
+        manifest: config, recipe, steps, losses and timing of the training.
+        corpus: the text (its held-out part is what perplexity is measured on).
+    """
+
+    path: Path | None
+    cached: bool
+    manifest: dict[str, Any]
+    corpus: ByteCorpus
+
+
+def default_cache_dir() -> Path:
+    """memkv's cache: ``$MEMKV_CACHE_DIR``, ``$XDG_CACHE_HOME/memkv`` or ``~/.cache/memkv``."""
+    override = os.environ.get("MEMKV_CACHE_DIR")
+    if override:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "memkv"
+
+
+def _recipe(
+    config: Mapping[str, Any], minutes: float, seed: int, corpus: ByteCorpus
+) -> dict[str, Any]:
+    return {
+        "version": RECIPE_VERSION,
+        "config": dict(config),
+        "minutes": minutes,
+        "seed": seed,
+        "context": TRAIN_CONTEXT,
+        "batch": BATCH,
+        "peak_lr": PEAK_LR,
+        "corpus": corpus.digest,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+
+
+def _recipe_hash(recipe: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _valid_manifest(path: Path, recipe: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The saved manifest when it describes a finished training of ``recipe``, else None."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # absent or half-written: train again
+    if not isinstance(manifest, dict) or manifest.get("recipe") != dict(recipe):
+        return None
+    steps, loss = manifest.get("steps"), manifest.get("train_loss")
+    if not isinstance(steps, int) or steps < 1 or not isinstance(loss, float):
+        return None
+    return manifest if math.isfinite(loss) else None
+
+
+def _windows(data: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, len(data) - length + 1, (count,), generator=gen)
+    return torch.stack([data[s : s + length] for s in starts.tolist()]).long()
+
+
+def _lr(step: int, elapsed_fraction: float) -> float:
+    warm = min(1.0, (step + 1) / WARMUP_STEPS)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed_fraction)))
+    return PEAK_LR * warm * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
+
+
+def _held_out_loss(model: Any, corpus: ByteCorpus, gen: torch.Generator) -> float:
+    model.eval()
+    losses: list[float] = []
+    with torch.no_grad():
+        for _ in range(EVAL_BATCHES):
+            x = _windows(corpus.held_out, BATCH, min(TRAIN_CONTEXT, len(corpus.held_out)), gen)
+            losses.append(float(model(input_ids=x, labels=x).loss))
+    return sum(losses) / len(losses)
+
+
+def _train(model: Any, corpus: ByteCorpus, budget_s: float, max_steps: int | None,
+           seed: int) -> dict[str, Any]:
+    """AdamW on random windows of the training text until the time budget is spent."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if len(corpus.train) < TRAIN_CONTEXT:
+        raise InvalidInputError(
+            f"expected at least {TRAIN_CONTEXT} bytes of training text, got {len(corpus.train)}"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]  # norms: no decay
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0}],
+        lr=PEAK_LR, betas=BETAS,
+    )
+    model.train()
+    step, loss_ema, start = 0, float("nan"), time.perf_counter()
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(),
+               TextColumn("step {task.fields[step]} loss {task.fields[loss]:.3f}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("train byte-llama", total=budget_s, step=0, loss=float("nan"))
+        while True:
+            elapsed = time.perf_counter() - start
+            if elapsed >= budget_s or (max_steps is not None and step >= max_steps):
+                break
+            for group in opt.param_groups:
+                group["lr"] = _lr(step, elapsed / budget_s)
+            x = _windows(corpus.train, BATCH, TRAIN_CONTEXT, gen)
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+            opt.step()
+            step += 1
+            value = loss.item()
+            loss_ema = value if math.isnan(loss_ema) else 0.9 * loss_ema + 0.1 * value
+            progress.update(task, completed=min(budget_s, time.perf_counter() - start),
+                            step=step, loss=loss_ema)
+    train_s = time.perf_counter() - start
+    held = _held_out_loss(model, corpus, gen)
+    model.eval()
+    return {"steps": step, "train_s": round(train_s, 1), "train_loss": float(loss_ema),
+            "held_out_loss": held, "tokens_seen": step * BATCH * TRAIN_CONTEXT}
+
+
+def train_byte_llama(
+    cache_dir: Path | None = None,
+    *,
+    minutes: float = DEFAULT_TRAIN_MINUTES,
+    seed: int = 0,
+    quick: bool = False,
+) -> tuple[Any, TrainedModel]:
+    """The byte-level Llama trained on the standard library: loaded if cached, else trained.
+
+    Args:
+        cache_dir: memkv's cache directory; the model lives in
+            ``<cache_dir>/models/byte-llama-<recipe hash>``. None: the user's
+            (:func:`default_cache_dir`), or for ``quick`` no saving at all.
+        minutes: training budget (wall clock), when it has to train; part of the
+            recipe, so another budget is another model.
+        seed: weights and window sampling.
+        quick: a tiny config on a few files for about two seconds (tests):
+            figures, not a useful model; ``minutes`` is ignored.
+
+    Returns:
+        ``(model, info)``: an fp32 LlamaForCausalLM in eval mode and :class:`TrainedModel`.
+
+    Raises:
+        InvalidInputError: ``minutes`` not positive, or too little text to train on.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not minutes > 0:
+        raise InvalidInputError(f"minutes must be > 0, got {minutes!r}")
+    corpus = load_stdlib_corpus(quick=quick)
+    config = QUICK_CONFIG if quick else FULL_CONFIG
+    budget_s = QUICK_TRAIN_SECONDS if quick else minutes * _SECONDS_PER_MINUTE
+    recipe = _recipe(config, budget_s / _SECONDS_PER_MINUTE, seed, corpus)
+    root = cache_dir if cache_dir is not None else (None if quick else default_cache_dir())
+    path = None if root is None else root / "models" / f"byte-llama-{_recipe_hash(recipe)}"
+    if path is not None:
+        manifest = _valid_manifest(path, recipe)
+        if manifest is not None:
+            model: Any = LlamaForCausalLM.from_pretrained(
+                path, dtype=torch.float32, local_files_only=True).eval()
+            return model, TrainedModel(path, True, manifest, corpus)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    stats = _train(model, corpus, budget_s, QUICK_MAX_STEPS if quick else None, seed)
+    manifest = {"recipe": recipe, **stats, "parameters": sum(p.numel() for p in model.parameters()),
+                "corpus_files": corpus.files, "held_out_files": corpus.held_out_files,
+                "trained_at": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    if path is not None:
+        # Save beside, then rename: a run killed mid-save leaves no model that looks finished.
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            tmp.rename(path)
+        except OSError:
+            # Another run finished the same recipe first: keep its model, drop ours.
+            shutil.rmtree(tmp, ignore_errors=True)
+            if _valid_manifest(path, recipe) is None:
+                raise
+    return model, TrainedModel(path, False, manifest, corpus)
+
+
+# --------------------------------------------------------------------------- KV transforms
+
+#: One window's per-layer K and V ``[kv_heads, tokens, head_dim]`` (fp32) ->
+#: what the model reads back (any float dtype) and the bytes stored.
+KVTransform = Callable[
+    [list[torch.Tensor], list[torch.Tensor]], tuple[list[torch.Tensor], list[torch.Tensor], int]
+]
+
+
+def _nbytes(ts: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def precision_transform(dtype: torch.dtype) -> KVTransform:
+    """KV kept in ``dtype`` (precision.convert); the bytes are its in-memory size."""
+
+    def apply(keys: list[torch.Tensor], values: list[torch.Tensor]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        k = [convert(t, dtype) for t in keys]
+        v = [convert(t, dtype) for t in values]
+        return k, v, _nbytes(k) + _nbytes(v)
+
+    return apply
+
+
+def _fp16_blocks(layout: KVLayout, keys: list[torch.Tensor],
+                 values: list[torch.Tensor]) -> list[torch.Tensor]:
+    return split_kv(layout, [convert(t, layout.torch_dtype) for t in keys],
+                    [convert(t, layout.torch_dtype) for t in values])
+
+
+def codec_transform(codec: Codec, layout: KVLayout) -> KVTransform:
+    """KV stored as memkv blocks (``layout``'s dtype), each encoded then decoded by ``codec``.
+
+    The bytes are the frames' (headers included).
+    """
+
+    def apply(keys: list[torch.Tensor], values: list[torch.Tensor]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        frames = [codec.encode(b) for b in _fp16_blocks(layout, keys, values)]
+        k, v = join_blocks(layout, [codec.decode(f) for f in frames])
+        return k, v, sum(len(f) for f in frames)
+
+    return apply
+
+
+def int8_transform(layout: KVLayout) -> KVTransform:
+    """precision.py's in-memory int8 (K per channel, V per token) of the memkv blocks."""
+
+    def apply(keys: list[torch.Tensor], values: list[torch.Tensor]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        qs = [quantize_int8(b) for b in _fp16_blocks(layout, keys, values)]
+        k, v = join_blocks(layout, [dequantize_int8(q) for q in qs])
+        return k, v, sum(q.nbytes for q in qs)
+
+    return apply
+
+
+# --------------------------------------------------------------------------- perplexity
+
+
+@dataclass(frozen=True, slots=True)
+class PerplexityResult:
+    """Perplexity of held-out bytes scored on a cache passed through one transform.
+
+    Attributes:
+        label: the transform's name.
+        perplexity: exp(mean NLL) of the scored bytes on the transformed cache.
+        reference: the same on the unmodified cache.
+        rise_pct: 100 * (perplexity / reference - 1).
+        nll_delta: mean NLL difference (nats per byte).
+        ratio_vs_fp16: fp16 bytes of the cache / bytes stored.
+        stored_bytes: bytes the transform stored, all windows.
+        windows: windows scored.
+        scored_tokens: bytes scored, all windows.
+    """
+
+    label: str
+    perplexity: float
+    reference: float
+    rise_pct: float
+    nll_delta: float
+    ratio_vs_fp16: float
+    stored_bytes: int
+    windows: int
+    scored_tokens: int
+
+
+def _eval_windows(held_out: torch.Tensor, n_windows: int, length: int) -> torch.Tensor:
+    """``n_windows`` windows of ``length`` bytes, evenly spaced over the held-out text."""
+    if n_windows < 1:
+        raise InvalidInputError(f"n_windows must be >= 1, got {n_windows}")
+    if len(held_out) < length:
+        raise InvalidInputError(
+            f"expected at least {length} held-out bytes (prefix + cont + 1), got {len(held_out)}"
+        )
+    last = len(held_out) - length
+    starts = [round(i * last / max(1, n_windows - 1)) for i in range(n_windows)]
+    return torch.stack([held_out[s : s + length] for s in starts]).long()
+
+
+def _cache(config: Any, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Any:
+    """A fresh DynamicCache over batched per-layer K/V (the forward extends it in place)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.update(k, v, i)
+    return cache
+
+
+def _cache_kwarg(model: Any) -> str:
+    """The forward's cache argument and output field (``cache`` in transformers 5)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _nll(model: Any, cont_ids: torch.Tensor, targets: torch.Tensor,
+         keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-window summed NLL of ``targets`` fed ``cont_ids`` on top of the given cache."""
+    name = _cache_kwarg(model)
+    out = model(input_ids=cont_ids, use_cache=True, **{name: _cache(model.config, keys, values)})
+    logp = F.log_softmax(out.logits.float(), dim=-1)
+    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).sum(dim=1)
+
+
+def perplexity_with_codecs(
+    model: Any,
+    held_out: torch.Tensor,
+    transforms: Mapping[str, KVTransform],
+    *,
+    prefix: int = DEFAULT_PREFIX,
+    cont: int = DEFAULT_CONT,
+    n_windows: int,
+) -> dict[str, PerplexityResult]:
+    """Perplexity of held-out bytes with the prefix's cache passed through each transform.
+
+    For each window of ``prefix + cont + 1`` bytes: prefill ``prefix`` bytes,
+    hand the cache to the transform, then feed the next ``cont`` bytes on top
+    of what it returns and score each one's successor (teacher forcing). The
+    reference scores the same bytes on the unmodified cache.
+
+    Args:
+        model: a causal LM with a byte vocabulary, fp32, in eval mode.
+        held_out: uint8/long ids the model was not trained on.
+        transforms: label -> :data:`KVTransform`.
+        prefix: cached bytes per window.
+        cont: scored bytes per window.
+        n_windows: windows, evenly spaced over ``held_out``.
+
+    Returns:
+        label -> :class:`PerplexityResult`, in ``transforms``' order.
+
+    Raises:
+        InvalidInputError: ``prefix``/``cont``/``n_windows`` < 1, or too little text.
+    """
+    if prefix < 1 or cont < 1:
+        raise InvalidInputError(f"prefix and cont must be >= 1, got {prefix} and {cont}")
+    windows = _eval_windows(held_out, n_windows, prefix + cont + 1)
+    ref_nll = torch.zeros(())
+    nll = {label: torch.zeros(()) for label in transforms}
+    stored = dict.fromkeys(transforms, 0)
+    fp16_bytes = 0
+    with torch.no_grad():
+        for chunk in windows.split(_EVAL_CHUNK):
+            cache = model(input_ids=chunk[:, :prefix], use_cache=True)[_cache_kwarg(model)]
+            keys = [layer.keys for layer in cache.layers]
+            values = [layer.values for layer in cache.layers]
+            cont_ids, targets = chunk[:, prefix : prefix + cont], chunk[:, prefix + 1 :]
+            ref_nll += _nll(model, cont_ids, targets, keys, values).sum()
+            fp16_bytes += (_nbytes(keys) + _nbytes(values)) // keys[0].element_size() * 2
+            for label, transform in transforms.items():
+                per_window = [transform([k[i] for k in keys], [v[i] for v in values])
+                              for i in range(len(chunk))]
+                k2 = [torch.stack([w[0][layer] for w in per_window]).to(keys[0].dtype)
+                      for layer in range(len(keys))]
+                v2 = [torch.stack([w[1][layer] for w in per_window]).to(values[0].dtype)
+                      for layer in range(len(values))]
+                stored[label] += sum(w[2] for w in per_window)
+                nll[label] += _nll(model, cont_ids, targets, k2, v2).sum()
+    scored = n_windows * cont
+    ref_mean = float(ref_nll) / scored
+    results: dict[str, PerplexityResult] = {}
+    for label in transforms:
+        mean = float(nll[label]) / scored
+        results[label] = PerplexityResult(
+            label=label,
+            perplexity=math.exp(mean),
+            reference=math.exp(ref_mean),
+            rise_pct=100 * math.expm1(mean - ref_mean),
+            nll_delta=mean - ref_mean,
+            ratio_vs_fp16=fp16_bytes / stored[label],
+            stored_bytes=stored[label],
+            windows=n_windows,
+            scored_tokens=scored,
+        )
+    return results
+
+
+def perplexity_with_codec(
+    model: Any,
+    held_out: torch.Tensor,
+    codec_fn: KVTransform,
+    *,
+    prefix: int = DEFAULT_PREFIX,
+    cont: int = DEFAULT_CONT,
+    n_windows: int,
+) -> PerplexityResult:
+    """:func:`perplexity_with_codecs` for one transform (labelled ``"codec"``)."""
+    return perplexity_with_codecs(model, held_out, {"codec": codec_fn}, prefix=prefix,
+                                  cont=cont, n_windows=n_windows)["codec"]
+
+
+def trained_kv_blocks(
+    model: Any, held_out: torch.Tensor, n_blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS
+) -> tuple[KVLayout, list[torch.Tensor]]:
+    """fp16 memkv blocks of the model's KV over ``n_blocks`` held-out windows of a block each.
+
+    Windows of one block keep every position inside what the model was trained on.
+
+    Returns:
+        The layout and the blocks, one per window.
+    """
+    layout = KVLayout.from_model_config(model.config, model_id=MODEL_ID, dtype="float16",
+                                        block_tokens=block_tokens)
+    windows = _eval_windows(held_out, n_blocks, block_tokens)
+    blocks: list[torch.Tensor] = []
+    with torch.no_grad():
+        for chunk in windows.split(_EVAL_CHUNK):
+            cache = model(input_ids=chunk, use_cache=True)[_cache_kwarg(model)]
+            for i in range(len(chunk)):
+                blocks += _fp16_blocks(layout, [layer.keys[i] for layer in cache.layers],
+                                       [layer.values[i] for layer in cache.layers])
+    return layout, blocks
