@@ -73,6 +73,85 @@ def test_codecs_quick(ctx: BenchContext) -> None:
         assert _positive(r["decode_mb_s"])
     assert by_label["zstd-3+shuffle"]["max_abs_err"] == 0  # lossless
     assert by_label["delta_rl default"]["ratio_vs_fp16"] > 1
+    trained = {r["label"]: r for r in result.figures["trained_results"]}
+    assert set(trained) == set(by_label)
+    assert trained["zstd-3+shuffle"]["max_abs_err"] == 0
+    ppl = result.figures["perplexity"]
+    assert ppl["fp32 (unmodified)"]["rise_pct"] == 0  # the reference itself
+    assert ppl["fp32 (unmodified)"]["ratio_vs_fp16"] == pytest.approx(0.5)
+    assert ppl["fp16"]["ratio_vs_fp16"] == pytest.approx(1.0)
+    # Lossless codecs of fp16 blocks score exactly as fp16 does.
+    assert ppl["zstd-3+shuffle"]["perplexity"] == ppl["fp16"]["perplexity"]
+    for p in ppl.values():
+        assert _positive(p["perplexity"]) and _positive(p["ratio_vs_fp16"])
+        assert p["windows"] == 2 and math.isfinite(p["rise_pct"])
+    assert ppl["delta_rl default"]["ratio_vs_fp16"] > ppl["int8 (precision.py)"]["ratio_vs_fp16"]
+    assert result.figures["trained_model"]["steps"] >= 1
+    assert result.figures["trained_model"]["path"] is not None  # saved in a scratch dir
+    home = str(Path.home() / ".cache")
+    assert not result.figures["trained_model"]["path"].startswith(home)
+
+
+def test_byte_llama_is_cached_and_reused(tmp_path: Path) -> None:
+    import torch
+
+    from memkv.bench.accuracy import MANIFEST, train_byte_llama
+
+    model, info = train_byte_llama(tmp_path, quick=True)
+    assert not info.cached and info.path is not None and (info.path / MANIFEST).is_file()
+    assert info.path.parent == tmp_path / "models" and info.path.name.startswith("byte-llama-")
+    again, info2 = train_byte_llama(tmp_path, quick=True)
+    assert info2.cached and info2.path == info.path and info2.manifest == info.manifest
+    x = info.corpus.held_out[:64].long().unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, again(input_ids=x).logits)
+    # A manifest of another recipe is not a finished training: it trains again.
+    doc = json.loads((info.path / MANIFEST).read_text())
+    doc["recipe"]["seed"] = 99
+    (info.path / MANIFEST).write_text(json.dumps(doc))
+    _, info3 = train_byte_llama(tmp_path, quick=True)
+    assert not info3.cached
+
+
+def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    from memkv.bench.accuracy import default_cache_dir
+
+    monkeypatch.delenv("MEMKV_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "memkv"
+    monkeypatch.setenv("MEMKV_CACHE_DIR", str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine"
+
+
+def test_perplexity_is_scored_on_the_transformed_cache() -> None:
+    import torch
+
+    from memkv.bench.accuracy import perplexity_with_codecs, precision_transform, train_byte_llama
+    from memkv.errors import InvalidInputError
+
+    model, info = train_byte_llama(None, quick=True, minutes=0.01)
+    assert info.path is None  # quick without a directory: nothing saved
+
+    def noisy(keys: list[torch.Tensor], values: list[torch.Tensor]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        gen = torch.Generator().manual_seed(0)
+        return ([k + torch.randn(k.shape, generator=gen) * 3 for k in keys],
+                [v + torch.randn(v.shape, generator=gen) * 3 for v in values], 1)
+
+    res = perplexity_with_codecs(model, info.corpus.held_out,
+                                 {"same": precision_transform(torch.float32), "noisy": noisy},
+                                 prefix=32, cont=16, n_windows=3)
+    assert res["same"].rise_pct == 0 and res["same"].scored_tokens == 48
+    # A barely trained model need not get worse, but it must see the damaged cache.
+    assert res["noisy"].perplexity != res["same"].perplexity
+    # fp16 bytes of 3 windows x 2 layers x (K, V) x 2 KV heads x 32 tokens x 16 dims,
+    # over the 1 byte per window the transform claims to store.
+    assert res["noisy"].stored_bytes == 3
+    assert res["noisy"].ratio_vs_fp16 == pytest.approx(3 * 2 * 2 * 2 * 32 * 16 * 2 / 3)
+    with pytest.raises(InvalidInputError):
+        perplexity_with_codecs(model, info.corpus.held_out[:10], {}, prefix=32, cont=16,
+                               n_windows=1)
 
 
 def test_scale_quick(ctx: BenchContext) -> None:
