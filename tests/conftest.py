@@ -66,7 +66,9 @@ def cluster(tmp_path_factory):
                 "debug_refcounts": True,
             },
             "archive": {"directory": str(archive_dir), "fsync": "never"},
-            "router": {"background_prefetch_interval_s": 0.5},
+            # Background prefetch (trigger 3) would promote suspended sessions behind
+            # the tests' backs; its choice of sessions is tested on RouterState.
+            "router": {"background_prefetch_interval_s": 3600},
         },
         environ={},
     )

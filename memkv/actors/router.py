@@ -628,26 +628,34 @@ class SessionRouter:
             self._background = asyncio.get_running_loop().create_task(self._background_prefetch())
 
     async def _background_prefetch(self) -> None:
-        """Trigger 3: while a device's hot tier is under-used, bring back its hottest sessions."""
+        """Trigger 3, forever: every interval, one :meth:`background_round`."""
         while True:
             await asyncio.sleep(self._interval)
-            for device_id, handle in list(self._devices.items()):
-                try:
-                    stats = await handle.stats.remote()
-                    self.state.update_load(device_id, float(stats["hot_usage"]))
-                    if stats["incarnation"] != self.state.devices[device_id].incarnation:
-                        await self._check_incarnation(device_id, force=True)
-                        continue
-                    if stats["hot_usage"] >= self._hot_idle:
-                        continue
-                    for session_id in self.state.background_candidates(device_id, limit=4):
-                        self.background_prefetched += int(
-                            await handle.prefetch_session_head.remote(session_id)
-                        )
-                except (RayActorError, MemkvError) as e:
-                    # A device restarting or a session deleted meanwhile: the next
-                    # foreground call recovers it; background work just skips a round.
-                    logger.info("background prefetch skipped %s: %s", device_id, e)
+            await self.background_round()
+
+    async def background_round(self) -> int:
+        """While a device's hot tier is under-used, bring back its hottest idle sessions.
+
+        Returns the blocks prefetched in this round.
+        """
+        moved = 0
+        for device_id, handle in list(self._devices.items()):
+            try:
+                stats = await handle.stats.remote()
+                self.state.update_load(device_id, float(stats["hot_usage"]))
+                if stats["incarnation"] != self.state.devices[device_id].incarnation:
+                    await self._check_incarnation(device_id, force=True)
+                    continue
+                if stats["hot_usage"] >= self._hot_idle:
+                    continue
+                for session_id in self.state.background_candidates(device_id, limit=4):
+                    moved += int(await handle.prefetch_session_head.remote(session_id))
+            except (RayActorError, MemkvError) as e:
+                # A device restarting or a session deleted meanwhile: the next
+                # foreground call recovers it; background work just skips a round.
+                logger.info("background prefetch skipped %s: %s", device_id, e)
+        self.background_prefetched += moved
+        return moved
 
 
 def _check_turn(
