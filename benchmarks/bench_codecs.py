@@ -9,7 +9,7 @@ memkv blocks (fp16 layout) and, for each codec configuration, measures:
   second, best of ``--reps`` passes over all blocks,
 * max-abs and RMS error against the fp16 blocks.
 
-Writes the results as JSON (``benchmarks/results/codecs.json`` by default).
+Writes the results as JSON (``benchmarks/results/bench_codecs.json`` by default).
 
 Random-weight KV is close to Gaussian noise: it has none of the outlier
 channels, token-to-token correlation or peaked distributions of a trained
@@ -53,7 +53,7 @@ DEFAULT_TOKENS = 2048
 DEFAULT_REPS = 5
 BLOCK_TOKENS = 256
 MB = 1_000_000
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "codecs.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_codecs.json"
 NOTE = (
     "KV from a RANDOM-WEIGHT model: near-Gaussian, no outlier channels or token "
     "correlation, so lossy ratios are a floor and errors are not perplexity "

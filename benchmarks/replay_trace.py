@@ -14,7 +14,7 @@ Usage::
 
     python benchmarks/replay_trace.py ../shared/data/mooncake_conversation_trace.jsonl \\
         [--capacities 0.02,0.05,0.10,0.20] [--k 3] [--policies lru_k_plain,...] \\
-        [--json benchmarks/results/eviction.json]
+        [--json benchmarks/results/replay_trace.json]
 
 Prints one table (capacity, blocks, LRU hit ratio, LRU-K hit ratio, delta) and
 writes the same rows as JSON.
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 DEFAULT_CAPACITIES = (0.02, 0.05, 0.10, 0.20)
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "eviction.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "replay_trace.json"
 
 #: Time added per block when the trace clock does not move (ms). Far below the
 #: trace's 1 ms resolution yet ~2000 float ulps at the trace's largest timestamps.

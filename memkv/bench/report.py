@@ -226,7 +226,10 @@ def load_results(out: Path) -> list[dict[str, Any]]:
 
 def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(format_cell(c) for c in row) + " |" for row in rows]
+    # A "|" inside a cell (e.g. "|err| <= ...") would split it: escape it.
+    lines += [
+        "| " + " | ".join(format_cell(c).replace("|", "\\|") for c in row) + " |" for row in rows
+    ]
     return lines
 
 
