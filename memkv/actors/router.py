@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -86,6 +87,12 @@ class SessionRecord:
 
 
 @dataclass(slots=True)
+class _SessionLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+@dataclass(slots=True)
 class DeviceLoad:
     sessions: int = 0
     hot_usage: float = 0.0
@@ -116,6 +123,7 @@ class RouterState:
         self._clock = clock
         self.sessions: dict[str, SessionRecord] = {}
         self.devices: dict[str, DeviceLoad] = {}
+        self._layouts: dict[bytes, dict[str, Any]] = {}  # fingerprint -> the shared dict
         self._refcounts: Counter[bytes] = Counter()
         # block -> devices whose sessions hold it (how many sessions on each)
         self._block_devices: dict[bytes, Counter[str]] = {}
@@ -142,9 +150,17 @@ class RouterState:
             raise ConflictError(f"session {session_id!r} already exists")
         if priority not in PRIORITIES:
             raise InvalidInputError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
-        KVLayout.from_dict(layout)  # validate now, not at the first put
+        # Validate now, not at the first put; and share one dict per distinct
+        # layout (and one str per namespace): thousands of sessions use a few
+        # layouts, and per-session copies were most of an idle session's bytes.
+        fingerprint = KVLayout.from_dict(layout).fingerprint
+        shared_layout = self._layouts.setdefault(fingerprint, dict(layout))
         record = SessionRecord(
-            session_id, namespace, dict(layout), priority, last_access=self._clock()
+            session_id,
+            sys.intern(namespace),
+            shared_layout,
+            PRIORITIES[PRIORITIES.index(priority)],
+            last_access=self._clock(),
         )
         self.sessions[session_id] = record
         return record
@@ -330,7 +346,7 @@ class SessionRouter:
         self._hot_idle = hot_idle_fraction
         self._background: asyncio.Task[None] | None = None
         self._recovering: dict[str, asyncio.Future[None]] = {}
-        self._session_locks: dict[str, asyncio.Lock] = {}
+        self._session_locks: dict[str, _SessionLock] = {}
         self._checked: dict[str, float] = {}  # device -> when it last answered a ping
         self.background_prefetched = 0
 
@@ -396,11 +412,19 @@ class SessionRouter:
                 before without storing anything (idempotent); any other
                 mismatch is a ConflictError. None skips the check.
         """
-        lock = self._session_locks.setdefault(session_id, asyncio.Lock())
-        async with lock:
-            return await self._put_blocks(
-                session_id, token_ids, blocks, start_block, chain_hint, turn
-            )
+        # One lock per session while appends are in flight; idle sessions keep
+        # none (thousands of them would each hold one).
+        entry = self._session_locks.setdefault(session_id, _SessionLock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                return await self._put_blocks(
+                    session_id, token_ids, blocks, start_block, chain_hint, turn
+                )
+        finally:
+            entry.users -= 1
+            if entry.users == 0 and self._session_locks.get(session_id) is entry:
+                del self._session_locks[session_id]
 
     async def _put_blocks(
         self,
@@ -499,7 +523,6 @@ class SessionRouter:
             if await self._call(record.device_id, None, "has_session", session_id):
                 await self._call(record.device_id, None, "delete_session", session_id)
         await self._collect(self.state.delete(session_id))
-        self._session_locks.pop(session_id, None)
 
     async def stats(self) -> dict[str, Any]:
         devices = {d: await h.stats.remote() for d, h in self._devices.items()}
