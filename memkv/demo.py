@@ -79,7 +79,8 @@ class DemoSettings:
 
     sessions: int = 4
     turns: int = 3
-    system_tokens: int = 512
+    # An agent's system prompt with tool schemas runs to thousands of tokens.
+    system_tokens: int = 2048
     user_tokens: int = 64
     new_tokens: int = 16
     block_tokens: int = 256
