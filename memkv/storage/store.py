@@ -107,6 +107,9 @@ class _Block:
     cold_codec: str | None = None
     rounds: int = 0  # turns (puts) that included the block after the one that created it
     prefetched: bool = False  # brought to hot by prefetch and not read since
+    # For a partial tail: how often its session's tail had been rewritten when
+    # it was written (partial tails are replaced every turn; see _ensure_cold).
+    rewrites: int = 0
 
 
 @dataclass(slots=True)
@@ -573,6 +576,9 @@ class TieredStore:
                     released += 1
             if old_chain and old_chain[-1] not in new_set and len(old_chain) <= len(chain):
                 s.tail_rewrites += 1
+            if counts and counts[-1] < s.layout.block_tokens:
+                tail = self._blocks[chain[-1]]
+                tail.rewrites = max(tail.rewrites, s.tail_rewrites)
             s.chain = chain
             s.tokens = int(tokens.size)
             s.turn += 1
@@ -1120,29 +1126,17 @@ class TieredStore:
             tensor = dequantize_int8(stored, stored.dtype)
         else:
             tensor = stored
-        partial = entry.tokens < entry.layout.block_tokens
-        s_tail = self._tail_rewrites_for(entry) if partial else 0
+        # Partial tails are rewritten every turn; the policy stores often
+        # rewritten ones uncompressed (compression would be wasted on them).
         codec = self._codec_policy.choose(
             "cold",
-            update_count=s_tail,
+            update_count=entry.rewrites,
             offline=offline and entry.refcount <= 1,
             turns_old=entry.rounds,
         )
         self._cold.put(entry.key, tensor, fingerprint=entry.layout.fingerprint, codec=codec)
         entry.in_cold = True
         entry.cold_codec = codec
-
-    def _tail_rewrites_for(self, entry: _Block) -> int:
-        # Partial tails are rewritten every turn; the policy stores them
-        # uncompressed once that happens often (compression would be wasted).
-        return max(
-            (
-                s.tail_rewrites
-                for s in self._sessions.values()
-                if s.chain and s.chain[-1] == entry.key
-            ),
-            default=0,
-        )
 
     def _promote(self, entry: _Block, block: torch.Tensor, now: float, evict: bool = True) -> bool:
         """Move a block to the hot tier (``block`` is its materialised copy)."""

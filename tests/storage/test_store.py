@@ -424,3 +424,20 @@ def test_adopt_session_from_the_cold_tier(tmp_path):
         )
     s.check_invariants()
     s.close()
+
+
+def test_often_rewritten_partial_tail_is_archived_uncompressed(tmp_path):
+    s = make_store(tmp_path, codecs=CodecConfig(hot_update_threshold=3))
+    s.create_session("s", LAYOUT)
+    keys, values = kv(40)
+    for n in (5, 6, 7, 9, 10):  # every turn replaces the partial tail (blocks of 4 tokens)
+        s.put_kv("s", list(range(n)), [k[:, :n] for k in keys], [v[:, :n] for v in values])
+    chain = s.suspend("s").chain
+    codecs = [s._blocks[k].cold_codec for k in chain]
+    assert codecs[:-1] == ["zstd", "zstd"] and codecs[-1] == "none"
+    got = torch.cat(read_all(s, "s"), dim=3)
+    assert torch.equal(
+        got,
+        torch.cat(split_kv(LAYOUT, [k[:, :10] for k in keys], [v[:, :10] for v in values]), dim=3),
+    )
+    s.close()
