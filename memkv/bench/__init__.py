@@ -74,8 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="local HF causal LM directory for the resume suite")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"results folder (default {DEFAULT_OUT})")
-    parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN,
-                        help=f"the generated table (default {DEFAULT_MARKDOWN})")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help=f"the generated table (default {DEFAULT_MARKDOWN} for the default "
+                        "--out, else BENCHMARKS.md inside --out)")
     return parser
 
 
@@ -118,6 +119,11 @@ def main(argv: Sequence[str] | None = None, *, ctx: BenchContext | None = None) 
     finally:
         if owned:
             context.close()
-    write_markdown(context.out, args.markdown, order=list(SUITES))
-    console.print(f"wrote {args.markdown}")
+    # Results written elsewhere (a quick or trial run) never overwrite the
+    # repository's BENCHMARKS.md, which belongs to the default results folder.
+    markdown = args.markdown
+    if markdown is None:
+        markdown = DEFAULT_MARKDOWN if context.out == DEFAULT_OUT else context.out / "BENCHMARKS.md"
+    write_markdown(context.out, markdown, order=list(SUITES))
+    console.print(f"wrote {markdown}")
     return status
