@@ -27,14 +27,14 @@ import numpy as np
 import torch
 
 from memkv import errors
-from memkv.api.wire import (
+from memkv.errors import MemkvError
+from memkv.protocol.hashing import chain_hashes, token_array
+from memkv.protocol.wire import (
     FrameReader,
     WireError,
     block_payload,
     encode_frame,
 )
-from memkv.errors import MemkvError
-from memkv.storage.hashing import chain_hashes, token_array
 from memkv.storage.layout import KVLayout, split_kv
 
 __all__ = [

@@ -53,8 +53,8 @@ from memkv.integrations.transformers import (
     restore,
     save_turn,
 )
+from memkv.protocol.hashing import chain_hashes
 from memkv.storage.config import MIB
-from memkv.storage.hashing import chain_hashes
 from memkv.storage.layout import KVLayout, join_blocks, split_kv
 
 __all__ = ["DemoSettings", "main", "run"]

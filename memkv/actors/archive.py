@@ -21,9 +21,9 @@ from typing import Any
 import ray
 
 from memkv.errors import InvalidInputError
+from memkv.protocol.hashing import HASH_BYTES
 from memkv.storage.codecs import verify_frame
 from memkv.storage.config import ArchiveConfig
-from memkv.storage.hashing import HASH_BYTES
 from memkv.storage.segments import SegmentStore
 
 __all__ = ["ArchiveActor", "ArchiveService"]

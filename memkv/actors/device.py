@@ -23,12 +23,13 @@ from ray.exceptions import RayActorError
 
 from memkv.actors.payload import BlockPayload, from_payload, to_payload
 from memkv.config import DeviceSettings
+from memkv.protocol.enums import Tier
+from memkv.protocol.hashing import BlockHash
+from memkv.protocol.layout import KVLayout
 from memkv.storage.codecs import decode_frame, get_codec_for
 from memkv.storage.config import CodecConfig, StoreConfig
-from memkv.storage.hashing import BlockHash
-from memkv.storage.layout import KVLayout
 from memkv.storage.store import SessionInfo, TieredStore
-from memkv.storage.tiers import ColdStats, Tier
+from memkv.storage.tiers import ColdStats
 
 __all__ = [
     "DeviceCache",

@@ -36,8 +36,8 @@ from memkv.errors import (
     UnknownBlockError,
     UnknownSessionError,
 )
-from memkv.storage.hashing import chain_hashes
-from memkv.storage.layout import KVLayout, block_token_count
+from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.layout import KVLayout, block_token_count
 
 __all__ = ["DeviceLoad", "RouterState", "SessionRecord", "SessionRouter", "SessionRouterActor"]
 

@@ -1,7 +1,7 @@
 """The HTTP gateway: FastAPI routes over the router and device actors.
 
 Session lifecycle under ``/v1``; KV payloads travel as binary frame bodies
-(:mod:`memkv.api.wire`, docs/wire-format.md), never pickle. Reads stream: a
+(:mod:`memkv.protocol.wire`, docs/wire-format.md), never pickle. Reads stream: a
 resume's first block is on the wire before its last is promoted. Errors are
 JSON ``{"error": {"type": ..., "message": ...}}`` with a status chosen from
 memkv's exception hierarchy (only this module maps exceptions to HTTP).
@@ -30,14 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayActorError, RayError
 
 from memkv.actors.payload import READ_BATCH_BLOCKS, READ_WINDOW_BATCHES, BlockPayload
-from memkv.api.wire import (
-    Frame,
-    FrameReader,
-    WireError,
-    block_frame_prefix,
-    block_payload,
-    end_frame,
-)
 from memkv.errors import (
     BlockLostError,
     CapacityError,
@@ -49,8 +41,16 @@ from memkv.errors import (
     MemkvError,
     NotFoundError,
 )
-from memkv.storage.hashing import chain_hashes, token_array
-from memkv.storage.layout import KVLayout
+from memkv.protocol.hashing import chain_hashes, token_array
+from memkv.protocol.layout import KVLayout
+from memkv.protocol.wire import (
+    Frame,
+    FrameReader,
+    WireError,
+    block_frame_prefix,
+    block_payload,
+    end_frame,
+)
 
 __all__ = ["FRAMES_MEDIA_TYPE", "create_app"]
 

@@ -27,7 +27,7 @@ import torch
 
 from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
-from memkv.storage.layout import KVLayout
+from memkv.protocol.layout import KVLayout
 
 __all__ = ["run"]
 

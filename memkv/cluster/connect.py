@@ -35,7 +35,7 @@ from memkv.actors.payload import (
 from memkv.actors.router import SessionRouterActor
 from memkv.config import MemkvConfig, load_config
 from memkv.errors import ConfigError, InvalidInputError
-from memkv.storage.hashing import chain_hashes
+from memkv.protocol.hashing import chain_hashes
 from memkv.storage.layout import KVLayout, split_kv
 
 __all__ = ["LOOPBACK_ENV", "MemkvCluster", "connect"]

@@ -36,7 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from memkv.errors import CorruptDataError, InvalidInputError, LayoutMismatchError
-from memkv.storage.hashing import chain_hashes, token_array
+from memkv.protocol.hashing import chain_hashes, token_array
 from memkv.storage.layout import DTYPES, KVLayout, StorageDType, block_token_count, join_blocks
 from memkv.storage.precision import convert
 

@@ -6,11 +6,11 @@ the buddy allocator and arenas, eviction and prefetch policies, precision and
 codecs, archive segments, diagnostics).
 """
 
+from memkv.protocol.enums import Priority, SessionState, Tier
+from memkv.protocol.hashing import BlockHash, chain_hashes
 from memkv.storage.config import StoreConfig
-from memkv.storage.hashing import BlockHash, chain_hashes
 from memkv.storage.layout import KVLayout, join_blocks, split_kv
-from memkv.storage.store import SessionInfo, SessionState, StoreStats, TieredStore
-from memkv.storage.tiers import Priority, Tier
+from memkv.storage.store import SessionInfo, StoreStats, TieredStore
 
 __all__ = [
     "BlockHash",

@@ -1,29 +1,25 @@
-"""KV layouts and the block view of a session's cache.
-
-A :class:`KVLayout` says what one model's attention cache looks like. A
-*block* holds the KV of ``block_tokens`` consecutive tokens for every layer in
-one contiguous tensor ``[num_layers, 2, num_kv_heads, tokens, head_dim]``
-(2 = K, V), so a reader can stream it layer by layer. The last block of a
-session may be partial (fewer tokens).
+"""The block view of a session's cache: per-layer K/V tensors split into blocks and back.
 
 Per-layer tensors come in the shape transformers' ``DynamicCache`` keeps them:
 ``[num_kv_heads, tokens, head_dim]``, or ``[1, num_kv_heads, tokens, head_dim]``
-with a batch dimension of one.
+with a batch dimension of one. :class:`~memkv.protocol.layout.KVLayout` itself
+lives in the import-light protocol package.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
 
 import torch
 
 from memkv.errors import InvalidInputError, LayoutMismatchError
+from memkv.protocol.dtypes import DTYPES as _DTYPE_TABLE
+from memkv.protocol.dtypes import StorageDType, torch_dtype
+from memkv.protocol.layout import KV_AXIS_SIZE, KVLayout, block_token_count
 
 __all__ = [
     "DTYPES",
+    "KV_AXIS_SIZE",
     "KVLayout",
     "StorageDType",
     "block_token_count",
@@ -31,192 +27,8 @@ __all__ = [
     "split_kv",
 ]
 
-StorageDType = Literal["float32", "float16", "bfloat16"]
-
-#: Model dtypes a layout may declare, by name.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-# Bumped whenever the fingerprint's inputs change, so old keys never alias new ones.
-_FINGERPRINT_VERSION = b"memkv-layout-v1"
-FINGERPRINT_BYTES = 16
-
-# The K/V axis of a block.
-KV_AXIS_SIZE = 2
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidInputError(f"KVLayout.{name} must be a positive int, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """The shape of one model's KV cache, and the unit memkv stores it in.
-
-    Args:
-        model_id: a name for the model (weights) the cache came from. Caches of
-            different models never share blocks, since the id is fingerprinted.
-        num_layers: attention layers.
-        num_kv_heads: key/value heads per layer (after GQA grouping).
-        head_dim: size of one head.
-        dtype: the model's KV dtype: ``float32``, ``float16`` or ``bfloat16``.
-        block_tokens: tokens per block (the last block of a session may hold fewer).
-
-    Example:
-        >>> layout = KVLayout("llama-tiny", num_layers=8, num_kv_heads=2, head_dim=64)
-        >>> layout.block_shape()
-        (8, 2, 2, 256, 64)
-    """
-
-    model_id: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: StorageDType = "float16"
-    block_tokens: int = 256
-    fingerprint: bytes = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model_id, str) or not self.model_id:
-            raise InvalidInputError(
-                f"KVLayout.model_id must be a non-empty str, got {self.model_id!r}"
-            )
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        if self.dtype not in DTYPES:
-            raise InvalidInputError(
-                f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"
-            )
-        object.__setattr__(self, "fingerprint", self._compute_fingerprint())
-
-    def _compute_fingerprint(self) -> bytes:
-        h = hashlib.blake2b(digest_size=FINGERPRINT_BYTES)
-        h.update(_FINGERPRINT_VERSION)
-        for part in (
-            self.model_id,
-            str(self.num_layers),
-            str(self.num_kv_heads),
-            str(self.head_dim),
-            self.dtype,
-            str(self.block_tokens),
-        ):
-            encoded = part.encode("utf-8")
-            # Length-prefix every field so ("ab", "c") and ("a", "bc") differ.
-            h.update(len(encoded).to_bytes(4, "little"))
-            h.update(encoded)
-        return h.digest()
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The model dtype as a torch dtype."""
-        return DTYPES[self.dtype]
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element in the model dtype."""
-        return torch.tensor([], dtype=self.torch_dtype).element_size()
-
-    def block_shape(self, tokens: int | None = None) -> tuple[int, int, int, int, int]:
-        """Shape of a block holding ``tokens`` tokens (a full block by default)."""
-        t = self.block_tokens if tokens is None else tokens
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 < t <= self.block_tokens:
-            raise InvalidInputError(
-                f"block token count must be an int in [1, {self.block_tokens}], got {t!r}"
-            )
-        return (self.num_layers, KV_AXIS_SIZE, self.num_kv_heads, t, self.head_dim)
-
-    def block_nbytes(self, tokens: int | None = None, itemsize: int | None = None) -> int:
-        """Bytes of a block of ``tokens`` tokens, in the model dtype unless ``itemsize``."""
-        n = 1
-        for d in self.block_shape(tokens):
-            n *= d
-        return n * (self.itemsize if itemsize is None else itemsize)
-
-    def token_nbytes(self) -> int:
-        """Bytes of KV per token across all layers, in the model dtype."""
-        return self.num_layers * KV_AXIS_SIZE * self.num_kv_heads * self.head_dim * self.itemsize
-
-    def check_block(self, block: torch.Tensor) -> int:
-        """Check that ``block`` is a block of this layout; return its token count.
-
-        Raises:
-            LayoutMismatchError: wrong dimensionality, shape or dtype.
-        """
-        if not isinstance(block, torch.Tensor):
-            raise LayoutMismatchError(f"expected a torch.Tensor block, got {type(block).__name__}")
-        if block.dim() != 5:
-            raise LayoutMismatchError(
-                f"expected a 5-d block [layers, 2, kv_heads, tokens, head_dim] for "
-                f"{self.model_id}, got shape {tuple(block.shape)}"
-            )
-        tokens = int(block.shape[3])
-        expected = (self.num_layers, KV_AXIS_SIZE, self.num_kv_heads, tokens, self.head_dim)
-        if tuple(block.shape) != expected or not 0 < tokens <= self.block_tokens:
-            raise LayoutMismatchError(
-                f"expected block shape {self.block_shape()} (tokens 1..{self.block_tokens}) "
-                f"for {self.model_id}, got {tuple(block.shape)}"
-            )
-        if block.dtype != self.torch_dtype:
-            raise LayoutMismatchError(
-                f"expected block dtype {self.dtype} for {self.model_id}, got {block.dtype}"
-            )
-        return tokens
-
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict (for msgpack/JSON); inverse of :meth:`from_dict`."""
-        return {
-            "model_id": self.model_id,
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "dtype": self.dtype,
-            "block_tokens": self.block_tokens,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
-        """Build a layout from :meth:`to_dict` output, rejecting unknown fields."""
-        if not isinstance(data, dict):
-            raise InvalidInputError(f"expected a layout dict, got {type(data).__name__}")
-        allowed = {"model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_tokens"}
-        unknown = set(data) - allowed
-        if unknown:
-            raise InvalidInputError(
-                f"unknown layout fields {sorted(unknown)}; expected {sorted(allowed)}"
-            )
-        try:
-            return cls(**data)
-        except TypeError as e:  # a missing required field
-            raise InvalidInputError(f"incomplete layout {data!r}: {e}") from e
-
-    @classmethod
-    def from_model_config(
-        cls, config: Any, *, model_id: str, dtype: StorageDType = "float16", block_tokens: int = 256
-    ) -> KVLayout:
-        """The layout of a transformers Llama-family model config."""
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(
-            model_id=model_id,
-            num_layers=config.num_hidden_layers,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            block_tokens=block_tokens,
-        )
-
-
-def block_token_count(layout: KVLayout, total_tokens: int) -> list[int]:
-    """Token counts of the blocks covering ``total_tokens`` tokens (last may be partial)."""
-    if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
-        raise InvalidInputError(f"token count must be a non-negative int, got {total_tokens!r}")
-    full, rest = divmod(total_tokens, layout.block_tokens)
-    return [layout.block_tokens] * full + ([rest] if rest else [])
+#: The stored dtypes as torch dtypes, by name (the table is memkv.protocol.dtypes).
+DTYPES: dict[str, torch.dtype] = {name: torch_dtype(name) for name in _DTYPE_TABLE}
 
 
 def _as_layer_tensor(layout: KVLayout, t: object, what: str, layer: int) -> torch.Tensor:

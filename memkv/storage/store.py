@@ -6,7 +6,7 @@ prefix is stored once), pins of blocks being read, where each block lives, and
 the movement between tiers:
 
 * ``put`` writes new blocks to the hot tier; blocks already stored anywhere are
-  deduplicated by their :data:`~memkv.storage.hashing.BlockHash`.
+  deduplicated by their :data:`~memkv.protocol.hashing.BlockHash`.
 * Under pressure the hot tier demotes its victim to the warm tier (converted by
   the precision policy: fp16, or int8 for long-idle unshared blocks), and the
   warm tier writes its victim to the cold tier before freeing it: a block
@@ -24,7 +24,6 @@ be driven by one actor, so the lock is rarely contended.
 from __future__ import annotations
 
 import contextlib
-import enum
 import threading
 import time
 from collections import Counter
@@ -48,23 +47,17 @@ from memkv.errors import (
     UnknownBlockError,
     UnknownSessionError,
 )
+from memkv.protocol.enums import PRIORITY_RANK, Priority, SessionState, Tier
+from memkv.protocol.hashing import BlockHash, chain_hashes, token_array
+from memkv.protocol.ids import check_session_id
 from memkv.storage.arena import DeviceArena, SharedHostArena
 from memkv.storage.codecs import CodecPolicy
 from memkv.storage.config import StoreConfig
 from memkv.storage.diagnostics import AccessStats, Leak, check_refcounts, find_leaks
-from memkv.storage.hashing import BlockHash, chain_hashes, token_array
 from memkv.storage.layout import KVLayout, block_token_count, split_kv
 from memkv.storage.precision import PrecisionPolicy, QuantizedBlock, convert, quantize_int8
 from memkv.storage.prefetch import MarkovPrefetcher
-from memkv.storage.tiers import (
-    PRIORITY_RANK,
-    ColdBackend,
-    ColdTier,
-    MemoryTier,
-    Priority,
-    StoredBlock,
-    Tier,
-)
+from memkv.storage.tiers import ColdBackend, ColdTier, MemoryTier, StoredBlock
 
 __all__ = [
     "BlockLocation",
@@ -79,14 +72,6 @@ __all__ = [
     "TieredStore",
 ]
 
-# Session ids travel in URLs and logs; keep them short and printable.
-MAX_SESSION_ID_LEN = 256
-
-
-class SessionState(enum.StrEnum):
-    ACTIVE = "active"
-    SUSPENDED = "suspended"  # blocks written to the cold tier; some may still be in memory
-    ARCHIVED = "archived"  # suspended, and none of its blocks is in memory any more
 
 
 @dataclass(slots=True)
@@ -373,7 +358,7 @@ class TieredStore:
         """
         with self._lock:
             self._ensure_open()
-            _check_session_id(session_id)
+            check_session_id(session_id)
             if session_id in self._sessions:
                 raise ConflictError(f"session {session_id!r} already exists")
             counts = block_token_count(layout, tokens)
@@ -436,7 +421,7 @@ class TieredStore:
         """
         with self._lock:
             self._ensure_open()
-            _check_session_id(session_id)
+            check_session_id(session_id)
             if not isinstance(layout, KVLayout):
                 raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
             if not isinstance(namespace, str) or not namespace:
@@ -1189,15 +1174,3 @@ def _priority(p: Priority | str) -> Priority:
         raise InvalidInputError(
             f"priority must be one of {[x.value for x in Priority]}, got {p!r}"
         ) from None
-
-
-def _check_session_id(session_id: object) -> None:
-    if (
-        not isinstance(session_id, str)
-        or not 0 < len(session_id) <= MAX_SESSION_ID_LEN
-        or not session_id.isprintable()
-    ):
-        raise InvalidInputError(
-            f"session id must be a printable str of 1..{MAX_SESSION_ID_LEN} characters, "
-            f"got {session_id!r}"
-        )

@@ -14,7 +14,6 @@ refcounts: :class:`~memkv.storage.store.TieredStore` owns that bookkeeping.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,11 +23,12 @@ import msgpack
 import torch
 
 from memkv.errors import CapacityError, CorruptDataError, InvalidInputError
+from memkv.protocol.enums import EVICTION_ORDER, Priority, Tier
+from memkv.protocol.hashing import HASH_BYTES
 from memkv.storage.arena import Allocation, Arena, ArenaStats
 from memkv.storage.codecs import decode_frame, get_codec_for, peek_header
 from memkv.storage.config import ArchiveConfig, CodecConfig, EvictionConfig
 from memkv.storage.eviction import EvictionPolicy, make_policy
-from memkv.storage.hashing import HASH_BYTES
 from memkv.storage.precision import QuantizedBlock
 from memkv.storage.segments import SegmentStore
 
@@ -43,25 +43,6 @@ __all__ = [
 ]
 
 
-class Tier(enum.StrEnum):
-    """Where a block copy lives, fastest first."""
-
-    HOT = "hot"
-    WARM = "warm"
-    COLD = "cold"
-
-
-class Priority(enum.StrEnum):
-    """A session's priority class; eviction drains classes in :data:`EVICTION_ORDER`."""
-
-    HIGH = "high"
-    NORMAL = "normal"
-    BACKGROUND = "background"
-
-
-#: Background blocks leave memory first, high-priority ones last.
-EVICTION_ORDER = (Priority.BACKGROUND, Priority.NORMAL, Priority.HIGH)
-PRIORITY_RANK = {Priority.BACKGROUND: 0, Priority.NORMAL: 1, Priority.HIGH: 2}
 
 #: A block as a memory tier holds it: raw in a float dtype, or int8 with scales.
 StoredBlock = torch.Tensor | QuantizedBlock

@@ -2,7 +2,7 @@ import pytest
 
 from memkv.actors.router import RouterState
 from memkv.errors import BlockLostError, InvalidInputError, MemkvError, UnknownSessionError
-from memkv.storage.layout import KVLayout
+from memkv.protocol.layout import KVLayout
 
 LAYOUT = KVLayout("m", 2, 2, 8, block_tokens=4).to_dict()
 

@@ -7,7 +7,6 @@ import httpx
 import pytest
 import torch
 
-from memkv.api.wire import encode_frame
 from memkv.client import AsyncClient, Client
 from memkv.errors import (
     ConflictError,
@@ -16,7 +15,8 @@ from memkv.errors import (
     MemkvError,
     UnknownSessionError,
 )
-from memkv.storage.hashing import chain_hashes
+from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.wire import encode_frame
 from memkv.storage.layout import KVLayout, split_kv
 
 LAYOUT = KVLayout("gateway-test", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)

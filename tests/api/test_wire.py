@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memkv.api.wire import (
+from memkv.protocol.wire import (
     MAGIC,
     FrameReader,
     WireError,

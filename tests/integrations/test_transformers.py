@@ -24,7 +24,7 @@ from memkv.integrations.transformers import (
     restore,
     save_turn,
 )
-from memkv.storage.hashing import chain_hashes
+from memkv.protocol.hashing import chain_hashes
 from memkv.storage.layout import KVLayout, block_token_count, split_kv
 
 BLOCK = 4

@@ -4,8 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memkv.errors import InvalidInputError
-from memkv.storage.hashing import ROOT_HASH, chain_hashes, hash_block, token_array
-from memkv.storage.layout import KVLayout
+from memkv.protocol.hashing import ROOT_HASH, chain_hashes, hash_block, token_array
+from memkv.protocol.layout import KVLayout
 
 LAYOUT = KVLayout("m", num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4)
 tokens_st = st.lists(st.integers(min_value=0, max_value=2**31), min_size=0, max_size=40)

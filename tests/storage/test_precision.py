@@ -13,7 +13,6 @@ from memkv.errors import InvalidInputError, LayoutMismatchError, PrecisionOverfl
 from memkv.storage.config import PrecisionConfig
 from memkv.storage.precision import (
     INT8_LEVELS,
-    ErrorStats,
     PrecisionPolicy,
     QuantizedBlock,
     StoredPrecision,
@@ -214,7 +213,10 @@ def test_measure_error_known_values() -> None:
     ref = torch.tensor([1.0, -1.0, 1.0, -1.0])
     approx = torch.tensor([1.5, -1.0, 1.0, -1.5])
     stats = measure_error(ref, approx)
-    assert stats == ErrorStats(max_abs=0.5, rms=math.sqrt(0.125), rel_rms=math.sqrt(0.125))
+    # Float summation order differs between torch builds: compare to the last ulp or so.
+    assert stats.max_abs == 0.5
+    assert stats.rms == pytest.approx(math.sqrt(0.125), rel=1e-12)
+    assert stats.rel_rms == pytest.approx(math.sqrt(0.125), rel=1e-12)
     assert measure_error(torch.zeros(3), torch.zeros(3)).rel_rms == 0.0
     assert measure_error(torch.zeros(3), torch.ones(3)).rel_rms == math.inf
     assert measure_error(torch.empty(0), torch.empty(0)).max_abs == 0.0

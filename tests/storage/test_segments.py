@@ -18,7 +18,7 @@ from memkv.errors import (
     InvalidInputError,
     UnknownBlockError,
 )
-from memkv.storage import layout
+from memkv.protocol import layout
 from memkv.storage.config import ArchiveConfig
 from memkv.storage.segments import (
     FINGERPRINT_BYTES,

@@ -11,6 +11,7 @@ from memkv.errors import (
     UnknownBlockError,
     UnknownSessionError,
 )
+from memkv.protocol.enums import SessionState, Tier
 from memkv.storage.config import (
     AllocatorConfig,
     ArchiveConfig,
@@ -19,8 +20,7 @@ from memkv.storage.config import (
     StoreConfig,
 )
 from memkv.storage.layout import KVLayout, join_blocks, split_kv
-from memkv.storage.store import SessionState, TieredStore
-from memkv.storage.tiers import Tier
+from memkv.storage.store import TieredStore
 
 UNIT = 4096
 LAYOUT = KVLayout("test-model", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)

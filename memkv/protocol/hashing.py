@@ -16,7 +16,7 @@ from typing import NewType
 import numpy as np
 
 from memkv.errors import InvalidInputError
-from memkv.storage.layout import KVLayout
+from memkv.protocol.layout import KVLayout
 
 __all__ = [
     "HASH_BYTES",

@@ -29,6 +29,7 @@ import msgpack
 import numpy as np
 
 from memkv.errors import InvalidInputError, LayoutMismatchError
+from memkv.protocol.dtypes import DTYPES
 
 __all__ = [
     "MAGIC",
@@ -48,13 +49,7 @@ _PREFIX = struct.Struct("<4sI")
 #: Headers are small (keys, shapes, token ids); anything bigger is malformed.
 MAX_HEADER_BYTES = 16 << 20
 
-# bfloat16 has no numpy dtype: its payload is read as uint16 bits.
-_NUMPY_DTYPES: dict[str, type[np.generic]] = {
-    "float32": np.float32,
-    "float16": np.float16,
-    "bfloat16": np.uint16,
-}
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_ITEMSIZE = {name: info.itemsize for name, info in DTYPES.items()}
 
 
 class WireError(InvalidInputError):
@@ -71,14 +66,14 @@ class Frame:
         return str(self.header.get("kind"))
 
 
-def numpy_dtype(dtype: str) -> type[np.generic]:
+def numpy_dtype(dtype: str) -> np.dtype[Any]:
     """The numpy dtype a payload of ``dtype`` is viewed as (bf16 as uint16 bits)."""
-    try:
-        return _NUMPY_DTYPES[dtype]
-    except KeyError:
+    info = DTYPES.get(dtype)
+    if info is None:
         raise LayoutMismatchError(
-            f"unknown block dtype {dtype!r}; expected one of {sorted(_NUMPY_DTYPES)}"
-        ) from None
+            f"unknown block dtype {dtype!r}; expected one of {sorted(DTYPES)}"
+        )
+    return info.numpy_view
 
 
 def encode_frame(
