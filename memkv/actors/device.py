@@ -26,10 +26,10 @@ from memkv.config import DeviceSettings
 from memkv.protocol.enums import Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
-from memkv.storage.codecs import decode_frame, get_codec_for
+from memkv.storage.codecs import decode_frame, encode_stored
 from memkv.storage.config import CodecConfig, StoreConfig
 from memkv.storage.store import SessionInfo, TieredStore
-from memkv.storage.tiers import ColdStats
+from memkv.storage.tiers import ColdStats, StoredBlock
 
 __all__ = [
     "DeviceCache",
@@ -89,8 +89,8 @@ class RemoteColdTier:
         present = self._call("contains", list(keys))
         return [k for k, ok in zip(keys, present, strict=True) if not ok]
 
-    def put(self, key: bytes, block: torch.Tensor, *, fingerprint: bytes, codec: str) -> int:
-        frame = get_codec_for(self._codecs, codec).encode(block.cpu())
+    def put(self, key: bytes, block: StoredBlock, *, fingerprint: bytes, codec: str) -> int:
+        frame = encode_stored(self._codecs, codec, block)
         self._call("put_frames", [(bytes(key), frame, fingerprint)])
         return len(frame)
 
@@ -182,6 +182,7 @@ class DeviceCache:
         # could not unlink it) reclaims the old warm pool instead of leaking it.
         self.warm_segment = warm_segment_name(device_id)
         _unlink_stale_segment(self.warm_segment)
+        _unlink_stale_segment(f"{self.warm_segment}-hot")
         self.store = TieredStore(store_config, cold=cold, warm_name=self.warm_segment)
 
     def ping(self) -> dict[str, str]:

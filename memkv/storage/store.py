@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from memkv.protocol.enums import PRIORITY_RANK, Priority, SessionState, Tier
 from memkv.protocol.hashing import BlockHash, chain_hashes, token_array
 from memkv.protocol.ids import check_session_id
 from memkv.storage.arena import DeviceArena, SharedHostArena
-from memkv.storage.codecs import CodecPolicy
+from memkv.storage.codecs import CODECS, CodecPolicy
 from memkv.storage.config import StoreConfig
 from memkv.storage.diagnostics import AccessStats, Leak, check_refcounts, find_leaks
 from memkv.storage.layout import KVLayout, block_token_count, split_kv
@@ -61,6 +62,7 @@ from memkv.storage.tiers import ColdBackend, ColdTier, MemoryTier, StoredBlock
 
 __all__ = [
     "BlockLocation",
+    "PlannedBlock",
     "FetchedBlock",
     "PrefixMatch",
     "PutResult",
@@ -95,6 +97,12 @@ class _Block:
     # For a partial tail: how often its session's tail had been rewritten when
     # it was written (partial tails are replaced every turn; see _ensure_cold).
     rewrites: int = 0
+    # CRC32 of the block's bytes in the model dtype: the writer's own checksum
+    # while the block is exact; None until computed (or after a lossy step).
+    crc32: int | None = None
+    # False once the only copies left went through a lossy step (int8, fp16 of
+    # an fp32 block, a lossy cold codec): reads then say so.
+    exact: bool = True
 
 
 @dataclass(slots=True)
@@ -152,6 +160,27 @@ class FetchedBlock(NamedTuple):
     key: BlockHash
     block: torch.Tensor
     tier: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBlock:
+    """Where a pinned block's bytes sit in a shared-memory arena (the same-node path).
+
+    A reader maps ``segment`` and copies ``nbytes`` from ``offset``; the bytes
+    are the block in ``dtype`` and ``shape``, with CRC32 ``crc32``. They stay
+    put until the pins are released (:meth:`TieredStore.unpin_blocks`).
+    """
+
+    key: BlockHash
+    found: Tier  # where the block was when asked for (it is in memory now)
+    segment: str
+    segment_bytes: int  # the segment's size, to map it
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    crc32: int
+    exact: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,13 +271,15 @@ class TieredStore:
         self._clock = clock
         self._lock = threading.RLock()
         unit = config.allocator.min_unit_bytes
-        self._hot = MemoryTier(
-            Tier.HOT,
-            DeviceArena(
-                _whole_units(config.hot_capacity_bytes, unit, "hot"), unit, device=config.device
-            ),
-            config.eviction,
+        hot_bytes = _whole_units(config.hot_capacity_bytes, unit, "hot")
+        # A CPU "device" keeps its hot tier in shared memory too, so that a
+        # reader on the node (the same-node path) can copy straight out of it.
+        hot_arena: DeviceArena | SharedHostArena = (
+            SharedHostArena(hot_bytes, unit, name=hot_segment_name(warm_name))
+            if config.device == "cpu"
+            else DeviceArena(hot_bytes, unit, device=config.device)
         )
+        self._hot = MemoryTier(Tier.HOT, hot_arena, config.eviction)
         pin_warm = config.device.startswith("cuda")
         try:
             warm_arena = SharedHostArena(
@@ -490,6 +521,7 @@ class TieredStore:
         blocks: Sequence[torch.Tensor],
         *,
         start_block: int = 0,
+        checksums: Sequence[int] | None = None,
     ) -> PutResult:
         """Store KV blocks for a session whose tokens so far are ``token_ids``.
 
@@ -499,6 +531,9 @@ class TieredStore:
             blocks: KV of blocks ``start_block ..`` up to the last (partial) block.
             start_block: index of the first block given; earlier blocks must
                 already be stored (by this session or a shared prefix).
+            checksums: the writer's CRC32 of each block's bytes (verified by the
+                caller), kept and served with the block; computed on first read
+                when absent.
 
         Returns:
             The new chain and what was written, deduplicated and released.
@@ -526,6 +561,10 @@ class TieredStore:
                     f"{tokens.size} tokens make {len(counts)} blocks; from block {start_block} "
                     f"expected {len(counts) - start_block} blocks, got {len(blocks)}"
                 )
+            if checksums is not None and len(checksums) != len(blocks):
+                raise InvalidInputError(
+                    f"{len(blocks)} blocks came with {len(checksums)} checksums"
+                )
             for i, block in enumerate(blocks, start=start_block):
                 n = s.layout.check_block(block)
                 if n != counts[i]:
@@ -541,7 +580,9 @@ class TieredStore:
             old_chain = s.chain
             old_set = set(old_chain)
             active = s.state is SessionState.ACTIVE
-            created = self._admit_new_blocks(s, chain, counts, blocks, start_block, now)
+            created = self._admit_new_blocks(
+                s, chain, counts, blocks, start_block, now, checksums
+            )
             new = len(created)
             dedup = 0
             for i, key in enumerate(chain):
@@ -582,6 +623,7 @@ class TieredStore:
         blocks: Sequence[torch.Tensor],
         start_block: int,
         now: float,
+        checksums: Sequence[int] | None = None,
     ) -> set[BlockHash]:
         """Store the blocks of ``chain`` not stored yet; all or nothing."""
         created: list[BlockHash] = []
@@ -597,6 +639,7 @@ class TieredStore:
                     tokens=counts[i],
                     priority=s.priority,
                     last_access=now,
+                    crc32=None if checksums is None else checksums[i - start_block],
                 )
                 self._blocks[key] = entry
                 created.append(key)
@@ -660,8 +703,8 @@ class TieredStore:
             entry.last_access = now
             if found is Tier.HOT:
                 self._hot.access(key, now)
-            elif entry.pins == 0:
-                self._promote(entry, block, now)
+            elif entry.pins == 0 and self._promote(entry, block, now):
+                self._note_materialized(entry, block)
             self._prefetcher.observe(key, stream)
             return FetchedBlock(key, block, found)
 
@@ -728,6 +771,115 @@ class TieredStore:
                 for key in taken:
                     self._unpin(self._blocks[key])
 
+    def plan_reads(
+        self, keys: Sequence[BlockHash], *, stream: str | None = None
+    ) -> list[PlannedBlock | None]:
+        """Pin blocks where a reader can map them, and say where (the same-node path).
+
+        Each block is promoted to the hot tier as :meth:`fetch` would; a block
+        whose memory copy is raw in the model dtype in a shared-memory arena is
+        pinned and planned. A block that is not (int8 in the warm tier with the
+        hot tier full of pinned blocks, or a device arena on a GPU) answers None:
+        the caller serves it another way. All or nothing on errors: nothing
+        stays pinned when this raises.
+
+        Raises:
+            UnknownBlockError: a key is not stored.
+        """
+        planned: list[PlannedBlock | None] = []
+        pinned: list[_Block] = []
+        with self._lock:
+            try:
+                for key in keys:
+                    found = self._access(key, stream)
+                    entry = self._blocks[key]
+                    plan = self._plan(entry, found)
+                    if plan is not None:
+                        self._pin(entry)
+                        pinned.append(entry)
+                    planned.append(plan)
+            except BaseException:
+                for entry in pinned:
+                    self._unpin(entry)
+                raise
+        return planned
+
+    def unpin_blocks(self, keys: Sequence[BlockHash]) -> None:
+        """Release the pins :meth:`plan_reads` took (once per planned key)."""
+        with self._lock:
+            for key in keys:
+                entry = self._blocks.get(key)
+                if entry is None or entry.pins == 0:
+                    raise_invariant(f"unpin of block {key.hex()} that holds no pin")
+                    return
+                self._unpin(entry)
+
+    def _access(self, key: BlockHash, stream: str | None) -> Tier:
+        """Count a read of ``key`` and bring it to the hot tier where room can be made."""
+        self._ensure_open()
+        entry = self._blocks.get(key)
+        if entry is None:
+            self._counters["misses"] += 1
+            self.access_stats.record(key, None, self._clock())
+            raise UnknownBlockError(f"no block {key.hex()} in this store")
+        now = self._clock()
+        found = entry.tier if entry.tier is not None else Tier.COLD
+        self._hits[found] += 1
+        self.access_stats.record(key, found.value, now)
+        if entry.prefetched:
+            entry.prefetched = False
+            self._counters["prefetch_used"] += 1
+        entry.last_access = now
+        if found is Tier.HOT:
+            self._hot.access(key, now)
+        elif entry.pins == 0:
+            block = self._materialize(entry)
+            if self._promote(entry, block, now):
+                self._note_materialized(entry, block)
+        self._prefetcher.observe(key, stream)
+        return found
+
+    def _note_demoted(self, entry: _Block, *, lossy: bool) -> None:
+        """The copy that remains went through a lossy step: reads are no longer exact."""
+        if lossy:
+            entry.exact = False
+            entry.crc32 = None
+
+    def _note_materialized(self, entry: _Block, block: torch.Tensor) -> None:
+        """The hot copy was rebuilt from a lossy copy: its checksum is of the new bytes."""
+        if not entry.exact:
+            entry.crc32 = None
+
+    def _plan(self, entry: _Block, found: Tier) -> PlannedBlock | None:
+        if entry.tier is None:
+            return None
+        tier = self._tier(entry.tier)
+        segment = getattr(tier.arena, "name", None)
+        where = tier.location(entry.key)
+        if segment is None or where is None:
+            return None
+        offset, shape, dtype = where
+        if dtype != entry.layout.torch_dtype:
+            return None
+        nbytes = entry.layout.block_nbytes(entry.tokens)
+        if entry.crc32 is None:
+            stored = tier.load(entry.key)
+            if isinstance(stored, QuantizedBlock):
+                return None
+            entry.crc32 = _crc32(stored)
+        return PlannedBlock(
+            entry.key,
+            found,
+            str(segment),
+            tier.capacity_bytes,
+            offset,
+            nbytes,
+            shape,
+            entry.layout.dtype,
+            entry.crc32,
+            entry.exact,
+        )
+
     def prefetch(self, keys: Sequence[BlockHash]) -> int:
         """Bring blocks into free hot-tier space (never evicting for it). Returns how many."""
         moved = 0
@@ -744,6 +896,7 @@ class TieredStore:
                     break
                 block = self._materialize(entry)
                 if self._promote(entry, block, now, evict=False):
+                    self._note_materialized(entry, block)
                     entry.prefetched = True
                     moved += 1
             self._counters["prefetched"] += moved
@@ -1034,9 +1187,11 @@ class TieredStore:
         warm = self._to_warm_precision(entry, block, now)
         if self._put_memory(self._warm, entry, warm, now):
             entry.tier = Tier.WARM
+            self._note_demoted(entry, lossy=warm is not block)
             return
         self._ensure_cold(entry, block)
         entry.tier = None
+        self._note_demoted(entry, lossy=not CODECS[entry.cold_codec or "none"].lossless)
 
     def _put_memory(
         self, tier: MemoryTier, entry: _Block, block: StoredBlock, now: float, evict: bool = True
@@ -1070,12 +1225,16 @@ class TieredStore:
                 warm = self._to_warm_precision(entry, stored, now)
                 if self._put_memory(self._warm, entry, warm, now):
                     entry.tier = Tier.WARM
+                    self._note_demoted(entry, lossy=warm is not stored)
                 else:
                     self._ensure_cold(entry, stored)
                     entry.tier = None
             else:
                 self._ensure_cold(entry, stored)
                 entry.tier = None
+            if entry.tier is None:
+                lossless = CODECS[entry.cold_codec or "none"].lossless
+                self._note_demoted(entry, lossy=not lossless)
         except CapacityError:
             tier.restore(key, now)
             raise
@@ -1105,12 +1264,6 @@ class TieredStore:
     def _ensure_cold(self, entry: _Block, stored: StoredBlock, offline: bool = False) -> None:
         if entry.in_cold:
             return
-        if isinstance(stored, QuantizedBlock):
-            from memkv.storage.precision import dequantize_int8
-
-            tensor = dequantize_int8(stored, stored.dtype)
-        else:
-            tensor = stored
         # Partial tails are rewritten every turn; the policy stores often
         # rewritten ones uncompressed (compression would be wasted on them).
         codec = self._codec_policy.choose(
@@ -1119,9 +1272,11 @@ class TieredStore:
             offline=offline and entry.refcount <= 1,
             turns_old=entry.rounds,
         )
-        self._cold.put(entry.key, tensor, fingerprint=entry.layout.fingerprint, codec=codec)
+        # An int8 block goes down as its codes and scales (the int8 codec), never
+        # dequantised first: its cold frame is no larger than its warm copy.
+        self._cold.put(entry.key, stored, fingerprint=entry.layout.fingerprint, codec=codec)
         entry.in_cold = True
-        entry.cold_codec = codec
+        entry.cold_codec = "int8" if isinstance(stored, QuantizedBlock) else codec
 
     def _promote(self, entry: _Block, block: torch.Tensor, now: float, evict: bool = True) -> bool:
         """Move a block to the hot tier (``block`` is its materialised copy)."""
@@ -1150,6 +1305,17 @@ _TORCH_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+def _crc32(block: torch.Tensor) -> int:
+    """CRC32 of a contiguous CPU tensor's bytes (no copy)."""
+    raw = block.view(torch.int16) if block.dtype is torch.bfloat16 else block
+    return zlib.crc32(raw.numpy().data.cast("B"))
+
+
+def hot_segment_name(warm_name: str | None) -> str | None:
+    """The shared-memory name of a CPU hot arena beside the warm pool ``warm_name``."""
+    return None if warm_name is None else f"{warm_name}-hot"
 
 
 def raise_invariant(message: str) -> None:

@@ -26,7 +26,7 @@ from memkv.errors import CapacityError, CorruptDataError, InvalidInputError
 from memkv.protocol.enums import EVICTION_ORDER, Priority, Tier
 from memkv.protocol.hashing import HASH_BYTES
 from memkv.storage.arena import Allocation, Arena, ArenaStats
-from memkv.storage.codecs import decode_frame, get_codec_for, peek_header
+from memkv.storage.codecs import decode_frame, encode_stored, peek_header
 from memkv.storage.config import ArchiveConfig, CodecConfig, EvictionConfig
 from memkv.storage.eviction import EvictionPolicy, make_policy
 from memkv.storage.precision import QuantizedBlock
@@ -185,6 +185,16 @@ class MemoryTier:
             return data
         return QuantizedBlock(data=data, k_scale=r.k_scale, v_scale=r.v_scale, dtype=r.float_dtype)
 
+    def location(self, key: Hashable) -> tuple[int, tuple[int, ...], torch.dtype] | None:
+        """Byte offset, shape and dtype of a raw resident copy; None for an int8 one.
+
+        For readers that map the arena's segment themselves (the same-node path).
+        """
+        r = self._residents[key]
+        if r.k_scale is not None:
+            return None
+        return r.data.offset, r.shape, r.dtype
+
     def stored_dtype(self, key: Hashable) -> torch.dtype:
         """The dtype the copy is kept in (``torch.int8`` when quantised)."""
         return self._residents[key].dtype
@@ -266,7 +276,7 @@ class ColdBackend(Protocol):
 
     def __contains__(self, key: object) -> bool: ...
     def missing(self, keys: Sequence[bytes]) -> list[bytes]: ...
-    def put(self, key: bytes, block: torch.Tensor, *, fingerprint: bytes, codec: str) -> int: ...
+    def put(self, key: bytes, block: StoredBlock, *, fingerprint: bytes, codec: str) -> int: ...
     def load(self, key: bytes) -> torch.Tensor: ...
     def remove(self, key: bytes) -> None: ...
     def block_keys(self) -> Iterator[bytes]: ...
@@ -335,13 +345,15 @@ class ColdTier:
                     raise CorruptDataError("a session manifest is not a map")
                 yield manifest
 
-    def put(self, key: bytes, block: torch.Tensor, *, fingerprint: bytes, codec: str) -> int:
-        """Encode ``block`` with ``codec`` and append it. Returns the frame's size.
+    def put(self, key: bytes, block: StoredBlock, *, fingerprint: bytes, codec: str) -> int:
+        """Encode ``block`` with ``codec`` (int8 blocks as they are) and append it.
+
+        Returns the frame's size.
 
         Raises:
             CapacityError: the cold tier would exceed ``capacity_bytes``.
         """
-        frame = get_codec_for(self._codec_config, codec).encode(block.cpu())
+        frame = encode_stored(self._codec_config, codec, block)
         if self.capacity_bytes is not None:
             live = self.segments.stats().live_bytes
             if live + len(frame) > self.capacity_bytes:

@@ -358,7 +358,7 @@ def test_decode_frame_dispatches_and_codec_decode_checks_the_codec() -> None:
 
 
 def test_registry() -> None:
-    assert set(CODECS) == {"none", "lz4", "zstd", "delta_rl"}
+    assert set(CODECS) == {"none", "lz4", "zstd", "delta_rl", "int8"}
     assert len({c.codec_id for c in CODECS.values()}) == len(CODECS)
     assert all(CODECS[name].name == name for name in CODECS)
     with pytest.raises(InvalidInputError) as e:
