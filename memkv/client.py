@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 
 from memkv import errors
 from memkv.errors import MemkvError
+from memkv.protocol.checksum import crc32
 from memkv.protocol.hashing import chain_hashes, token_array
 from memkv.protocol.wire import (
     FrameReader,
@@ -209,7 +209,7 @@ def _append_body(
                     "key": bytes(chain[i]),
                     "dtype": layout.dtype,
                     "shape": list(t.shape),
-                    "crc32": zlib.crc32(data),
+                    "crc32": crc32(data),
                 },
                 data,
             )

@@ -20,7 +20,6 @@ socket into the buffer the block is then read from).
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ import msgpack
 import numpy as np
 
 from memkv.errors import InvalidInputError, LayoutMismatchError
+from memkv.protocol.checksum import crc32
 from memkv.protocol.dtypes import DTYPES
 
 __all__ = [
@@ -101,7 +101,7 @@ def block_frame_prefix(
         "dtype": dtype,
         "shape": list(shape),
         "nbytes": data.nbytes,
-        "crc32": zlib.crc32(data),
+        "crc32": crc32(data),
         **extra,
     }
     packed = msgpack.packb(header, use_bin_type=True)
@@ -138,7 +138,7 @@ def block_payload(frame: Frame) -> tuple[bytes, str, np.ndarray]:
             f"block {h.get('index')}: header says shape {shape} of {dtype} ({expected} bytes), "
             f"payload has {len(frame.payload)} bytes"
         )
-    if not isinstance(crc, int) or zlib.crc32(frame.payload) != crc:
+    if not isinstance(crc, int) or crc32(frame.payload) != crc:
         raise WireError(f"block {h.get('index')}: payload checksum does not match its header")
     array = np.frombuffer(frame.payload, dtype=numpy_dtype(dtype)).reshape(shape)
     return key, dtype, array

@@ -38,7 +38,6 @@ import inspect
 import math
 import struct
 import threading
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ import torch
 import zstandard
 
 from memkv.errors import CorruptDataError, InvalidInputError, LayoutMismatchError
+from memkv.protocol.checksum import crc32
 from memkv.storage.config import CodecConfig
 from memkv.storage.layout import DTYPES, KV_AXIS_SIZE
 from memkv.storage.precision import (
@@ -196,7 +196,7 @@ def _build_frame(
     payload_len = 0
     payload_crc = 0
     for part in payload:
-        payload_crc = zlib.crc32(part, payload_crc)
+        payload_crc = crc32(part, payload_crc)
         payload_len += memoryview(part).nbytes
     fixed = _FIXED.pack(
         MAGIC,
@@ -210,7 +210,7 @@ def _build_frame(
         payload_crc,
         0,
     )
-    header_crc = zlib.crc32(var, zlib.crc32(fixed[:-_HEADER_CRC_SIZE]))
+    header_crc = crc32(var, crc32(fixed[:-_HEADER_CRC_SIZE]))
     fixed = fixed[:-_HEADER_CRC_SIZE] + header_crc.to_bytes(_HEADER_CRC_SIZE, "little")
     return b"".join([fixed, var, *payload])
 
@@ -232,7 +232,7 @@ def _parse_header(mv: memoryview) -> FrameHeader:
             f"truncated frame: {len(mv)} bytes, its header alone needs {header_len}"
         )
     var = mv[FIXED_HEADER_SIZE:header_len]
-    crc = zlib.crc32(var, zlib.crc32(mv[: FIXED_HEADER_SIZE - _HEADER_CRC_SIZE]))
+    crc = crc32(var, crc32(mv[: FIXED_HEADER_SIZE - _HEADER_CRC_SIZE]))
     if crc != header_crc:
         raise CorruptDataError(
             f"frame header checksum mismatch ({crc:#010x} != {header_crc:#010x})"
@@ -313,7 +313,7 @@ def _verified_payload(mv: memoryview, header: FrameHeader) -> memoryview:
             f"{what} frame: {len(mv)} bytes, its header declares {header.frame_len}"
         )
     payload = mv[header.header_len :]
-    crc = zlib.crc32(payload)
+    crc = crc32(payload)
     if crc != header.payload_crc:
         raise CorruptDataError(
             f"frame payload checksum mismatch ({crc:#010x} != {header.payload_crc:#010x})"

@@ -55,13 +55,13 @@ import re
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
 from memkv.errors import ClosedError, CorruptDataError, InvalidInputError, UnknownBlockError
+from memkv.protocol.checksum import crc32
 from memkv.storage.config import ArchiveConfig
 
 __all__ = [
@@ -99,7 +99,7 @@ HEADER_BYTES = _FIXED.size + _HEADER_CRC.size
 _NO_FLAGS = 0
 _NO_FINGERPRINT = bytes(FINGERPRINT_BYTES)
 _NO_CODEC = 0
-_EMPTY_CRC = zlib.crc32(b"")
+_EMPTY_CRC = crc32(b"")
 # Manifests are not key records; seq 0 is never given to a key record.
 _MANIFEST_SEQ = 0
 _FIRST_SEQ = 1
@@ -322,7 +322,7 @@ def _pack_header(
         fingerprint,
         payload_crc,
     )
-    crc = zlib.crc32(key, zlib.crc32(fixed))
+    crc = crc32(key, crc32(fixed))
     return fixed + _HEADER_CRC.pack(crc) + key
 
 
@@ -389,7 +389,7 @@ def _probe(fd: int, pos: int, file_size: int, verify_payload: bool) -> _Probe | 
         return None
     (stored_crc,) = _HEADER_CRC.unpack_from(head, _FIXED.size)
     key = head[HEADER_BYTES : HEADER_BYTES + key_len]
-    if zlib.crc32(key, zlib.crc32(head[: _FIXED.size])) != stored_crc:
+    if crc32(key, crc32(head[: _FIXED.size])) != stored_crc:
         return None
     record_kind = RecordKind(kind)
     if record_kind is RecordKind.MANIFEST:
@@ -403,7 +403,7 @@ def _probe(fd: int, pos: int, file_size: int, verify_payload: bool) -> _Probe | 
     payload_ok = True
     if verify_payload or record_kind is RecordKind.MANIFEST:
         payload = _pread_exact(fd, payload_len, pos + HEADER_BYTES + key_len)
-        payload_ok = len(payload) == payload_len and zlib.crc32(payload) == payload_crc
+        payload_ok = len(payload) == payload_len and crc32(payload) == payload_crc
     return _Probe(record_kind, key, seq, codec_id, fp, payload_len, payload_crc, size, payload_ok)
 
 
@@ -722,7 +722,7 @@ class SegmentStore:
     ) -> _Entry:
         seq = self._next_seq
         self._next_seq += 1
-        payload_crc = zlib.crc32(payload)
+        payload_crc = crc32(payload)
         header = _pack_header(kind, key, seq, len(payload), payload_crc, fingerprint, codec_id)
         size = len(header) + len(payload)
         seg = self._writable_segment(size)
@@ -811,7 +811,7 @@ class SegmentStore:
             seg = self._segments[entry.segment]
             data = _pread_exact(seg.fd, entry.payload_len, entry.payload_offset)
         # The CRC runs outside the lock: other callers need not wait for it.
-        if len(data) != entry.payload_len or zlib.crc32(data) != entry.payload_crc:
+        if len(data) != entry.payload_len or crc32(data) != entry.payload_crc:
             raise CorruptDataError(
                 f"record of key {_short(key)} in {seg.path.name} at offset {entry.offset} "
                 f"failed its checksum ({len(data)} of {entry.payload_len} bytes read)"
@@ -1007,7 +1007,7 @@ class SegmentStore:
             b"",
             _MANIFEST_SEQ,
             len(manifest_payload),
-            zlib.crc32(manifest_payload),
+            crc32(manifest_payload),
             _NO_FINGERPRINT,
             _NO_CODEC,
         )
@@ -1076,7 +1076,7 @@ class SegmentStore:
         if old.kind is RecordKind.PUT:
             src = self._segments[old.segment].fd
             payload = _pread_exact(src, old.payload_len, old.payload_offset)
-            if len(payload) != old.payload_len or zlib.crc32(payload) != old.payload_crc:
+            if len(payload) != old.payload_len or crc32(payload) != old.payload_crc:
                 log.warning(
                     "record of key %s in segment %d failed its checksum while compacting; "
                     "it is deleted",

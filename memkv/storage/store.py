@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from memkv.errors import (
     UnknownBlockError,
     UnknownSessionError,
 )
+from memkv.protocol.checksum import crc32
 from memkv.protocol.enums import PRIORITY_RANK, Priority, SessionState, Tier
 from memkv.protocol.hashing import BlockHash, chain_hashes, token_array
 from memkv.protocol.ids import check_session_id
@@ -1310,7 +1310,7 @@ _TORCH_DTYPES = {
 def _crc32(block: torch.Tensor) -> int:
     """CRC32 of a contiguous CPU tensor's bytes (no copy)."""
     raw = block.view(torch.int16) if block.dtype is torch.bfloat16 else block
-    return zlib.crc32(raw.numpy().data.cast("B"))
+    return crc32(raw.numpy().data.cast("B"))
 
 
 def hot_segment_name(warm_name: str | None) -> str | None:
