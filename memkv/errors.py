@@ -11,6 +11,7 @@ Every error memkv raises on purpose is a :class:`MemkvError`. Expected outcomes
     │   ├── PrecisionOverflowError          value not representable in the target dtype
     │   ├── AllocatorMisuseError            double free, foreign offset, bad size
     │   ├── ConfigError                     invalid configuration value
+    │   ├── WrongNodeError                  a same-node read plan used on another node
     │   └── ConflictError                   clashes with what is stored (id taken,
     │                                       layout differs, turn out of order)
     ├── NotFoundError (LookupError)
@@ -19,6 +20,7 @@ Every error memkv raises on purpose is a :class:`MemkvError`. Expected outcomes
     ├── CorruptDataError                    checksum/magic/format check failed
     ├── CapacityError                       cannot make room (everything pinned, too big)
     ├── BlockLostError                      a block is gone from every tier
+    ├── LeaseExpiredError                   a read plan's lease ran out before it was released
     ├── InvariantViolationError             debug mode found broken bookkeeping (a bug)
     └── ClosedError (RuntimeError)          the component was closed
 
@@ -38,11 +40,13 @@ __all__ = [
     "InvalidInputError",
     "InvariantViolationError",
     "LayoutMismatchError",
+    "LeaseExpiredError",
     "MemkvError",
     "NotFoundError",
     "PrecisionOverflowError",
     "UnknownBlockError",
     "UnknownSessionError",
+    "WrongNodeError",
 ]
 
 
@@ -68,6 +72,10 @@ class AllocatorMisuseError(InvalidInputError):
 
 class ConfigError(InvalidInputError):
     """A configuration value is invalid."""
+
+
+class WrongNodeError(InvalidInputError):
+    """A same-node read plan reached a process on another node: it cannot map the segments."""
 
 
 class ConflictError(InvalidInputError):
@@ -97,6 +105,14 @@ class CapacityError(MemkvError):
 
 class BlockLostError(MemkvError):
     """A block is in no tier any more (e.g. its device died before it reached the archive)."""
+
+
+class LeaseExpiredError(MemkvError):
+    """A read plan's lease ran out (or its device restarted) before the reader released it.
+
+    The blocks may have moved while they were copied: what was read is
+    discarded, never returned. Ask for a new plan.
+    """
 
 
 class InvariantViolationError(MemkvError):

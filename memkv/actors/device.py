@@ -21,14 +21,17 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
+from memkv.actors.leases import LeaseTable
 from memkv.actors.payload import BlockPayload, from_payload, to_payload
 from memkv.config import DeviceSettings
+from memkv.errors import InvalidInputError
 from memkv.protocol.enums import Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
+from memkv.protocol.messages import PlanEntry, ReadPlan
 from memkv.storage.codecs import decode_frame, encode_stored
 from memkv.storage.config import CodecConfig, StoreConfig
-from memkv.storage.store import SessionInfo, TieredStore
+from memkv.storage.store import PlannedBlock, SessionInfo, TieredStore
 from memkv.storage.tiers import ColdStats, StoredBlock
 
 __all__ = [
@@ -42,6 +45,10 @@ __all__ = [
 
 # Blocks a streaming read may run ahead of its consumer before it waits.
 READ_BACKPRESSURE_BLOCKS = 2
+
+#: How long a read plan's blocks stay pinned unless released earlier (seconds).
+DEFAULT_LEASE_S = 30.0
+MAX_LEASE_S = 600.0
 
 # Pause between retries while the archive actor restarts.
 _ARCHIVE_RETRY_S = 0.2
@@ -136,6 +143,28 @@ def _unlink_stale_segment(name: str) -> None:
     stale.unlink()
 
 
+def _node_id() -> str:
+    """This process's Ray node (readers compare it with theirs); "local" outside Ray."""
+    if ray.is_initialized():
+        return str(ray.get_runtime_context().get_node_id())
+    return "local"
+
+
+def _plan_entry(p: PlannedBlock) -> PlanEntry:
+    return PlanEntry(
+        key=bytes(p.key),
+        found=p.found.value,
+        segment=p.segment,
+        segment_bytes=p.segment_bytes,
+        offset=p.offset,
+        nbytes=p.nbytes,
+        shape=tuple(p.shape),
+        dtype=p.dtype,
+        crc32=p.crc32,
+        exact=p.exact,
+    )
+
+
 def session_dict(info: SessionInfo) -> dict[str, Any]:
     """A session snapshot as plain values (for Ray calls and JSON)."""
     return {
@@ -184,6 +213,10 @@ class DeviceCache:
         _unlink_stale_segment(self.warm_segment)
         _unlink_stale_segment(f"{self.warm_segment}-hot")
         self.store = TieredStore(store_config, cold=cold, warm_name=self.warm_segment)
+        self.leases = LeaseTable(
+            lambda keys: self.store.unpin_blocks([BlockHash(k) for k in keys])
+        )
+        self.node_id = _node_id()
 
     def ping(self) -> dict[str, str]:
         """Who answers: the device id and this process's incarnation."""
@@ -224,15 +257,23 @@ class DeviceCache:
         token_ids: Sequence[int] | np.ndarray,
         blocks: Sequence[BlockPayload | ray.ObjectRef],
         start_block: int = 0,
+        checksums: Sequence[int] | None = None,
     ) -> dict[str, Any]:
-        """Store a turn's blocks (payloads, or object refs to them: zero-copy reads)."""
+        """Store a turn's blocks (payloads, or object refs to them: zero-copy reads).
+
+        Args:
+            checksums: the writer's CRC32 of each block, already verified by the
+                caller (the gateway): kept and served with the block.
+        """
         refs = [i for i, b in enumerate(blocks) if isinstance(b, ray.ObjectRef)]
         resolved: list[Any] = list(blocks)
         if refs:
             for i, value in zip(refs, ray.get([blocks[i] for i in refs]), strict=True):
                 resolved[i] = value
         tensors = [from_payload(p) for p in resolved]
-        result = self.store.put_blocks(session_id, token_ids, tensors, start_block=start_block)
+        result = self.store.put_blocks(
+            session_id, token_ids, tensors, start_block=start_block, checksums=checksums
+        )
         return {
             "chain": [bytes(k) for k in result.chain],
             "new_blocks": result.new_blocks,
@@ -246,8 +287,42 @@ class DeviceCache:
         out = []
         for k in keys:
             fetched = self.store.fetch(BlockHash(bytes(k)), stream=stream)
-            out.append(to_payload(k, fetched.block, fetched.tier.value))
+            out.append(to_payload(k, fetched.block, fetched.tier.value, fetched.exact))
         return out
+
+    def read_plan(
+        self, keys: Sequence[bytes], stream: str | None = None, ttl_s: float = DEFAULT_LEASE_S
+    ) -> ReadPlan:
+        """Pin blocks and say where a reader on this node copies them from (same-node path).
+
+        The blocks stay pinned until :meth:`release_lease` or for ``ttl_s``
+        seconds, whichever comes first. Entries that are None could not be
+        planned (read them with :meth:`get_blocks`).
+
+        Raises:
+            UnknownBlockError: a key is not stored here (nothing stays pinned).
+            InvalidInputError: ``ttl_s`` is not in (0, MAX_LEASE_S].
+        """
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not (
+            0 < ttl_s <= MAX_LEASE_S
+        ):
+            raise InvalidInputError(f"ttl_s must be in (0, {MAX_LEASE_S}] seconds, got {ttl_s!r}")
+        hashes = [BlockHash(bytes(k)) for k in keys]
+        planned = self.store.plan_reads(hashes, stream=stream)
+        pinned = [p.key for p in planned if p is not None]
+        lease = self.leases.grant(pinned, float(ttl_s))
+        return ReadPlan(
+            lease_id=lease.lease_id,
+            device_id=self.device_id,
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            ttl_s=float(ttl_s),
+            entries=tuple(_plan_entry(p) if p is not None else None for p in planned),
+        )
+
+    def release_lease(self, lease_id: str) -> bool:
+        """Unpin a plan's blocks. False if the lease had run out (discard what was copied)."""
+        return self.leases.release(lease_id)
 
     @ray.method(
         num_returns="streaming", _generator_backpressure_num_objects=READ_BACKPRESSURE_BLOCKS
@@ -263,7 +338,7 @@ class DeviceCache:
         a resume promotes blocks as they are needed, not all at once.
         """
         for fetched in self.store.iter_session(session_id, start, end):
-            yield to_payload(fetched.key, fetched.block, fetched.tier.value)
+            yield to_payload(fetched.key, fetched.block, fetched.tier.value, fetched.exact)
 
     def match_prefix(
         self, layout: dict[str, Any], namespace: str, token_ids: Sequence[int]

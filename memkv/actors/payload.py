@@ -48,13 +48,16 @@ class BlockPayload:
     dtype: str
     data: np.ndarray
     tier: str | None = None  # where the block was found when read (hot, warm, cold)
+    exact: bool = True  # False: the bytes went through a lossy step (int8, fp16 of fp32, ...)
 
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
 
-def to_payload(key: bytes, block: torch.Tensor, tier: str | None = None) -> BlockPayload:
+def to_payload(
+    key: bytes, block: torch.Tensor, tier: str | None = None, exact: bool = True
+) -> BlockPayload:
     """Wrap a CPU block for transfer (no copy when it is already contiguous)."""
     if block.dtype not in _WIRE_DTYPES:
         raise LayoutMismatchError(
@@ -64,7 +67,7 @@ def to_payload(key: bytes, block: torch.Tensor, tier: str | None = None) -> Bloc
     t = block.detach().cpu().contiguous()
     if block.dtype is torch.bfloat16:
         t = t.view(torch.int16)
-    return BlockPayload(bytes(key), name, t.numpy().view(np_dtype), tier)
+    return BlockPayload(bytes(key), name, t.numpy().view(np_dtype), tier, exact)
 
 
 def from_payload(payload: BlockPayload, *, copy: bool = False) -> torch.Tensor:

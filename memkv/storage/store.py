@@ -160,6 +160,7 @@ class FetchedBlock(NamedTuple):
     key: BlockHash
     block: torch.Tensor
     tier: Tier
+    exact: bool = True  # False: the copy read went through a lossy step
 
 
 @dataclass(frozen=True, slots=True)
@@ -706,7 +707,7 @@ class TieredStore:
             elif entry.pins == 0 and self._promote(entry, block, now):
                 self._note_materialized(entry, block)
             self._prefetcher.observe(key, stream)
-            return FetchedBlock(key, block, found)
+            return FetchedBlock(key, block, found, entry.exact)
 
     def read_session(
         self, session_id: str, start: int = 0, end: int | None = None

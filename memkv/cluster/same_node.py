@@ -1,0 +1,224 @@
+"""The same-node read path: copy blocks straight out of a device's shared memory.
+
+A reader on the device actor's node asks for a read plan (segment, offset,
+length and checksum of each block, under a lease that pins them), copies the
+bytes out of the mapped segments into its own buffers, verifies each copy's
+checksum, and releases the lease. One copy, no serialisation, no socket.
+
+It is opt-in per deployment (``same_node_reads``): every process that can map
+the segments can read every block in them, whatever its tenant.
+
+Guarantees:
+- A lease that ran out before release (or a device that restarted under the
+  plan) raises :class:`~memkv.errors.LeaseExpiredError`; the copies are
+  dropped, never returned.
+- A plan used on another node raises :class:`~memkv.errors.WrongNodeError`.
+- A copy whose checksum differs raises :class:`~memkv.errors.CorruptDataError`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from memkv.errors import CorruptDataError, LeaseExpiredError, WrongNodeError
+from memkv.protocol.checksum import crc32
+from memkv.protocol.dtypes import numpy_view_dtype
+from memkv.protocol.messages import PlanEntry, ReadPlan
+
+__all__ = ["CopiedBlock", "SameNodeReader", "SegmentMaps", "copy_entries"]
+
+_SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True, slots=True)
+class CopiedBlock:
+    """A block copied out of shared memory: its bytes as a numpy array (bf16 as uint16)."""
+
+    key: bytes
+    array: np.ndarray
+    dtype: str
+    found: str
+    exact: bool
+
+
+class SegmentMaps:
+    """Read-only mappings of shared-memory segments, by (segment, device incarnation).
+
+    A device that restarts creates a new segment under the same name; the old
+    mapping would show the dead process's memory, so a mapping is only reused
+    for the incarnation that made it.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[str, mmap.mmap, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def view(self, segment: str, nbytes: int, incarnation: str) -> np.ndarray:
+        """The whole segment as a read-only uint8 array."""
+        with self._lock:
+            cached = self._maps.get(segment)
+            if cached is not None and cached[0] == incarnation and cached[2].size >= nbytes:
+                return cached[2]
+            if cached is not None:
+                del self._maps[segment]
+            if "/" in segment or segment in (".", ".."):
+                raise CorruptDataError(f"a read plan names an invalid segment {segment!r}")
+            try:
+                fd = os.open(os.path.join(_SHM_DIR, segment), os.O_RDONLY)
+            except FileNotFoundError:
+                raise LeaseExpiredError(
+                    f"segment {segment!r} is gone (its device restarted); ask for a new plan"
+                ) from None
+            try:
+                mapped = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            array = np.frombuffer(mapped, dtype=np.uint8)
+            self._maps[segment] = (incarnation, mapped, array)
+            return array
+
+    def close(self) -> None:
+        with self._lock:
+            # Mappings close once no array views them (numpy holds a reference).
+            self._maps.clear()
+
+
+def copy_entries(
+    maps: SegmentMaps,
+    plan: ReadPlan,
+    entries: Sequence[PlanEntry],
+    out: Sequence[np.ndarray | None] | None = None,
+) -> list[np.ndarray]:
+    """Copy planned blocks into ``out`` (uint8 buffers of each block's size) or new arrays."""
+    copies: list[np.ndarray] = []
+    for i, entry in enumerate(entries):
+        segment = maps.view(entry.segment, entry.segment_bytes, plan.incarnation)
+        if entry.offset < 0 or entry.offset + entry.nbytes > segment.size:
+            raise CorruptDataError(
+                f"block {entry.key.hex()}: bytes {entry.offset}+{entry.nbytes} lie outside "
+                f"segment {entry.segment!r} of {segment.size} bytes"
+            )
+        dst = out[i] if out is not None else None
+        if dst is None:
+            dst = np.empty(entry.nbytes, dtype=np.uint8)
+        elif dst.nbytes != entry.nbytes:
+            raise ValueError(
+                f"out[{i}] holds {dst.nbytes} bytes, block {entry.key.hex()} needs {entry.nbytes}"
+            )
+        src = segment[entry.offset : entry.offset + entry.nbytes]
+        np.copyto(dst.reshape(-1).view(np.uint8), src)
+        copies.append(dst)
+    return copies
+
+
+class SameNodeReader:
+    """Reads blocks from a device actor on this node through shared memory.
+
+    Args:
+        device: the device: a Ray actor handle, or a plain
+            :class:`~memkv.actors.device.DeviceCache` (same process, tests).
+        node_id: this process's Ray node id (``ray.get_runtime_context()``);
+            plans of another node are refused.
+        ttl_s: lease length asked for.
+
+    Example:
+        >>> reader = SameNodeReader(device, node_id=ray.get_runtime_context().get_node_id())
+        >>> blocks = reader.read(keys)            # doctest: +SKIP
+    """
+
+    def __init__(self, device: Any, *, node_id: str, ttl_s: float = 30.0) -> None:
+        self._device = device
+        self._node_id = node_id
+        self._ttl_s = ttl_s
+        self._maps = SegmentMaps()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        fn = getattr(self._device, method)
+        if hasattr(fn, "remote"):
+            import ray
+
+            return ray.get(fn.remote(*args))
+        return fn(*args)
+
+    def plan(self, keys: Sequence[bytes], stream: str | None = None) -> ReadPlan:
+        """A plan for ``keys`` (pinned until :meth:`release` or the lease runs out)."""
+        plan: ReadPlan = self._call("read_plan", [bytes(k) for k in keys], stream, self._ttl_s)
+        if plan.node_id != self._node_id:
+            self.release(plan)
+            raise WrongNodeError(
+                f"device {plan.device_id!r} runs on node {plan.node_id}, this reader on "
+                f"{self._node_id}: same-node reads need the same node (read in-cluster instead)"
+            )
+        return plan
+
+    def release(self, plan: ReadPlan) -> bool:
+        return bool(self._call("release_lease", plan.lease_id))
+
+    def read(
+        self,
+        keys: Sequence[bytes],
+        *,
+        out: Sequence[np.ndarray | None] | None = None,
+        stream: str | None = None,
+        verify: bool = True,
+    ) -> list[CopiedBlock]:
+        """Copy ``keys``' blocks; blocks not in shared memory come in-cluster.
+
+        Args:
+            out: optional destination buffers (uint8, one block's size each).
+            verify: check each copy's CRC32 (on by default; the check is the
+                only defence against a writer that broke the pins).
+
+        Raises:
+            LeaseExpiredError, WrongNodeError, CorruptDataError: see the module.
+        """
+        plan = self.plan(keys, stream)
+        planned = [(i, e) for i, e in enumerate(plan.entries) if e is not None]
+        try:
+            dsts = [out[i] for i, _ in planned] if out is not None else None
+            copies = copy_entries(self._maps, plan, [e for _, e in planned], dsts)
+        finally:
+            valid = self.release(plan)
+        if not valid:
+            raise LeaseExpiredError(
+                f"lease {plan.lease_id} on device {plan.device_id!r} ran out before the copy "
+                "finished; its blocks may have moved (the copies were discarded)"
+            )
+        result: list[CopiedBlock | None] = [None] * len(keys)
+        for (i, entry), copy in zip(planned, copies, strict=True):
+            if verify and crc32(copy) != entry.crc32:
+                raise CorruptDataError(
+                    f"block {entry.key.hex()}: its copy from shared memory fails its checksum"
+                )
+            array = copy.view(numpy_view_dtype(entry.dtype)).reshape(entry.shape)
+            result[i] = CopiedBlock(entry.key, array, entry.dtype, entry.found, entry.exact)
+        missing = [i for i, r in enumerate(result) if r is None]
+        if missing:
+            for i, payload in zip(
+                missing, self._call("get_blocks", [bytes(keys[i]) for i in missing], stream),
+                strict=True,
+            ):
+                result[i] = CopiedBlock(
+                    payload.key,
+                    np.array(payload.data),
+                    payload.dtype,
+                    payload.tier or "",
+                    payload.exact,
+                )
+        return [r for r in result if r is not None]
+
+    def close(self) -> None:
+        self._maps.close()
+
+    def __enter__(self) -> SameNodeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

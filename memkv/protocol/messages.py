@@ -1,0 +1,64 @@
+"""Typed messages between memkv's processes (frozen dataclasses of plain values).
+
+Ray pickles these between actors; the HTTP gateway turns them into JSON. They
+carry no tensors: blocks travel as numpy arrays (in-cluster), shared-memory
+read plans (same node) or wire frames (HTTP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PlanEntry", "ReadPlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanEntry:
+    """Where one pinned block's bytes are, for a reader that maps the segment itself.
+
+    Attributes:
+        key: the block hash.
+        found: the tier the block was in when asked for (``hot``, ``warm``, ``cold``).
+        segment: the shared-memory segment (``/dev/shm/<segment>``) holding it.
+        segment_bytes: the segment's size.
+        offset: byte offset of the block in the segment.
+        nbytes: bytes of the block.
+        shape: ``[layers, 2, kv_heads, tokens, head_dim]``.
+        dtype: ``float32``, ``float16`` or ``bfloat16``.
+        crc32: CRC32 of the bytes (the writer's while the block is exact).
+        exact: False when the bytes went through a lossy step (int8, fp16 of fp32, …).
+    """
+
+    key: bytes
+    found: str
+    segment: str
+    segment_bytes: int
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    crc32: int
+    exact: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """A lease on pinned blocks and where to copy them from.
+
+    Attributes:
+        lease_id: hand back with ``release_lease`` once the copies are done.
+        device_id: the device that holds the blocks.
+        node_id: the Ray node of that device: only a reader on it can map the segments.
+        incarnation: the device process's incarnation (segments of an older one are stale).
+        ttl_s: the lease runs out this many seconds after it was granted; after
+            that the blocks may move and ``release_lease`` says so.
+        entries: one per key asked for, in order; None where a block could not
+            be planned (not in a shared arena): read those in-cluster instead.
+    """
+
+    lease_id: str
+    device_id: str
+    node_id: str
+    incarnation: str
+    ttl_s: float
+    entries: tuple[PlanEntry | None, ...]
