@@ -4,7 +4,11 @@ Typed methods for the routes; the server's JSON errors are raised again as
 memkv's own exceptions (:mod:`memkv.errors`); idempotent calls (reads, deletes,
 and appends, which carry a turn index) are retried on connection errors and
 503s. KV goes out as binary frames (docs/wire-format.md) and comes back
-streamed, each block read straight into the buffer its tensor then wraps.
+streamed, each block read from the socket straight into the array it is then
+returned in (``Block.array``; ``Block.tensor`` wraps it for torch users).
+
+Import-light: ``import memkv.client`` loads neither torch nor ray (torch is
+imported only when a caller hands in or asks for tensors).
 
 Example:
     >>> with Client("http://127.0.0.1:8080") as client:           # doctest: +SKIP
@@ -16,26 +20,36 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import http.client
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import httpx
+import msgpack
 import numpy as np
-import torch
 
 from memkv import errors
 from memkv.errors import MemkvError
 from memkv.protocol.checksum import crc32
-from memkv.protocol.hashing import chain_hashes, token_array
+from memkv.protocol.dtypes import numpy_view_dtype
+from memkv.protocol.hashing import BlockHash, chain_hashes, token_array
+from memkv.protocol.layout import KV_AXIS_SIZE, KVLayout
 from memkv.protocol.wire import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    TIER_NAMES,
     FrameReader,
     WireError,
     block_payload,
     encode_frame,
 )
-from memkv.storage.layout import KVLayout, split_kv
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "AsyncClient",
@@ -54,8 +68,8 @@ _RETRY_STATUSES = frozenset({502, 503, 504})
 _BACKOFF_S = 0.2
 # A block payload larger than this is refused while reading (protects the client).
 _MAX_BLOCK_BYTES = 1 << 31
+_FRAME_PREFIX_BYTES = 8
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _ERRORS: dict[str, type[MemkvError]] = {
     name: getattr(errors, name)
     for name in errors.__all__
@@ -95,10 +109,27 @@ class Match:
 
 @dataclass(frozen=True, slots=True)
 class Block:
+    """One block as read: its bytes in ``array`` ``[layers, 2, kv_heads, tokens, head_dim]``.
+
+    ``array`` is float32/float16, or uint16 holding bfloat16 bits (numpy has
+    no bfloat16); ``tensor`` gives the torch view (no copy). ``exact`` is False
+    when memkv kept the block lossily (int8, fp16 of fp32, a lossy cold codec).
+    """
+
     index: int
     key: bytes
-    tensor: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim]
+    array: np.ndarray
+    dtype: str
     tier: str | None  # where the block was found (hot, warm, cold)
+    exact: bool = True
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The block as a torch tensor sharing ``array``'s memory (imports torch)."""
+        import torch
+
+        t = torch.from_numpy(self.array)
+        return t.view(torch.bfloat16) if self.dtype == "bfloat16" else t
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,41 +175,84 @@ def _resume(data: dict[str, Any]) -> ResumeView:
     )
 
 
-def _raise_for_error(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
+def _error_from(status: int, body: bytes) -> MemkvError:
     try:
-        error = response.json()["error"]
+        import json
+
+        error = json.loads(body)["error"]
         cls = _ERRORS.get(error["type"], MemkvError)
         message = error["message"]
     except (ValueError, KeyError, TypeError):
-        cls, message = MemkvError, response.text[:500]
-    raise cls(f"{message} (HTTP {response.status_code})")
+        cls, message = MemkvError, body[:500].decode("utf-8", "replace")
+    return cls(f"{message} (HTTP {status})")
+
+
+def _raise_for_error(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        raise _error_from(response.status_code, response.content)
+
+
+def _block_array(layout: KVLayout, block: Any, index: int) -> np.ndarray:
+    """A block (numpy array or torch tensor) as a C-contiguous numpy array of its bytes' dtype."""
+    if hasattr(block, "detach"):  # a torch tensor: the caller has torch loaded already
+        import torch
+
+        t = block.detach().cpu().contiguous()
+        if str(t.dtype).removeprefix("torch.") != layout.dtype:
+            raise errors.LayoutMismatchError(
+                f"block {index} is {t.dtype}, the session's layout is {layout.dtype}"
+            )
+        array = (t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()
+        array = array.view(numpy_view_dtype(layout.dtype))
+    elif isinstance(block, np.ndarray):
+        array = np.ascontiguousarray(block)
+        if array.dtype != numpy_view_dtype(layout.dtype):
+            raise errors.LayoutMismatchError(
+                f"block {index} is {array.dtype}; a {layout.dtype} layout takes "
+                f"{numpy_view_dtype(layout.dtype)} arrays"
+            )
+    else:
+        raise errors.LayoutMismatchError(
+            f"block {index} must be a numpy array or a torch tensor, got {type(block).__name__}"
+        )
+    shape = tuple(array.shape)
+    if (
+        len(shape) != 5
+        or shape[:3] != (layout.num_layers, KV_AXIS_SIZE, layout.num_kv_heads)
+        or shape[4] != layout.head_dim
+        or not 0 < shape[3] <= layout.block_tokens
+    ):
+        raise errors.LayoutMismatchError(
+            f"block {index}: expected shape {layout.block_shape()} "
+            f"(tokens 1..{layout.block_tokens}), got {shape}"
+        )
+    return array
 
 
 def _append_body(
     session: SessionView,
     token_ids: Sequence[int] | np.ndarray,
-    blocks: Sequence[torch.Tensor] | None,
-    keys: Sequence[torch.Tensor] | None,
-    values: Sequence[torch.Tensor] | None,
+    blocks: Sequence[Any] | None,
+    keys: Sequence[Any] | None,
+    values: Sequence[Any] | None,
     start_block: int | None,
     turn: int | None,
-) -> list[bytes | memoryview]:
-    """The frames of an append: only blocks from the first one not stored for the session."""
+) -> tuple[list[bytes | memoryview], list[BlockHash]]:
+    """The frames of an append (only blocks from the first one not stored), and the chain."""
     tokens = token_array(token_ids)
     layout = session.layout
     chain = chain_hashes(tokens, layout, session.namespace)
     if blocks is None:
         if keys is None or values is None:
             raise errors.InvalidInputError("append_turn needs keys and values, or blocks")
-        blocks = split_kv(layout, keys, values)
+        from memkv.storage.layout import split_kv  # torch: per-layer tensors came in
+
         start = 0
         for old, new in zip(session.chain, chain, strict=False):
             if old != new:
                 break
             start += 1
-        blocks = blocks[start:]
+        blocks = split_kv(layout, keys, values)[start:]
     else:
         start = start_block or 0
     if len(blocks) != len(chain) - start:
@@ -197,10 +271,8 @@ def _append_body(
     }
     chunks: list[bytes | memoryview] = list(encode_frame(head))
     for i, block in enumerate(blocks, start=start):
-        layout.check_block(block)
-        t = block.detach().cpu().contiguous()
-        raw = t.view(torch.int16) if t.dtype is torch.bfloat16 else t
-        data = memoryview(raw.numpy().data).cast("B")
+        array = _block_array(layout, block, i)
+        data = array.data.cast("B")
         chunks.extend(
             encode_frame(
                 {
@@ -208,13 +280,57 @@ def _append_body(
                     "index": i,
                     "key": bytes(chain[i]),
                     "dtype": layout.dtype,
-                    "shape": list(t.shape),
+                    "shape": list(array.shape),
                     "crc32": crc32(data),
                 },
                 data,
             )
         )
-    return chunks
+    return chunks, chain
+
+
+def _after_append(session: SessionView, result: TurnResult, tokens: int) -> SessionView:
+    return replace(session, chain=list(result.chain), turn=result.turn, tokens=tokens)
+
+
+def _check_block_header(header: dict[str, Any], count: int) -> tuple[bytes, str, list[int], int]:
+    key, dtype, shape, nbytes = (
+        header.get("key"),
+        header.get("dtype"),
+        header.get("shape"),
+        header.get("nbytes"),
+    )
+    if not isinstance(key, bytes) or not isinstance(dtype, str) or not isinstance(shape, list):
+        raise WireError(f"block frame {count}: malformed header {header!r:.200}")
+    if not isinstance(nbytes, int) or not 0 <= nbytes <= _MAX_BLOCK_BYTES:
+        raise WireError(f"block frame {count}: bad 'nbytes' {nbytes!r}")
+    item = numpy_view_dtype(dtype).itemsize
+    if int(np.prod(shape, dtype=np.int64)) * item != nbytes:
+        raise WireError(f"block frame {count}: shape {shape} of {dtype} is not {nbytes} bytes")
+    return key, dtype, shape, nbytes
+
+
+def _tier_name(raw: object) -> str | None:
+    if isinstance(raw, int):
+        return TIER_NAMES.get(raw)
+    return raw if isinstance(raw, str) else None
+
+
+def _make_block(
+    header: dict[str, Any], key: bytes, dtype: str, shape: list[int], buf: np.ndarray
+) -> Block:
+    crc = header.get("crc32")
+    if not isinstance(crc, int) or crc32(buf) != crc:
+        raise WireError(f"block {header.get('index')}: payload checksum does not match its header")
+    array = buf.view(numpy_view_dtype(dtype)).reshape(shape)
+    return Block(
+        int(header.get("index", 0)),
+        key,
+        array,
+        dtype,
+        _tier_name(header.get("tier")),
+        bool(header.get("exact", True)),
+    )
 
 
 class _BlockStream:
@@ -236,17 +352,114 @@ class _BlockStream:
                 self._ended = True
                 continue
             key, dtype, array = block_payload(frame)
-            # The frame's own buffer becomes the tensor: no copy after the socket read.
-            tensor = torch.from_numpy(array)
-            if dtype == "bfloat16":
-                tensor = tensor.view(torch.bfloat16)
             self._count += 1
-            yield Block(int(frame.header["index"]), key, tensor, frame.header.get("tier"))
+            yield Block(
+                int(frame.header["index"]),
+                key,
+                array,
+                dtype,
+                _tier_name(frame.header.get("tier")),
+                bool(frame.header.get("exact", True)),
+            )
 
     def close(self) -> None:
         self._reader.close()
         if not self._ended:
             raise WireError(f"the block stream was cut after {self._count} blocks (no end frame)")
+
+
+class _Connections:
+    """One persistent ``http.client`` connection per thread, for the block routes.
+
+    Block bodies skip httpx: ``http.client`` sends a list of memoryviews with
+    ``sendall`` (no join) and reads each payload with ``readinto`` straight
+    into its array (httpx reads 64 KiB chunks through h11 and joins them).
+    """
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https"):
+            raise errors.InvalidInputError(f"expected an http(s) URL, got {base_url!r}")
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or "127.0.0.1"
+        self._port = parts.port or (443 if self._https else 80)
+        self._timeout = timeout
+        self._local = threading.local()
+        self._all: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            conn = cls(self._host, self._port, timeout=self._timeout)
+            self._local.conn = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+
+
+def _read_exact(response: http.client.HTTPResponse, n: int, what: str) -> bytes:
+    data = response.read(n)
+    if len(data) != n:
+        raise WireError(f"the block stream was cut in the middle of {what}")
+    return data
+
+
+def _read_into(response: http.client.HTTPResponse, buf: np.ndarray) -> None:
+    view = buf.data.cast("B")
+    filled = 0
+    while filled < view.nbytes:
+        got = response.readinto(view[filled:])
+        if not got:
+            raise WireError("the block stream was cut in the middle of a block")
+        filled += got
+
+
+def _read_block_frames(response: http.client.HTTPResponse) -> Iterator[Block]:
+    """Parse a block response straight off the socket; check the end frame and the length."""
+    count = 0
+    while True:
+        prefix = _read_exact(response, _FRAME_PREFIX_BYTES, "a frame prefix")
+        if prefix[:4] != MAGIC:
+            raise WireError(f"bad frame magic {prefix[:4]!r}, expected {MAGIC!r}")
+        header_len = int.from_bytes(prefix[4:], "little")
+        if header_len > MAX_HEADER_BYTES:
+            raise WireError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+        try:
+            header = msgpack.unpackb(_read_exact(response, header_len, "a header"), raw=False)
+        except (ValueError, msgpack.UnpackException) as e:
+            raise WireError(f"frame header is not valid msgpack: {e}") from e
+        if not isinstance(header, dict):
+            raise WireError("a frame header must be a msgpack map")
+        kind = header.get("kind")
+        if kind == "end":
+            if header.get("count") != count:
+                raise WireError(
+                    f"stream ended after {count} blocks, its end frame says {header.get('count')}"
+                )
+            if response.read(1):
+                raise WireError("bytes after the end frame")
+            return
+        if kind != "block":
+            raise WireError(f"expected a block or end frame, got {kind!r}")
+        key, dtype, shape, nbytes = _check_block_header(header, count)
+        buf = np.empty(nbytes, dtype=np.uint8)
+        _read_into(response, buf)
+        count += 1
+        yield _make_block(header, key, dtype, shape, buf)
 
 
 # -- the sync client ---------------------------------------------------------------------------
@@ -259,7 +472,7 @@ class Client:
         base_url: the gateway, e.g. ``http://127.0.0.1:8080``.
         timeout: seconds per request (connect, read, write).
         retries: extra attempts for idempotent requests on connection errors and 502/503/504.
-        transport: an httpx transport (tests).
+        transport: an httpx transport (tests); block bodies then go through httpx too.
     """
 
     def __init__(
@@ -272,9 +485,16 @@ class Client:
     ) -> None:
         self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
         self._retries = retries
+        # Block routes over http.client unless a custom transport is in play.
+        self._blocks = _Connections(base_url, timeout) if transport is None else None
+        # Sessions this client appended to: layout, namespace and chain do not
+        # need a round trip per append (a stale entry is refreshed on conflict).
+        self._known: dict[str, SessionView] = {}
 
     def close(self) -> None:
         self._http.close()
+        if self._blocks is not None:
+            self._blocks.close()
 
     def __enter__(self) -> Client:
         return self
@@ -297,6 +517,40 @@ class Client:
                 if response.status_code not in _RETRY_STATUSES or attempt == last_attempt:
                     _raise_for_error(response)
                     return response
+            time.sleep(_BACKOFF_S * (2**attempt))
+            attempt += 1
+
+    def _block_request(
+        self,
+        method: str,
+        path: str,
+        body: Iterable[bytes | memoryview] | None = None,
+        length: int = 0,
+    ) -> http.client.HTTPResponse:
+        """A block-route request over http.client, retried like :meth:`_request`.
+
+        Only requests that are idempotent come here (reads, and appends, which
+        carry a turn index).
+        """
+        if self._blocks is None:
+            raise RuntimeError("no block connection with a custom transport")
+        headers = {"content-type": FRAMES_MEDIA_TYPE, "content-length": str(length)}
+        attempt = 0
+        while True:
+            conn = self._blocks.get()
+            try:
+                conn.request(method, path, body=body, headers=headers)
+                response = conn.getresponse()
+            except (OSError, http.client.HTTPException):
+                self._blocks.drop()
+                if attempt == self._retries:
+                    raise
+            else:
+                if response.status < 400:
+                    return response
+                error_body = response.read()
+                if response.status not in _RETRY_STATUSES or attempt == self._retries:
+                    raise _error_from(response.status, error_body)
             time.sleep(_BACKOFF_S * (2**attempt))
             attempt += 1
 
@@ -327,10 +581,14 @@ class Client:
             "namespace": namespace,
             "priority": priority,
         }
-        return _session(self._request("POST", "/v1/sessions", json=body, idempotent=False).json())
+        view = _session(self._request("POST", "/v1/sessions", json=body, idempotent=False).json())
+        self._known[session_id] = view
+        return view
 
     def session(self, session_id: str) -> SessionView:
-        return _session(self._request("GET", f"/v1/sessions/{session_id}", idempotent=True).json())
+        view = _session(self._request("GET", f"/v1/sessions/{session_id}", idempotent=True).json())
+        self._known[session_id] = view
+        return view
 
     def suspend(self, session_id: str, *, offline: bool = False) -> SessionView:
         r = self._request(
@@ -351,6 +609,7 @@ class Client:
         return int(r.json()["prefetched"])
 
     def delete_session(self, session_id: str) -> None:
+        self._known.pop(session_id, None)
         self._request("DELETE", f"/v1/sessions/{session_id}", idempotent=False)
 
     # -- KV
@@ -359,41 +618,86 @@ class Client:
         self,
         session_id: str,
         token_ids: Sequence[int] | np.ndarray,
-        keys: Sequence[torch.Tensor] | None = None,
-        values: Sequence[torch.Tensor] | None = None,
+        keys: Sequence[Any] | None = None,
+        values: Sequence[Any] | None = None,
         *,
-        blocks: Sequence[torch.Tensor] | None = None,
+        blocks: Sequence[Any] | None = None,
         start_block: int | None = None,
         turn: int | None = None,
     ) -> TurnResult:
         """Append a turn: the session's tokens so far and their KV.
 
-        Pass per-layer ``keys``/``values`` for every token (only blocks not yet
-        stored for the session are sent), or ready ``blocks`` from
+        Pass per-layer ``keys``/``values`` tensors for every token (only blocks
+        not yet stored for the session are sent), or ready ``blocks`` (numpy
+        arrays or tensors ``[layers, 2, kv_heads, tokens, head_dim]``) from
         ``start_block``. ``turn`` defaults to the session's turn + 1; a retry of
         the same turn is answered without storing anything again.
         """
-        session = self.session(session_id)
-        body = _append_body(session, token_ids, blocks, keys, values, start_block, turn)
-        r = self._request(
-            "POST",
-            f"/v1/sessions/{session_id}/turns",
-            content=_joined(body),
-            headers={"content-type": FRAMES_MEDIA_TYPE},
-            idempotent=True,
+        session = self._known.get(session_id) or self.session(session_id)
+        try:
+            return self._append(session, token_ids, keys, values, blocks, start_block, turn)
+        except errors.ConflictError:
+            if turn is not None or session_id not in self._known:
+                raise
+            # Our view of the session was stale (another writer): refresh, try once more.
+            session = self.session(session_id)
+            return self._append(session, token_ids, keys, values, blocks, start_block, turn)
+
+    def _append(
+        self,
+        session: SessionView,
+        token_ids: Sequence[int] | np.ndarray,
+        keys: Sequence[Any] | None,
+        values: Sequence[Any] | None,
+        blocks: Sequence[Any] | None,
+        start_block: int | None,
+        turn: int | None,
+    ) -> TurnResult:
+        body, _ = _append_body(session, token_ids, blocks, keys, values, start_block, turn)
+        path = f"/v1/sessions/{session.session_id}/turns"
+        if self._blocks is None:
+            r = self._request(
+                "POST",
+                path,
+                content=b"".join(body),
+                headers={"content-type": FRAMES_MEDIA_TYPE},
+                idempotent=True,
+            )
+            result = _turn(r.json())
+        else:
+            import json
+
+            length = sum(memoryview(c).nbytes for c in body)
+            response = self._block_request("POST", path, body, length)
+            result = _turn(json.loads(response.read()))
+        self._known[session.session_id] = _after_append(
+            session, result, int(token_array(token_ids).size)
         )
-        return _turn(r.json())
+        return result
 
     def read_blocks(
         self, session_id: str, start: int = 0, end: int | None = None
     ) -> Iterator[Block]:
-        """Stream a session's blocks in chain order (the first arrives before the last loads)."""
-        params: dict[str, int] = {"start": start}
-        if end is not None:
-            params["end"] = end
-        with self._http.stream(
-            "GET", f"/v1/sessions/{session_id}/blocks", params=params
-        ) as response:
+        """Stream a session's blocks in chain order (the first arrives before the last loads).
+
+        Raises:
+            WireError: the stream was cut or a block failed its checksum.
+        """
+        query = f"start={start}" + (f"&end={end}" if end is not None else "")
+        path = f"/v1/sessions/{session_id}/blocks?{query}"
+        if self._blocks is None:
+            yield from self._read_via_httpx("GET", path)
+            return
+        response = self._block_request("GET", path)
+        try:
+            yield from _read_block_frames(response)
+        except BaseException:
+            # A half-read response leaves the connection unusable.
+            self._blocks.drop()
+            raise
+
+    def _read_via_httpx(self, method: str, path: str, **kwargs: Any) -> Iterator[Block]:
+        with self._http.stream(method, path, **kwargs) as response:
             if response.status_code >= 400:
                 response.read()
                 _raise_for_error(response)
@@ -404,14 +708,7 @@ class Client:
 
     def read_blocks_by_key(self, namespace: str, keys: Sequence[bytes]) -> list[Block]:
         body = {"namespace": namespace, "keys": [bytes(k).hex() for k in keys]}
-        with self._http.stream("POST", "/v1/blocks/read", json=body) as response:
-            if response.status_code >= 400:
-                response.read()
-                _raise_for_error(response)
-            parser = _BlockStream()
-            out = [b for chunk in response.iter_raw() for b in parser.feed(chunk)]
-            parser.close()
-            return out
+        return list(self._read_via_httpx("POST", "/v1/blocks/read", json=body))
 
     def match(
         self, layout: KVLayout, namespace: str, token_ids: Sequence[int] | np.ndarray
@@ -516,15 +813,15 @@ class AsyncClient:
         self,
         session_id: str,
         token_ids: Sequence[int] | np.ndarray,
-        keys: Sequence[torch.Tensor] | None = None,
-        values: Sequence[torch.Tensor] | None = None,
+        keys: Sequence[Any] | None = None,
+        values: Sequence[Any] | None = None,
         *,
-        blocks: Sequence[torch.Tensor] | None = None,
+        blocks: Sequence[Any] | None = None,
         start_block: int | None = None,
         turn: int | None = None,
     ) -> TurnResult:
         session = await self.session(session_id)
-        body = _append_body(session, token_ids, blocks, keys, values, start_block, turn)
+        body, _ = _append_body(session, token_ids, blocks, keys, values, start_block, turn)
         r = await self._request(
             "POST",
             f"/v1/sessions/{session_id}/turns",

@@ -38,6 +38,7 @@ from memkv.errors import (
 )
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.layout import KVLayout, block_token_count
+from memkv.protocol.messages import ReadRoute
 
 __all__ = ["DeviceLoad", "RouterState", "SessionRecord", "SessionRouter", "SessionRouterActor"]
 
@@ -403,10 +404,17 @@ class SessionRouter:
         start_block: int = 0,
         chain_hint: list[bytes] | None = None,
         turn: int | None = None,
+        checksums: list[int] | None = None,
+        expect: tuple[dict[str, Any], str] | None = None,
     ) -> dict[str, Any]:
         """Store a turn's blocks on the session's device (blocks: payloads or refs).
 
         Args:
+            checksums: the writer's CRC32 of each block (verified by the gateway).
+            expect: the ``(layout, namespace)`` the caller hashed the chain with
+                (a gateway's cached view): a session that differs (deleted and
+                created again) is a ConflictError, so no block lands under a
+                chain hashed for another layout.
             turn: the turn index this append creates (the session's turn + 1).
                 A retry of the last applied turn with the same tokens answers as
                 before without storing anything (idempotent); any other
@@ -418,8 +426,14 @@ class SessionRouter:
         entry.users += 1
         try:
             async with entry.lock:
+                record = self.state.get(session_id)
+                if expect is not None and (record.layout, record.namespace) != tuple(expect):
+                    raise ConflictError(
+                        f"session {session_id!r} has layout {record.layout} in namespace "
+                        f"{record.namespace!r}, the request was made for {expect}"
+                    )
                 return await self._put_blocks(
-                    session_id, token_ids, blocks, start_block, chain_hint, turn
+                    session_id, token_ids, blocks, start_block, chain_hint, turn, checksums
                 )
         finally:
             entry.users -= 1
@@ -434,6 +448,7 @@ class SessionRouter:
         start_block: int,
         chain_hint: list[bytes] | None,
         turn: int | None,
+        checksums: list[int] | None = None,
     ) -> dict[str, Any]:
         record = self.state.get(session_id)
         if turn is not None:
@@ -446,20 +461,34 @@ class SessionRouter:
         if first_put:
             await self._ensure_on_device(record, self._devices[device_id])
         result = await self._call(
-            device_id, session_id, "put_blocks", session_id, token_ids, blocks, start_block
+            device_id,
+            session_id,
+            "put_blocks",
+            session_id,
+            token_ids,
+            blocks,
+            start_block,
+            checksums,
         )
         garbage = self.state.record_put(session_id, result["chain"], len(token_ids), result["turn"])
         await self._collect(garbage)
         return result
 
-    async def read_plan(
+    async def read_route(
         self, session_id: str, start: int = 0, end: int | None = None
-    ) -> tuple[str, Any, list[bytes]]:
-        """Where to read a session's blocks: ``(device_id, device handle, keys in order)``."""
+    ) -> ReadRoute:
+        """Where to read a session's blocks ``start .. end``: the device and the keys in order.
+
+        Block reads then go to the device directly, never through the router.
+        """
         device_id, device = await self.device_of(session_id)
         self.state.touch(session_id)
-        chain = self.state.get(session_id).chain
-        return device_id, device, chain[max(start, 0) : end]
+        record = self.state.get(session_id)
+        first = max(start, 0)
+        keys = record.chain[first:end]
+        bt = int(record.layout["block_tokens"])
+        tokens = [min(bt, record.tokens - i * bt) for i in range(first, first + len(keys))]
+        return ReadRoute(device_id, device, first, tuple(keys), tuple(tokens), record.layout)
 
     async def match_prefix(
         self, layout: dict[str, Any], namespace: str, token_ids: list[int]

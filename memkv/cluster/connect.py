@@ -180,11 +180,10 @@ class MemkvCluster:
         position = start
         attempt = 0
         while True:
-            device_id, device, keys = ray.get(
-                self.router.read_plan.remote(session_id, position, end)
-            )
+            route = ray.get(self.router.read_route.remote(session_id, position, end))
+            device_id, device = route.device_id, route.device
             try:
-                for payload in _pipelined(device, keys, session_id):
+                for payload in _pipelined(device, list(route.keys), session_id):
                     position += 1
                     yield payload.key, from_payload(payload)
                 return

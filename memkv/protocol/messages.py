@@ -8,8 +8,9 @@ read plans (same node) or wire frames (HTTP).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["PlanEntry", "ReadPlan"]
+__all__ = ["PlanEntry", "ReadPlan", "ReadRoute"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +63,24 @@ class ReadPlan:
     incarnation: str
     ttl_s: float
     entries: tuple[PlanEntry | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRoute:
+    """The router's answer to "where do I read this session's blocks".
+
+    Attributes:
+        device_id: the session's device.
+        device: its actor handle (reads go there directly).
+        first_index: chain index of ``keys[0]``.
+        keys: the block keys, in chain order.
+        tokens: tokens held by each of those blocks (the last may be partial).
+        layout: the session's layout (``KVLayout.to_dict()``).
+    """
+
+    device_id: str
+    device: Any
+    first_index: int
+    keys: tuple[bytes, ...]
+    tokens: tuple[int, ...]
+    layout: dict[str, Any]

@@ -33,6 +33,9 @@ from memkv.protocol.dtypes import DTYPES
 
 __all__ = [
     "MAGIC",
+    "TIER_CODES",
+    "TIER_NAMES",
+    "BlockFrameTemplate",
     "MAX_HEADER_BYTES",
     "Frame",
     "FrameReader",
@@ -106,6 +109,53 @@ def block_frame_prefix(
     }
     packed = msgpack.packb(header, use_bin_type=True)
     return _PREFIX.pack(MAGIC, len(packed)) + packed
+
+
+#: Tiers travel as small ints in block headers, so every header of a response
+#: has a size known before its block is fetched (and the response a Content-Length).
+TIER_CODES: dict[str, int] = {"hot": 0, "warm": 1, "cold": 2}
+TIER_NAMES: dict[int, str] = {code: name for name, code in TIER_CODES.items()}
+_CRC_PLACEHOLDER = 0xFFFFFFFF  # packs as msgpack uint32 (0xce + 4 bytes) whatever the value
+_CRC_BYTES = 4
+_EXACT_AT = -(_CRC_BYTES + 1 + len(msgpack.packb("crc32")) + 1)  # the bool before "crc32"
+_TIER_AT = _EXACT_AT - len(msgpack.packb("exact")) - 1  # the fixint before "exact"
+
+
+class BlockFrameTemplate:
+    """The prefix of a block frame whose tier, exactness and checksum are filled in later.
+
+    The header ends with ``tier`` (a positive fixint), ``exact`` (a bool) and
+    ``crc32`` (a uint32 packed at full width), so those three patch in place
+    and the prefix's length is fixed before the block is read.
+    """
+
+    __slots__ = ("key", "nbytes", "prefix")
+
+    def __init__(
+        self, *, index: int, key: bytes, dtype: str, shape: tuple[int, ...], nbytes: int
+    ) -> None:
+        header = {
+            "kind": "block",
+            "index": index,
+            "key": bytes(key),
+            "dtype": dtype,
+            "shape": list(shape),
+            "nbytes": nbytes,
+            "tier": 0,
+            "exact": True,
+            "crc32": _CRC_PLACEHOLDER,
+        }
+        packed = msgpack.packb(header, use_bin_type=True)
+        self.prefix = bytearray(_PREFIX.pack(MAGIC, len(packed)) + packed)
+        self.key = bytes(key)
+        self.nbytes = nbytes
+
+    def fill(self, *, tier: str, exact: bool, crc: int) -> bytearray:
+        """The prefix with the block's tier, exactness and checksum."""
+        self.prefix[_TIER_AT] = TIER_CODES[tier]
+        self.prefix[_EXACT_AT] = 0xC3 if exact else 0xC2
+        self.prefix[-_CRC_BYTES:] = crc.to_bytes(_CRC_BYTES, "big")
+        return self.prefix
 
 
 def end_frame(count: int) -> bytes:

@@ -264,3 +264,17 @@ def test_resume_over_http_is_lazy(client):
     # it: the tail was still in the archive, so nothing promoted it ahead of need.
     assert rest[-1].tier == "cold"
     assert same([first.tensor] + [b.tensor for b in rest], split_kv(LAYOUT, keys, values))
+
+
+def test_reads_on_the_devices_node_come_from_shared_memory(client):
+    sid = new_id()
+    client.create_session(sid, LAYOUT, namespace="t-shm")
+    keys, values = kv(16, seed=9)
+    client.append_turn(sid, list(range(16)), keys, values)
+    before = client.stats()["gateway"]
+    got = list(client.read_blocks(sid))
+    after = client.stats()["gateway"]
+    assert same([b.tensor for b in got], split_kv(LAYOUT, keys, values))
+    assert all(b.exact for b in got)
+    assert after["same_node_blocks"] - before["same_node_blocks"] == len(got)
+    assert after["leases_lost"] == 0

@@ -9,13 +9,13 @@ import torch
 from memkv.actors.device import DeviceCache
 from memkv.actors.leases import LeaseTable
 from memkv.actors.payload import to_payload
-from memkv.cluster.same_node import SameNodeReader, copy_entries
 from memkv.errors import (
     InvariantViolationError,
     LeaseExpiredError,
     UnknownBlockError,
     WrongNodeError,
 )
+from memkv.same_node import SameNodeReader, copy_entries
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
 
@@ -98,13 +98,13 @@ def test_an_expired_lease_raises_and_returns_nothing(device):
     assert device.leases.expired == 1
 
     # Through read(): the clock jumps while the copy runs.
-    real_copy = __import__("memkv.cluster.same_node", fromlist=["copy_entries"]).copy_entries
+    real_copy = __import__("memkv.same_node", fromlist=["copy_entries"]).copy_entries
 
     def slow_copy(*args, **kwargs):
         device.clock.t += 6
         return real_copy(*args, **kwargs)
 
-    import memkv.cluster.same_node as same_node
+    import memkv.same_node as same_node
 
     same_node.copy_entries, saved = slow_copy, same_node.copy_entries
     try:
@@ -166,13 +166,22 @@ def test_a_restarted_device_segment_is_not_read(device, tmp_path):
     plan = reader.plan(chain)
     reader.release(plan)
     entry = plan.entries[0]
-    from memkv.cluster.same_node import SegmentMaps
     from memkv.protocol.messages import ReadPlan
+    from memkv.same_node import SegmentMaps
 
     gone = ReadPlan(plan.lease_id, plan.device_id, plan.node_id, "new-incarnation", 5.0, (
         type(entry)(**{**{f: getattr(entry, f) for f in entry.__slots__}, "segment": "memkv-gone"}),
     ))
-    from memkv.cluster.same_node import copy_entries
+    from memkv.same_node import copy_entries
 
     with pytest.raises(LeaseExpiredError, match="gone"):
         copy_entries(SegmentMaps(), gone, [gone.entries[0]])
+
+
+def test_import_memkv_client_loads_neither_torch_nor_ray():
+    import subprocess
+    import sys
+
+    code = "import sys, memkv.client; print(sorted({'torch', 'ray'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
