@@ -258,13 +258,16 @@ class DeviceCache:
         blocks: Sequence[BlockPayload | ray.ObjectRef],
         start_block: int = 0,
         checksums: Sequence[int] | None = None,
+        chain: Sequence[bytes] | None = None,
     ) -> dict[str, Any]:
         """Store a turn's blocks (payloads, or object refs to them: zero-copy reads).
 
         Args:
             checksums: the writer's CRC32 of each block, already verified by the
                 caller (the gateway): kept and served with the block.
+            chain: the chain the caller hashed (not hashed again here).
         """
+        self.leases.sweep()
         refs = [i for i, b in enumerate(blocks) if isinstance(b, ray.ObjectRef)]
         resolved: list[Any] = list(blocks)
         if refs:
@@ -272,7 +275,12 @@ class DeviceCache:
                 resolved[i] = value
         tensors = [from_payload(p) for p in resolved]
         result = self.store.put_blocks(
-            session_id, token_ids, tensors, start_block=start_block, checksums=checksums
+            session_id,
+            token_ids,
+            tensors,
+            start_block=start_block,
+            checksums=checksums,
+            chain=[BlockHash(bytes(k)) for k in chain] if chain is not None else None,
         )
         return {
             "chain": [bytes(k) for k in result.chain],
@@ -383,6 +391,11 @@ class DeviceCache:
         hot = st["tiers"]["hot"]
         st["device_id"] = self.device_id
         st["incarnation"] = self.incarnation
+        st["leases"] = {
+            "active": len(self.leases),
+            "granted": self.leases.granted,
+            "expired": self.leases.expired,
+        }
         st["hot_usage"] = hot["used_bytes"] / hot["capacity_bytes"] if hot["capacity_bytes"] else 0
         return st
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
@@ -399,7 +400,7 @@ class SessionRouter:
     async def put_blocks(
         self,
         session_id: str,
-        token_ids: list[int],
+        token_ids: Sequence[int] | np.ndarray,
         blocks: list[Any],
         start_block: int = 0,
         chain_hint: list[bytes] | None = None,
@@ -443,7 +444,7 @@ class SessionRouter:
     async def _put_blocks(
         self,
         session_id: str,
-        token_ids: list[int],
+        token_ids: Sequence[int] | np.ndarray,
         blocks: list[Any],
         start_block: int,
         chain_hint: list[bytes] | None,
@@ -469,6 +470,7 @@ class SessionRouter:
             blocks,
             start_block,
             checksums,
+            chain_hint,
         )
         garbage = self.state.record_put(session_id, result["chain"], len(token_ids), result["turn"])
         await self._collect(garbage)
@@ -488,7 +490,15 @@ class SessionRouter:
         keys = record.chain[first:end]
         bt = int(record.layout["block_tokens"])
         tokens = [min(bt, record.tokens - i * bt) for i in range(first, first + len(keys))]
-        return ReadRoute(device_id, device, first, tuple(keys), tuple(tokens), record.layout)
+        return ReadRoute(
+            device_id, device, first, tuple(keys), tuple(tokens), record.layout, record.turn
+        )
+
+    async def touch_sessions(self, session_ids: list[str]) -> None:
+        """Reads a gateway served from its own view of these sessions (hotness)."""
+        for session_id in session_ids:
+            if session_id in self.state.sessions:
+                self.state.touch(session_id)
 
     async def match_prefix(
         self, layout: dict[str, Any], namespace: str, token_ids: list[int]

@@ -9,6 +9,7 @@ memkv's exception hierarchy (only this module maps exceptions to HTTP).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -44,6 +45,7 @@ from memkv.errors import (
 )
 from memkv.protocol.hashing import chain_hashes, token_array
 from memkv.protocol.layout import KVLayout
+from memkv.protocol.messages import ReadRoute
 from memkv.protocol.wire import (
     Frame,
     FrameReader,
@@ -162,6 +164,7 @@ def create_app(
         "memkv_payload_bytes", "KV payload bytes", ["direction"], registry=registry
     )
     sessions = _SessionCache(SESSION_CACHE_ENTRIES)
+    routes = _RouteCache(SESSION_CACHE_ENTRIES)
     fetcher = BlockFetcher(
         SegmentMaps() if same_node_reads else None,
         _this_node() if same_node_reads else None,
@@ -226,6 +229,7 @@ def create_app(
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"])
     async def delete_session(session_id: str) -> Response:
         sessions.drop(session_id)
+        routes.drop(session_id)
         await router.delete_session.remote(session_id)
         return Response(status_code=204)
 
@@ -318,7 +322,7 @@ def create_app(
         try:
             result = await router.put_blocks.remote(
                 session_id,
-                tokens.tolist(),
+                tokens,
                 refs,
                 start,
                 [bytes(k) for k in chain],
@@ -329,6 +333,8 @@ def create_app(
         except (NotFoundError, ConflictError):
             sessions.drop(session_id)  # the session went, or was created again
             raise
+        finally:
+            routes.drop(session_id)
         result["chain"] = [bytes(k).hex() for k in result["chain"]]
         return result
 
@@ -343,6 +349,15 @@ def create_app(
         session_id: str,
         start: int = Query(default=0, ge=0),
         end: int | None = Query(default=None, ge=0),
+        turn: int | None = Query(
+            default=None,
+            ge=0,
+            description=(
+                "The session's turn the reader has already seen (after its own append). "
+                "A gateway that knows the session at this turn or later serves from its "
+                "own view without asking the router; without it the router is asked."
+            ),
+        ),
     ) -> BlockFramesResponse:
         """A session's blocks in chain order: block frames, then an ``end`` frame.
 
@@ -351,17 +366,37 @@ def create_app(
         reader gets to them. Each header says where the block was found, whether
         its bytes are exact, and their CRC32 (the writer's own, for exact blocks).
         """
-        route = await router.read_route.remote(session_id, start, end)
-        response = BlockFramesResponse(
-            KVLayout.from_dict(route.layout),
-            route.keys,
-            route.tokens,
-            route.first_index,
-            fetcher.fetch(route.device, route.keys, session_id),
-            on_block=payload_bytes.labels("out").inc,
-        )
-        await response.prime()
-        return response
+        async def opened(whole: ReadRoute) -> BlockFramesResponse:
+            route = whole.sliced(start, end)
+            settled: list[asyncio.Future[None]] = []
+
+            async def released() -> None:
+                await asyncio.gather(*settled)
+
+            response = BlockFramesResponse(
+                KVLayout.from_dict(route.layout),
+                route.keys,
+                route.tokens,
+                route.first_index,
+                fetcher.fetch(route.device, route.keys, session_id, settled),
+                on_block=payload_bytes.labels("out").inc,
+                after=released,
+            )
+            await response.prime()
+            return response
+
+        cached = routes.get(session_id, turn)
+        if cached is not None:
+            try:
+                response = await opened(cached)
+            except (MemkvError, RayError):
+                routes.drop(session_id)  # moved or lost: ask the router below
+            else:
+                router.touch_sessions.remote([session_id])  # hotness, off the read's path
+                return response
+        whole = await router.read_route.remote(session_id, 0, None)
+        routes.put(session_id, whole)
+        return await opened(whole)
 
     @app.post(
         "/v1/blocks/read",
@@ -434,6 +469,37 @@ class _SessionCache:
 
     def put(self, session_id: str, entry: tuple[KVLayout, str]) -> None:
         self._entries[session_id] = entry
+        self._entries.move_to_end(session_id)
+        while len(self._entries) > self._capacity:
+            self._entries.popitem(last=False)
+
+    def drop(self, session_id: str) -> None:
+        self._entries.pop(session_id, None)
+
+
+class _RouteCache:
+    """Whole-session read routes by session id, used for reads that name a turn they know.
+
+    A read that says "I have seen turn N" is served from a route at turn N or
+    later without a router call; a reader that names no turn always gets the
+    router's answer. Writes and deletes through this gateway drop the entry.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._entries: OrderedDict[str, ReadRoute] = OrderedDict()
+
+    def get(self, session_id: str, turn: int | None) -> ReadRoute | None:
+        if turn is None:
+            return None
+        route = self._entries.get(session_id)
+        if route is None or route.turn < turn:
+            return None
+        self._entries.move_to_end(session_id)
+        return route
+
+    def put(self, session_id: str, route: ReadRoute) -> None:
+        self._entries[session_id] = route
         self._entries.move_to_end(session_id)
         while len(self._entries) > self._capacity:
             self._entries.popitem(last=False)

@@ -15,8 +15,9 @@ taken for a whole one.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,35 +63,67 @@ class BlockFetcher:
         self.same_node_blocks = 0
         self.in_cluster_blocks = 0
         self.leases_lost = 0
+        self._settling: set[asyncio.Future[None]] = set()
 
     async def fetch(
-        self, device: Any, keys: Sequence[bytes], stream: str | None
+        self,
+        device: Any,
+        keys: Sequence[bytes],
+        stream: str | None,
+        settled: list[asyncio.Future[None]] | None = None,
     ) -> AsyncIterator[FetchedBytes]:
-        """The blocks of ``keys`` in order; at most READ_WINDOW_BATCHES batches ahead."""
+        """The blocks of ``keys`` in order; at most READ_WINDOW_BATCHES batches ahead.
+
+        Args:
+            settled: receives the task that releases this fetch's leases once
+                its last block is handed over (await it to know they are released).
+        """
         batches = [keys[i : i + READ_BATCH_BLOCKS] for i in range(0, len(keys), READ_BATCH_BLOCKS)]
         use_plans = self._maps is not None
         in_flight: deque[tuple[Sequence[bytes], Any, bool]] = deque()
+        # Plans whose bytes were handed to the transport. They are released one
+        # batch later (and the last ones after the end frame), because the
+        # transport may still hold a view of the bytes it has not sent yet.
+        drained: list[ReadPlan] = []
         releases: list[Any] = []
         try:
             for batch in batches:
                 in_flight.append(self._ask(device, batch, stream, use_plans))
                 if len(in_flight) > READ_WINDOW_BATCHES:
-                    async for item in self._drain(device, in_flight.popleft(), stream, releases):
+                    held = len(drained)
+                    async for item in self._drain(device, in_flight.popleft(), stream, drained):
                         yield item
+                    releases += [device.release_lease.remote(p.lease_id) for p in drained[:held]]
+                    del drained[:held]
             while in_flight:
-                async for item in self._drain(device, in_flight.popleft(), stream, releases):
+                async for item in self._drain(device, in_flight.popleft(), stream, drained):
                     yield item
         finally:
+            releases += [device.release_lease.remote(p.lease_id) for p in drained]
             # Leases of batches asked for but never drained (the client went away).
             for _, ref, planned in in_flight:
                 if planned:
                     releases.append(_release_later(device, ref))
-            for done in releases:
-                if not await done:
-                    # The lease ran out while its bytes were written: they may
-                    # have changed under the socket. The client's checksum
-                    # check stops them; this counts how often it happens.
-                    self.leases_lost += 1
+            # Settled after the last byte is out, off the reader's critical path
+            # (the response's finally awaits it before the connection serves
+            # its next request).
+            task = asyncio.ensure_future(self._settle(releases))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+            if settled is not None:
+                settled.append(task)
+
+    async def _settle(self, releases: list[Any]) -> None:
+        for done in releases:
+            if not await done:
+                # The lease ran out while its bytes were written: they may have
+                # changed under the socket. The client's checksum check stops
+                # them; this counts how often it happens.
+                self.leases_lost += 1
+
+    async def settled(self) -> None:
+        """Wait until every lease handed back so far is released (shutdown)."""
+        await asyncio.gather(*list(self._settling))
 
     def _ask(
         self, device: Any, batch: Sequence[bytes], stream: str | None, use_plans: bool
@@ -104,7 +137,7 @@ class BlockFetcher:
         device: Any,
         asked: tuple[Sequence[bytes], Any, bool],
         stream: str | None,
-        releases: list[Any],
+        drained: list[ReadPlan],
     ) -> AsyncIterator[FetchedBytes]:
         batch, ref, planned = asked
         if not planned:
@@ -115,30 +148,34 @@ class BlockFetcher:
         plan: ReadPlan = await ref
         if plan.node_id != self._node_id or self._maps is None:
             # The device is elsewhere: give the pins back, read in-cluster.
-            releases.append(device.release_lease.remote(plan.lease_id))
+            drained.append(plan)
             self._maps = None
             for payload in await device.get_blocks.remote(list(batch), stream):
                 self.in_cluster_blocks += 1
                 yield _from_payload(payload)
             return
+        # Handed back for release now: an async generator interrupted by the
+        # client going away is not closed, so no finally of ours would run.
+        drained.append(plan)
         missing = [k for k, e in zip(batch, plan.entries, strict=True) if e is None]
         fallback: dict[bytes, BlockPayload] = {}
         if missing:
             fallback = {p.key: p for p in await device.get_blocks.remote(missing, stream)}
-        try:
-            for key, entry in zip(batch, plan.entries, strict=True):
-                if entry is None:
-                    self.in_cluster_blocks += 1
-                    yield _from_payload(fallback[bytes(key)])
-                    continue
-                segment = self._maps.view(entry.segment, entry.segment_bytes, plan.incarnation)
-                if entry.offset + entry.nbytes > segment.size:
-                    raise CorruptDataError(f"block {entry.key.hex()} lies outside its segment")
-                data = segment[entry.offset : entry.offset + entry.nbytes].data
-                self.same_node_blocks += 1
-                yield FetchedBytes(entry.key, data, entry.found, entry.exact, entry.crc32)
-        finally:
-            releases.append(device.release_lease.remote(plan.lease_id))
+        for key, entry in zip(batch, plan.entries, strict=True):
+            if entry is None:
+                self.in_cluster_blocks += 1
+                yield _from_payload(fallback[bytes(key)])
+                continue
+            segment = self._maps.view(entry.segment, entry.segment_bytes, plan.incarnation)
+            if entry.offset + entry.nbytes > segment.size:
+                raise CorruptDataError(f"block {entry.key.hex()} lies outside its segment")
+            data = segment[entry.offset : entry.offset + entry.nbytes].data
+            self.same_node_blocks += 1
+            yield FetchedBytes(entry.key, data, entry.found, entry.exact, entry.crc32)
+
+
+async def _nothing() -> None:
+    return None
 
 
 async def _release_later(device: Any, plan_ref: Any) -> bool:
@@ -173,6 +210,7 @@ class BlockFramesResponse(Response):
         first_index: int,
         blocks: AsyncIterator[FetchedBytes],
         on_block: Callable[[int], None] = lambda n: None,
+        after: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._templates = [
             BlockFrameTemplate(
@@ -187,6 +225,7 @@ class BlockFramesResponse(Response):
         self._end = end_frame(len(keys))
         self._blocks = blocks
         self._on_block = on_block
+        self._after = after or _nothing
         self._first: FetchedBytes | None = None
         # Response's own fields (FastAPI merges dependency headers into them);
         # the body is ours to write in __call__.
@@ -229,3 +268,4 @@ class BlockFramesResponse(Response):
             await send({"type": "http.response.body", "body": self._end, "more_body": False})
         finally:
             await self._blocks.aclose()  # type: ignore[attr-defined]
+            await self._after()

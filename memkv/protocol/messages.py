@@ -76,6 +76,7 @@ class ReadRoute:
         keys: the block keys, in chain order.
         tokens: tokens held by each of those blocks (the last may be partial).
         layout: the session's layout (``KVLayout.to_dict()``).
+        turn: the session's turn this route was read at.
     """
 
     device_id: str
@@ -84,3 +85,9 @@ class ReadRoute:
     keys: tuple[bytes, ...]
     tokens: tuple[int, ...]
     layout: dict[str, Any]
+    turn: int = 0
+
+    def sliced(self, start: int, end: int | None) -> ReadRoute:
+        """The part of a whole-session route (first_index 0) from ``start`` to ``end``."""
+        keys, tokens = self.keys[start:end], self.tokens[start:end]
+        return ReadRoute(self.device_id, self.device, start, keys, tokens, self.layout, self.turn)

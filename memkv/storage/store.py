@@ -523,6 +523,7 @@ class TieredStore:
         *,
         start_block: int = 0,
         checksums: Sequence[int] | None = None,
+        chain: Sequence[BlockHash] | None = None,
     ) -> PutResult:
         """Store KV blocks for a session whose tokens so far are ``token_ids``.
 
@@ -535,6 +536,9 @@ class TieredStore:
             checksums: the writer's CRC32 of each block's bytes (verified by the
                 caller), kept and served with the block; computed on first read
                 when absent.
+            chain: the chain of ``token_ids`` as the caller hashed it (the
+                gateway hashes once, at the trust boundary); hashed here when
+                absent.
 
         Returns:
             The new chain and what was written, deduplicated and released.
@@ -570,7 +574,14 @@ class TieredStore:
                 n = s.layout.check_block(block)
                 if n != counts[i]:
                     raise LayoutMismatchError(f"block {i} must hold {counts[i]} tokens, got {n}")
-            chain = chain_hashes(tokens, s.layout, s.namespace)
+            if chain is None:
+                chain = chain_hashes(tokens, s.layout, s.namespace)
+            elif len(chain) != len(counts):
+                raise InvalidInputError(
+                    f"{tokens.size} tokens make {len(counts)} blocks, the chain given has "
+                    f"{len(chain)}"
+                )
+            chain = [BlockHash(bytes(k)) for k in chain]
             for i in range(start_block):
                 if chain[i] not in self._blocks:
                     raise InvalidInputError(

@@ -2,6 +2,7 @@
 
 import asyncio
 import itertools
+import time
 
 import httpx
 import pytest
@@ -42,6 +43,20 @@ def new_id():
     return f"http-{next(_ids)}"
 
 
+def wait_for_leases_released(client, timeout_s=10.0):
+    """Reads pin blocks under leases released just after the response's last byte.
+
+    A suspend sent on another connection can overtake that release (and then
+    reports "suspended": some blocks were pinned in memory), so tests that
+    check for "archived" wait for the devices to hold no lease.
+    """
+    deadline = time.monotonic() + timeout_s
+    while any(d["leases"]["active"] for d in client.stats()["devices"].values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("device leases were not released")
+        time.sleep(0.01)
+
+
 def same(blocks, expected):
     return len(blocks) == len(expected) and all(
         torch.equal(a, b) for a, b in zip(blocks, expected, strict=True)
@@ -74,6 +89,7 @@ def test_session_lifecycle_end_to_end(client):
     by_key = client.read_blocks_by_key("t-life", m.blocks[:3])
     assert same([b.tensor for b in by_key], expected[:3])
 
+    wait_for_leases_released(client)
     suspended = client.suspend(sid)
     assert suspended.state == "archived"
     resumed = client.resume(sid)
