@@ -428,7 +428,34 @@ def _read_into(response: http.client.HTTPResponse, buf: np.ndarray) -> None:
         filled += got
 
 
-def _read_block_frames(response: http.client.HTTPResponse) -> Iterator[Block]:
+def _destination(out: Sequence[Any] | None, count: int, nbytes: int) -> np.ndarray:
+    """Where block ``count`` is read to: the caller's buffer, or a new array."""
+    if out is None:
+        return np.empty(nbytes, dtype=np.uint8)
+    if count >= len(out):
+        raise errors.InvalidInputError(f"the response has more blocks than the {len(out)} given")
+    dst = out[count]
+    if hasattr(dst, "detach"):  # a torch tensor
+        import torch
+
+        t = dst.detach()
+        if not (t.is_contiguous() and t.device.type == "cpu"):
+            raise errors.InvalidInputError("out tensors must be contiguous CPU tensors")
+        dst = t.view(torch.uint8).numpy()  # the tensor's own bytes (bf16 included)
+    array = np.asarray(dst)
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise errors.InvalidInputError(f"out[{count}] must be a writable C-contiguous buffer")
+    flat = array.reshape(-1).view(np.uint8)
+    if flat.nbytes != nbytes:
+        raise errors.InvalidInputError(
+            f"out[{count}] holds {flat.nbytes} bytes, block {count} has {nbytes}"
+        )
+    return flat
+
+
+def _read_block_frames(
+    response: http.client.HTTPResponse, out: Sequence[Any] | None = None
+) -> Iterator[Block]:
     """Parse a block response straight off the socket; check the end frame and the length."""
     count = 0
     while True:
@@ -456,7 +483,7 @@ def _read_block_frames(response: http.client.HTTPResponse) -> Iterator[Block]:
         if kind != "block":
             raise WireError(f"expected a block or end frame, got {kind!r}")
         key, dtype, shape, nbytes = _check_block_header(header, count)
-        buf = np.empty(nbytes, dtype=np.uint8)
+        buf = _destination(out, count, nbytes)
         _read_into(response, buf)
         count += 1
         yield _make_block(header, key, dtype, shape, buf)
@@ -676,12 +703,24 @@ class Client:
         return result
 
     def read_blocks(
-        self, session_id: str, start: int = 0, end: int | None = None
+        self,
+        session_id: str,
+        start: int = 0,
+        end: int | None = None,
+        *,
+        out: Sequence[Any] | None = None,
     ) -> Iterator[Block]:
         """Stream a session's blocks in chain order (the first arrives before the last loads).
 
+        Args:
+            out: destination buffers, one per block (numpy arrays or contiguous
+                CPU tensors of exactly the block's bytes): each block is read
+                from the socket straight into its buffer, and ``Block.array``
+                views it. New arrays when None.
+
         Raises:
             WireError: the stream was cut or a block failed its checksum.
+            InvalidInputError: ``out`` does not fit the blocks.
         """
         query = f"start={start}" + (f"&end={end}" if end is not None else "")
         known = self._known.get(session_id)
@@ -691,11 +730,13 @@ class Client:
             query += f"&turn={known.turn}"
         path = f"/v1/sessions/{session_id}/blocks?{query}"
         if self._blocks is None:
+            if out is not None:
+                raise errors.InvalidInputError("out= needs the default transport")
             yield from self._read_via_httpx("GET", path)
             return
         response = self._block_request("GET", path)
         try:
-            yield from _read_block_frames(response)
+            yield from _read_block_frames(response, out)
         except BaseException:
             # A half-read response leaves the connection unusable.
             self._blocks.drop()

@@ -299,13 +299,18 @@ class DeviceCache:
         return out
 
     def read_plan(
-        self, keys: Sequence[bytes], stream: str | None = None, ttl_s: float = DEFAULT_LEASE_S
+        self,
+        keys: Sequence[bytes],
+        stream: str | None = None,
+        ttl_s: float = DEFAULT_LEASE_S,
+        ahead: Sequence[bytes] = (),
     ) -> ReadPlan:
         """Pin blocks and say where a reader on this node copies them from (same-node path).
 
         The blocks stay pinned until :meth:`release_lease` or for ``ttl_s``
         seconds, whichever comes first. Entries that are None could not be
-        planned (read them with :meth:`get_blocks`).
+        planned (read them with :meth:`get_blocks`). ``ahead`` (read-ahead) are
+        planned after ``keys`` only where they are in memory already.
 
         Raises:
             UnknownBlockError: a key is not stored here (nothing stays pinned).
@@ -316,7 +321,9 @@ class DeviceCache:
         ):
             raise InvalidInputError(f"ttl_s must be in (0, {MAX_LEASE_S}] seconds, got {ttl_s!r}")
         hashes = [BlockHash(bytes(k)) for k in keys]
-        planned = self.store.plan_reads(hashes, stream=stream)
+        planned = self.store.plan_reads(
+            hashes, stream=stream, ahead=[BlockHash(bytes(k)) for k in ahead]
+        )
         pinned = [p.key for p in planned if p is not None]
         lease = self.leases.grant(pinned, float(ttl_s))
         return ReadPlan(

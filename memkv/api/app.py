@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayActorError, RayError
 
 from memkv.actors.payload import BlockPayload
-from memkv.api.blocks import FRAMES_MEDIA_TYPE, BlockFetcher, BlockFramesResponse
+from memkv.api.blocks import FRAMES_MEDIA_TYPE, BlockFetcher, BlockFramesResponse, PlanCache
 from memkv.errors import (
     BlockLostError,
     CapacityError,
@@ -135,7 +135,11 @@ def _error_response(exc: BaseException) -> JSONResponse:
 
 
 def create_app(
-    router: Any, *, max_body_bytes: int = 1 << 30, same_node_reads: bool = True
+    router: Any,
+    *,
+    max_body_bytes: int = 1 << 30,
+    same_node_reads: bool = True,
+    plan_cache_bytes: int = 256 << 20,
 ) -> FastAPI:
     """The gateway app for a router actor handle.
 
@@ -144,6 +148,8 @@ def create_app(
         max_body_bytes: larger append bodies are refused with 413.
         same_node_reads: serve blocks of devices on the gateway's node straight
             from their shared-memory arenas (the gateway process maps them).
+        plan_cache_bytes: blocks the gateway may keep pinned under read plans
+            it holds between reads (0: release each plan after its read).
     """
     app = FastAPI(
         title="memkv gateway",
@@ -165,9 +171,14 @@ def create_app(
     )
     sessions = _SessionCache(SESSION_CACHE_ENTRIES)
     routes = _RouteCache(SESSION_CACHE_ENTRIES)
+    touches = _Touches(router, TOUCH_FLUSH_S)
     fetcher = BlockFetcher(
         SegmentMaps() if same_node_reads else None,
         _this_node() if same_node_reads else None,
+        PlanCache(ttl_s=PLAN_TTL_S, margin_s=PLAN_MARGIN_S, max_bytes=plan_cache_bytes)
+        if same_node_reads and plan_cache_bytes > 0
+        else None,
+        read_ahead=READ_AHEAD_BLOCKS,
     )
 
     app.add_middleware(MetricsMiddleware, requests=requests, latency=latency)
@@ -191,6 +202,12 @@ def create_app(
             {"error": {"type": "InvalidInputError", "message": str(exc.errors()), "status": 422}},
             status_code=422,
         )
+
+    async def _let_go_of(session_id: str) -> None:
+        """Release the read plans this gateway holds on a session's blocks."""
+        route = routes.get(session_id, 0)
+        if route is not None:
+            await fetcher.release_session(route)
 
     # -- health ------------------------------------------------------------------------
 
@@ -228,6 +245,7 @@ def create_app(
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"])
     async def delete_session(session_id: str) -> Response:
+        await _let_go_of(session_id)
         sessions.drop(session_id)
         routes.drop(session_id)
         await router.delete_session.remote(session_id)
@@ -236,6 +254,7 @@ def create_app(
     @app.post("/v1/sessions/{session_id}/suspend", tags=["sessions"])
     async def suspend(session_id: str, body: SuspendIn | None = None) -> dict[str, Any]:
         offline = body.offline if body is not None else False
+        await _let_go_of(session_id)
         return _session_out(await router.suspend.remote(session_id, offline))
 
     @app.post("/v1/sessions/{session_id}/resume", tags=["sessions"])
@@ -366,21 +385,24 @@ def create_app(
         reader gets to them. Each header says where the block was found, whether
         its bytes are exact, and their CRC32 (the writer's own, for exact blocks).
         """
+
         async def opened(whole: ReadRoute) -> BlockFramesResponse:
             route = whole.sliced(start, end)
-            settled: list[asyncio.Future[None]] = []
-
-            async def released() -> None:
-                await asyncio.gather(*settled)
-
             response = BlockFramesResponse(
                 KVLayout.from_dict(route.layout),
                 route.keys,
                 route.tokens,
                 route.first_index,
-                fetcher.fetch(route.device, route.keys, session_id, settled),
+                # Leases are released after the last byte, without holding up
+                # the connection's next request (a release is a device call).
+                fetcher.fetch(
+                    route.device_id,
+                    route.device,
+                    route.keys,
+                    session_id,
+                    whole.keys[start + len(route.keys) :],
+                ),
                 on_block=payload_bytes.labels("out").inc,
-                after=released,
             )
             await response.prime()
             return response
@@ -392,7 +414,7 @@ def create_app(
             except (MemkvError, RayError):
                 routes.drop(session_id)  # moved or lost: ask the router below
             else:
-                router.touch_sessions.remote([session_id])  # hotness, off the read's path
+                touches.add(session_id)  # hotness, told to the router in batches
                 return response
         whole = await router.read_route.remote(session_id, 0, None)
         routes.put(session_id, whole)
@@ -440,6 +462,7 @@ def create_app(
         # This gateway's own read paths: how many blocks it served from shared
         # memory and how many in-cluster, and leases that ran out mid-write.
         out["gateway"] = {
+            "plan_cache": fetcher.plan_stats(),
             "same_node_blocks": fetcher.same_node_blocks,
             "in_cluster_blocks": fetcher.in_cluster_blocks,
             "leases_lost": fetcher.leases_lost,
@@ -448,6 +471,13 @@ def create_app(
 
     return app
 
+
+#: How long the gateway's held read plans pin their blocks, how long before the
+#: end of that it stops using one (longer than a response takes), and how many
+#: blocks one device call plans (those asked for, then the ones that follow).
+PLAN_TTL_S = 10.0
+PLAN_MARGIN_S = 3.0
+READ_AHEAD_BLOCKS = 8
 
 #: Layouts and namespaces of recently written sessions (immutable while a session
 #: lives), so an append costs one router call, not two.
@@ -506,6 +536,32 @@ class _RouteCache:
 
     def drop(self, session_id: str) -> None:
         self._entries.pop(session_id, None)
+
+
+#: Reads served from the gateway's own routes are told to the router (session
+#: hotness) in one call per this many seconds, not one per read.
+TOUCH_FLUSH_S = 0.5
+
+
+class _Touches:
+    """Session ids read since the last flush; flushed by a task the first add starts."""
+
+    def __init__(self, router: Any, interval_s: float) -> None:
+        self._router = router
+        self._interval_s = interval_s
+        self._pending: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, session_id: str) -> None:
+        self._pending.add(session_id)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._flush_later())
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(self._interval_s)
+        pending, self._pending = self._pending, set()
+        if pending:
+            await self._router.touch_sessions.remote(sorted(pending))
 
 
 def _this_node() -> str | None:

@@ -16,7 +16,8 @@ taken for a whole one.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,13 +29,15 @@ from memkv.actors.payload import READ_BATCH_BLOCKS, READ_WINDOW_BATCHES, BlockPa
 from memkv.errors import CorruptDataError
 from memkv.protocol.checksum import crc32
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.messages import ReadPlan
+from memkv.protocol.messages import PlanEntry, ReadPlan, ReadRoute
 from memkv.protocol.wire import BlockFrameTemplate, end_frame
 from memkv.same_node import SegmentMaps
 
 __all__ = ["FRAMES_MEDIA_TYPE", "BlockFramesResponse", "BlockFetcher", "FetchedBytes"]
 
 FRAMES_MEDIA_TYPE = "application/x-memkv-frames"
+#: Lease asked for a plan that is released right after its read.
+DEFAULT_PLAN_TTL_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,115 @@ class FetchedBytes:
     crc: int
 
 
+@dataclass(slots=True)
+class _HeldLease:
+    """A read plan the gateway keeps after serving it: its blocks stay pinned."""
+
+    plan: ReadPlan
+    device: Any
+    segments: dict[str, np.ndarray]  # the mappings its offsets refer to
+    use_until: float  # local monotonic time after which the plan is not used
+    nbytes: int
+    in_use: int = 0
+
+
+class PlanCache:
+    """Read plans the gateway holds on to, so repeated and sequential reads skip the device.
+
+    A plan pins its blocks until its lease runs out; while it has more than
+    ``margin_s`` left the gateway serves those blocks from it without asking
+    the device again. Plans are asked for with read-ahead (the blocks that
+    follow in the session), so a reader walking a session block by block
+    costs one device call per ``read_ahead`` blocks. Bounded by
+    ``max_bytes`` of pinned blocks: the oldest plans are released first.
+
+    Why it is safe: pinned blocks never move or change, and a plan is dropped
+    well before its lease ends (``margin_s``, longer than a response takes);
+    the client checks every block's checksum besides.
+    """
+
+    def __init__(self, *, ttl_s: float, margin_s: float, max_bytes: int) -> None:
+        if not 0 < margin_s < ttl_s:
+            raise ValueError(f"need 0 < margin_s < ttl_s, got {margin_s} and {ttl_s}")
+        self.ttl_s = ttl_s
+        self._margin_s = margin_s
+        self._max_bytes = max_bytes
+        self._held: OrderedDict[str, _HeldLease] = OrderedDict()  # by lease id, oldest first
+        self._by_key: dict[tuple[str, bytes], tuple[_HeldLease, PlanEntry]] = {}
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    def lookup(self, device_id: str, key: bytes) -> tuple[_HeldLease, PlanEntry] | None:
+        found = self._by_key.get((device_id, key))
+        if found is None or time.monotonic() >= found[0].use_until:
+            return None
+        return found
+
+    def hold(
+        self, plan: ReadPlan, device: Any, segments: dict[str, np.ndarray], asked_at: float
+    ) -> _HeldLease:
+        """Keep ``plan`` (asked for at local time ``asked_at``) for later reads."""
+        nbytes = sum(e.nbytes for e in plan.entries if e is not None)
+        held = _HeldLease(plan, device, segments, asked_at + plan.ttl_s - self._margin_s, nbytes)
+        self._held[plan.lease_id] = held
+        for entry in plan.entries:
+            if entry is not None:
+                # A newer plan of the same block replaces the older one's entry.
+                self._by_key[(plan.device_id, entry.key)] = (held, entry)
+        self._bytes += nbytes
+        return held
+
+    def sweep(self) -> list[_HeldLease]:
+        """Drop plans past their use time or over the byte bound; return them for release."""
+        now = time.monotonic()
+        gone: list[_HeldLease] = []
+        for held in list(self._held.values()):
+            over = self._bytes > self._max_bytes
+            if held.in_use or not (over or now >= held.use_until):
+                if not over:
+                    break  # oldest first: the rest are younger
+                continue
+            self._forget(held)
+            gone.append(held)
+        return gone
+
+    def drop_keys(self, device_id: str, keys: Sequence[bytes]) -> list[_HeldLease]:
+        """Drop the plans holding any of ``keys`` (not those in use); return them for release."""
+        for key in keys:
+            found = self._by_key.get((device_id, bytes(key)))
+            if found is not None:
+                found[0].use_until = 0.0
+        return self.sweep_all_expired()
+
+    def sweep_all_expired(self) -> list[_HeldLease]:
+        """Like :meth:`sweep`, looking at every plan, not just the oldest ones."""
+        now = time.monotonic()
+        gone = [h for h in self._held.values() if not h.in_use and now >= h.use_until]
+        for held in gone:
+            self._forget(held)
+        return gone
+
+    def _forget(self, held: _HeldLease) -> None:
+        del self._held[held.plan.lease_id]
+        self._bytes -= held.nbytes
+        for entry in held.plan.entries:
+            if entry is not None:
+                k = (held.plan.device_id, entry.key)
+                if k in self._by_key and self._by_key[k][0] is held:
+                    del self._by_key[k]
+
+    def drop_all(self) -> list[_HeldLease]:
+        gone = [h for h in self._held.values() if not h.in_use]
+        for held in gone:
+            held.use_until = 0.0
+        return self.sweep()
+
+
 class BlockFetcher:
     """Fetches blocks from a device in pipelined batches.
 
@@ -55,11 +167,22 @@ class BlockFetcher:
         maps: mappings of shared-memory segments, or None to never read them
             (same-node reads switched off).
         node_id: the gateway's Ray node: plans of devices elsewhere are not used.
+        plans: where plans are kept between reads (None: released after each read).
+        read_ahead: blocks planned per device call (the ones asked for and those
+            that follow them in the session), when ``plans`` keeps them.
     """
 
-    def __init__(self, maps: SegmentMaps | None, node_id: str | None) -> None:
+    def __init__(
+        self,
+        maps: SegmentMaps | None,
+        node_id: str | None,
+        plans: PlanCache | None = None,
+        read_ahead: int = READ_BATCH_BLOCKS,
+    ) -> None:
         self._maps = maps
         self._node_id = node_id
+        self._plans = plans
+        self._read_ahead = max(read_ahead, READ_BATCH_BLOCKS)
         self.same_node_blocks = 0
         self.in_cluster_blocks = 0
         self.leases_lost = 0
@@ -67,51 +190,93 @@ class BlockFetcher:
 
     async def fetch(
         self,
+        device_id: str,
         device: Any,
         keys: Sequence[bytes],
         stream: str | None,
-        settled: list[asyncio.Future[None]] | None = None,
+        following: Sequence[bytes] = (),
     ) -> AsyncIterator[FetchedBytes]:
         """The blocks of ``keys`` in order; at most READ_WINDOW_BATCHES batches ahead.
 
         Args:
-            settled: receives the task that releases this fetch's leases once
-                its last block is handed over (await it to know they are released).
+            device_id, device: the device's name and actor handle.
+            following: the keys after ``keys`` in the session (for read-ahead).
         """
         batches = [keys[i : i + READ_BATCH_BLOCKS] for i in range(0, len(keys), READ_BATCH_BLOCKS)]
-        use_plans = self._maps is not None
-        in_flight: deque[tuple[Sequence[bytes], Any, bool]] = deque()
-        # Plans whose bytes were handed to the transport. They are released one
-        # batch later (and the last ones after the end frame), because the
-        # transport may still hold a view of the bytes it has not sent yet.
-        drained: list[ReadPlan] = []
+        ahead = list(keys) + list(following)
+        in_flight: deque[_Asked] = deque()
+        # Plans whose bytes were handed to the transport. They are released (or
+        # kept, with a plan cache) one batch later and the last ones after the
+        # end frame, since the transport may still hold a view of unsent bytes.
+        drained: list[_HeldLease | ReadPlan] = []
         releases: list[Any] = []
         try:
-            for batch in batches:
-                in_flight.append(self._ask(device, batch, stream, use_plans))
+            for n, batch in enumerate(batches):
+                in_flight.append(
+                    self._ask(device_id, device, batch, stream, ahead, n * READ_BATCH_BLOCKS)
+                )
                 if len(in_flight) > READ_WINDOW_BATCHES:
                     held = len(drained)
                     async for item in self._drain(device, in_flight.popleft(), stream, drained):
                         yield item
-                    releases += [device.release_lease.remote(p.lease_id) for p in drained[:held]]
+                    releases += self._let_go(drained[:held], device)
                     del drained[:held]
             while in_flight:
                 async for item in self._drain(device, in_flight.popleft(), stream, drained):
                     yield item
         finally:
-            releases += [device.release_lease.remote(p.lease_id) for p in drained]
-            # Leases of batches asked for but never drained (the client went away).
-            for _, ref, planned in in_flight:
-                if planned:
-                    releases.append(_release_later(device, ref))
-            # Settled after the last byte is out, off the reader's critical path
-            # (the response's finally awaits it before the connection serves
-            # its next request).
+            releases += self._let_go(drained, device)
+            # Plans asked for but never drained (the client went away).
+            for asked in in_flight:
+                if asked.ref is not None and asked.planned:
+                    releases.append(_release_later(device, asked.ref))
             task = asyncio.ensure_future(self._settle(releases))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
-            if settled is not None:
-                settled.append(task)
+
+    def _let_go(self, drained: Sequence[_HeldLease | ReadPlan], device: Any) -> list[Any]:
+        """Plans done with: release them, or (with a cache) mark them free and sweep."""
+        out: list[Any] = []
+        for item in drained:
+            if isinstance(item, _HeldLease):
+                item.in_use -= 1
+            else:
+                out.append(device.release_lease.remote(item.lease_id))
+        if self._plans is not None:
+            for held in self._plans.sweep():
+                out.append(held.device.release_lease.remote(held.plan.lease_id))
+        return out
+
+    def _ask(
+        self,
+        device_id: str,
+        device: Any,
+        batch: Sequence[bytes],
+        stream: str | None,
+        ahead: Sequence[bytes],
+        offset: int,
+    ) -> _Asked:
+        if self._maps is None:
+            return _Asked(
+                device_id, batch, device.get_blocks.remote(list(batch), stream), False, 0.0
+            )
+        if self._plans is not None and all(
+            self._plans.lookup(device_id, k) is not None for k in batch
+        ):
+            self._plans.hits += 1
+            return _Asked(device_id, batch, None, True, 0.0)
+        wanted: list[bytes] = []
+        if self._plans is not None:
+            self._plans.misses += 1
+            # Read ahead: the blocks that follow, where they sit in memory already.
+            wanted = [
+                k
+                for k in ahead[offset + len(batch) : offset + self._read_ahead]
+                if self._plans.lookup(device_id, k) is None
+            ]
+        ttl = self._plans.ttl_s if self._plans is not None else DEFAULT_PLAN_TTL_S
+        ref = device.read_plan.remote(list(batch), stream, ttl, wanted)
+        return _Asked(device_id, batch, ref, True, time.monotonic())
 
     async def _settle(self, releases: list[Any]) -> None:
         for done in releases:
@@ -125,27 +290,41 @@ class BlockFetcher:
         """Wait until every lease handed back so far is released (shutdown)."""
         await asyncio.gather(*list(self._settling))
 
-    def _ask(
-        self, device: Any, batch: Sequence[bytes], stream: str | None, use_plans: bool
-    ) -> tuple[Sequence[bytes], Any, bool]:
-        if use_plans:
-            return batch, device.read_plan.remote(list(batch), stream), True
-        return batch, device.get_blocks.remote(list(batch), stream), False
-
     async def _drain(
         self,
         device: Any,
-        asked: tuple[Sequence[bytes], Any, bool],
+        asked: _Asked,
         stream: str | None,
-        drained: list[ReadPlan],
+        drained: list[_HeldLease | ReadPlan],
     ) -> AsyncIterator[FetchedBytes]:
-        batch, ref, planned = asked
-        if not planned:
-            for payload in await ref:
+        batch = asked.batch
+        if not asked.planned:
+            for payload in await asked.ref:
                 self.in_cluster_blocks += 1
                 yield _from_payload(payload)
             return
-        plan: ReadPlan = await ref
+        if asked.ref is None:  # every block was in plans the gateway holds
+            assert self._plans is not None
+            serving = [self._plans.lookup(asked.device_id, bytes(k)) for k in batch]
+            if all(found is not None for found in serving):
+                for found in serving:
+                    assert found is not None
+                    found[0].in_use += 1
+                    drained.append(found[0])
+                for found in serving:
+                    assert found is not None
+                    self.same_node_blocks += 1
+                    yield _entry_bytes(found[0].segments[found[1].segment], found[1])
+                return
+            # One ran out between asking and serving: plan the batch now.
+            asked = _Asked(
+                asked.device_id,
+                batch,
+                device.read_plan.remote(list(batch), stream, self._plans.ttl_s),
+                True,
+                time.monotonic(),
+            )
+        plan: ReadPlan = await asked.ref
         if plan.node_id != self._node_id or self._maps is None:
             # The device is elsewhere: give the pins back, read in-cluster.
             drained.append(plan)
@@ -154,24 +333,69 @@ class BlockFetcher:
                 self.in_cluster_blocks += 1
                 yield _from_payload(payload)
             return
-        # Handed back for release now: an async generator interrupted by the
-        # client going away is not closed, so no finally of ours would run.
-        drained.append(plan)
-        missing = [k for k, e in zip(batch, plan.entries, strict=True) if e is None]
+        segments = {
+            e.segment: self._maps.view(e.segment, e.segment_bytes, plan.incarnation)
+            for e in plan.entries
+            if e is not None
+        }
+        # Handed over now: an async generator interrupted by the client going
+        # away is not closed, so no finally of ours would run.
+        if self._plans is not None:
+            held = self._plans.hold(plan, device, segments, asked.at)
+            held.in_use += 1
+            drained.append(held)
+        else:
+            drained.append(plan)
+        entries = plan.entries[: len(batch)]
+        missing = [k for k, e in zip(batch, entries, strict=True) if e is None]
         fallback: dict[bytes, BlockPayload] = {}
         if missing:
             fallback = {p.key: p for p in await device.get_blocks.remote(missing, stream)}
-        for key, entry in zip(batch, plan.entries, strict=True):
-            if entry is None:
+        for key, planned in zip(batch, entries, strict=True):
+            if planned is None:
                 self.in_cluster_blocks += 1
                 yield _from_payload(fallback[bytes(key)])
                 continue
-            segment = self._maps.view(entry.segment, entry.segment_bytes, plan.incarnation)
-            if entry.offset + entry.nbytes > segment.size:
-                raise CorruptDataError(f"block {entry.key.hex()} lies outside its segment")
-            data = segment[entry.offset : entry.offset + entry.nbytes].data
             self.same_node_blocks += 1
-            yield FetchedBytes(entry.key, data, entry.found, entry.exact, entry.crc32)
+            yield _entry_bytes(segments[planned.segment], planned)
+
+    def plan_stats(self) -> dict[str, int]:
+        if self._plans is None:
+            return {"hits": 0, "misses": 0, "held_bytes": 0}
+        return {
+            "hits": self._plans.hits,
+            "misses": self._plans.misses,
+            "held_bytes": self._plans.held_bytes,
+        }
+
+    async def release_session(self, route: ReadRoute) -> None:
+        """Give back the plans held on a session's blocks (before it is suspended or deleted)."""
+        if self._plans is None:
+            return
+        gone = self._plans.drop_keys(route.device_id, route.keys)
+        await asyncio.gather(*(h.device.release_lease.remote(h.plan.lease_id) for h in gone))
+
+    def close(self) -> list[Any]:
+        """Release every plan held (shutdown)."""
+        if self._plans is None:
+            return []
+        return [h.device.release_lease.remote(h.plan.lease_id) for h in self._plans.drop_all()]
+
+
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    device_id: str
+    batch: Sequence[bytes]
+    ref: Any  # ObjectRef of a ReadPlan or payloads; None: served from held plans
+    planned: bool
+    at: float  # local monotonic time the plan was asked for
+
+
+def _entry_bytes(segment: np.ndarray, entry: PlanEntry) -> FetchedBytes:
+    if entry.offset < 0 or entry.offset + entry.nbytes > segment.size:
+        raise CorruptDataError(f"block {entry.key.hex()} lies outside its segment")
+    data = segment[entry.offset : entry.offset + entry.nbytes].data
+    return FetchedBytes(entry.key, data, entry.found, entry.exact, entry.crc32)
 
 
 async def _nothing() -> None:
@@ -202,7 +426,6 @@ class BlockFramesResponse(Response):
     media_type = FRAMES_MEDIA_TYPE
 
     def __init__(  # noqa: PLR0913
-
         self,
         layout: KVLayout,
         keys: Sequence[bytes],

@@ -784,7 +784,11 @@ class TieredStore:
                     self._unpin(self._blocks[key])
 
     def plan_reads(
-        self, keys: Sequence[BlockHash], *, stream: str | None = None
+        self,
+        keys: Sequence[BlockHash],
+        *,
+        stream: str | None = None,
+        ahead: Sequence[BlockHash] = (),
     ) -> list[PlannedBlock | None]:
         """Pin blocks where a reader can map them, and say where (the same-node path).
 
@@ -794,6 +798,11 @@ class TieredStore:
         hot tier full of pinned blocks, or a device arena on a GPU) answers None:
         the caller serves it another way. All or nothing on errors: nothing
         stays pinned when this raises.
+
+        ``ahead`` are blocks a reader will probably want next (read-ahead):
+        they are planned, after ``keys``, only where they sit in memory already,
+        never promoted or counted as read, so read-ahead never makes a lazy
+        resume eager. Their entries follow those of ``keys`` (None: not planned).
 
         Raises:
             UnknownBlockError: a key is not stored.
@@ -809,6 +818,15 @@ class TieredStore:
                     if plan is not None:
                         self._pin(entry)
                         pinned.append(entry)
+                    planned.append(plan)
+                for key in ahead:
+                    held = self._blocks.get(key)
+                    plan = None
+                    if held is not None and held.tier is not None:
+                        plan = self._plan(held, held.tier)
+                    if held is not None and plan is not None:
+                        self._pin(held)
+                        pinned.append(held)
                     planned.append(plan)
             except BaseException:
                 for entry in pinned:
