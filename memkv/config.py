@@ -172,6 +172,11 @@ class DeviceSettings(_Frozen):
     debug_refcounts: bool = Field(
         default=False, description="Check refcount invariants on every operation (slow)."
     )
+    prefault: bool = Field(
+        default=True,
+        description="Populate the hot and warm arenas' pages in a background thread at "
+        "start (their memory is committed then), so first writes pay no page faults.",
+    )
 
     @field_validator("device")
     @classmethod
@@ -261,6 +266,7 @@ class DeviceSettings(_Frozen):
                 codecs=self.codecs,
                 archive=archive,
                 debug_refcounts=self.debug_refcounts,
+                prefault=self.prefault,
             )
         except ValidationError as e:
             raise ConfigError(f"invalid StoreConfig: {_format_errors(e)}") from e

@@ -311,6 +311,15 @@ class TieredStore:
         self._closed = False
         self._check = config.debug_refcounts
         self._recover_cold_index()
+        if config.prefault:
+            # Off the caller's path: a fresh page costs a fault on first write.
+            threading.Thread(
+                target=self._prefault, name="memkv-prefault", daemon=True
+            ).start()
+
+    def _prefault(self) -> None:
+        for tier in (self._hot, self._warm):
+            tier.arena.prefault()
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -515,3 +515,15 @@ def test_pinned_shared_arena_copies_to_device(
     del v
     arena.close()
     assert not arena.pinned
+
+
+def test_prefault_populates_without_changing_bytes():
+    from memkv.storage.arena import SharedHostArena
+
+    with SharedHostArena(1 << 20, 4096) as arena:
+        a = arena.allocate(4096)
+        values = torch.arange(1024, dtype=torch.int32)
+        arena.write(a, values)
+        assert arena.prefault(chunk_bytes=64 << 10) in (0, 1 << 20)  # 0: kernel < 5.14
+        assert torch.equal(arena.view(a, (1024,), torch.int32), values)
+    assert arena.prefault() == 0  # closed: nothing to do
