@@ -21,7 +21,9 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,10 @@ from memkv.protocol.messages import PlanEntry, ReadPlan
 __all__ = ["CopiedBlock", "SameNodeReader", "SegmentMaps", "copy_entries"]
 
 _SHM_DIR = "/dev/shm"
+#: Copy threads of a reader (memory bandwidth of one core is not all of a node's).
+COPY_THREADS = 2
+#: A plan is taken as valid only if this much of its lease is left after the copy.
+LEASE_MARGIN_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,17 +133,30 @@ class SameNodeReader:
         node_id: this process's Ray node id (``ray.get_runtime_context()``);
             plans of another node are refused.
         ttl_s: lease length asked for.
+        threads: copy threads (blocks are copied and checked in parallel).
+        clock: this node's monotonic clock (the device's; a fake in tests).
 
     Example:
         >>> reader = SameNodeReader(device, node_id=ray.get_runtime_context().get_node_id())
         >>> blocks = reader.read(keys)            # doctest: +SKIP
     """
 
-    def __init__(self, device: Any, *, node_id: str, ttl_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        device: Any,
+        *,
+        node_id: str,
+        ttl_s: float = 30.0,
+        threads: int = COPY_THREADS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._device = device
         self._node_id = node_id
         self._ttl_s = ttl_s
         self._maps = SegmentMaps()
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._clock = clock
 
     def _call(self, method: str, *args: Any) -> Any:
         fn = getattr(self._device, method)
@@ -171,6 +190,11 @@ class SameNodeReader:
     ) -> list[CopiedBlock]:
         """Copy ``keys``' blocks; blocks not in shared memory come in-cluster.
 
+        The copies and their checksums run on up to :data:`COPY_THREADS`
+        threads (numpy and ISA-L release the interpreter lock). Whether the
+        lease held is decided on this node's monotonic clock against the
+        plan's deadline, so the release needs no answer and is not waited for.
+
         Args:
             out: optional destination buffers (uint8, one block's size each).
             verify: check each copy's CRC32 (on by default; the check is the
@@ -180,12 +204,13 @@ class SameNodeReader:
             LeaseExpiredError, WrongNodeError, CorruptDataError: see the module.
         """
         plan = self.plan(keys, stream)
-        planned = [(i, e) for i, e in enumerate(plan.entries) if e is not None]
+        planned = [(i, e) for i, e in enumerate(plan.entries[: len(keys)]) if e is not None]
         try:
-            dsts = [out[i] for i, _ in planned] if out is not None else None
-            copies = copy_entries(self._maps, plan, [e for _, e in planned], dsts)
+            dsts = [out[i] for i, _ in planned] if out is not None else [None] * len(planned)
+            copies = self._copy_all(plan, [e for _, e in planned], dsts, verify)
+            valid = self._clock() < plan.expires_at - LEASE_MARGIN_S
         finally:
-            valid = self.release(plan)
+            self._release_async(plan)
         if not valid:
             raise LeaseExpiredError(
                 f"lease {plan.lease_id} on device {plan.device_id!r} ran out before the copy "
@@ -193,16 +218,13 @@ class SameNodeReader:
             )
         result: list[CopiedBlock | None] = [None] * len(keys)
         for (i, entry), copy in zip(planned, copies, strict=True):
-            if verify and crc32(copy) != entry.crc32:
-                raise CorruptDataError(
-                    f"block {entry.key.hex()}: its copy from shared memory fails its checksum"
-                )
             array = copy.view(numpy_view_dtype(entry.dtype)).reshape(entry.shape)
             result[i] = CopiedBlock(entry.key, array, entry.dtype, entry.found, entry.exact)
         missing = [i for i, r in enumerate(result) if r is None]
         if missing:
             for i, payload in zip(
-                missing, self._call("get_blocks", [bytes(keys[i]) for i in missing], stream),
+                missing,
+                self._call("get_blocks", [bytes(keys[i]) for i in missing], stream),
                 strict=True,
             ):
                 result[i] = CopiedBlock(
@@ -214,7 +236,38 @@ class SameNodeReader:
                 )
         return [r for r in result if r is not None]
 
+    def _copy_all(
+        self,
+        plan: ReadPlan,
+        entries: Sequence[PlanEntry],
+        dsts: Sequence[np.ndarray | None],
+        verify: bool,
+    ) -> list[np.ndarray]:
+        def one(i: int) -> np.ndarray:
+            (copy,) = copy_entries(self._maps, plan, [entries[i]], [dsts[i]])
+            if verify and crc32(copy) != entries[i].crc32:
+                raise CorruptDataError(
+                    f"block {entries[i].key.hex()}: its copy from shared memory fails its checksum"
+                )
+            return copy
+
+        if len(entries) < 2 or self._threads <= 1:
+            return [one(i) for i in range(len(entries))]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="memkv-copy")
+        return list(self._pool.map(one, range(len(entries))))
+
+    def _release_async(self, plan: ReadPlan) -> None:
+        fn = self._device.release_lease
+        if hasattr(fn, "remote"):
+            fn.remote(plan.lease_id)  # its answer is not needed: see read()
+        else:
+            fn(plan.lease_id)
+
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         self._maps.close()
 
     def __enter__(self) -> SameNodeReader:

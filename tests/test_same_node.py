@@ -68,7 +68,7 @@ def put(dev, sid, tokens, seed=0, namespace="t"):
 
 def test_reads_are_byte_identical_and_release_their_pins(device):
     chain, blocks = put(device, "s", 16)
-    with SameNodeReader(device, node_id=device.node_id) as reader:
+    with SameNodeReader(device, node_id=device.node_id, clock=device.clock) as reader:
         got = reader.read(chain)
     assert [g.key for g in got] == chain
     for g, b in zip(got, blocks, strict=True):
@@ -82,7 +82,7 @@ def test_reads_are_byte_identical_and_release_their_pins(device):
 def test_reads_into_caller_buffers(device):
     chain, blocks = put(device, "s", 8)
     out = [np.zeros(LAYOUT.block_nbytes(), dtype=np.uint8) for _ in chain]
-    reader = SameNodeReader(device, node_id=device.node_id)
+    reader = SameNodeReader(device, node_id=device.node_id, clock=device.clock)
     got = reader.read(chain, out=out)
     for g, o, b in zip(got, out, blocks, strict=True):
         assert np.shares_memory(g.array, o)
@@ -91,7 +91,7 @@ def test_reads_into_caller_buffers(device):
 
 def test_an_expired_lease_raises_and_returns_nothing(device):
     chain, _ = put(device, "s", 8)
-    reader = SameNodeReader(device, node_id=device.node_id, ttl_s=5)
+    reader = SameNodeReader(device, node_id=device.node_id, ttl_s=5, clock=device.clock)
     plan = reader.plan(chain)
     device.clock.t += 6  # the reader stalled past its lease
     assert reader.release(plan) is False
@@ -117,7 +117,7 @@ def test_an_expired_lease_raises_and_returns_nothing(device):
 
 def test_blocks_freed_under_an_expired_plan_are_never_served(device):
     chain, blocks = put(device, "a", 8)
-    reader = SameNodeReader(device, node_id=device.node_id, ttl_s=5)
+    reader = SameNodeReader(device, node_id=device.node_id, ttl_s=5, clock=device.clock)
     plan = reader.plan(chain)
     device.clock.t += 6
     # The expired lease is swept, the session goes, and another session's put
@@ -136,7 +136,7 @@ def test_blocks_freed_under_an_expired_plan_are_never_served(device):
 
 def test_blocks_evicted_after_release_are_read_again_from_where_they_went(device):
     chain, blocks = put(device, "a", 8)
-    reader = SameNodeReader(device, node_id=device.node_id)
+    reader = SameNodeReader(device, node_id=device.node_id, clock=device.clock)
     reader.read(chain)
     put(device, "b", 32, seed=7, namespace="other")  # pushes a's blocks down
     assert any(device.store.locate(k).value != "hot" for k in chain)
@@ -162,16 +162,25 @@ def test_a_bad_lease_length_is_refused(device):
 
 def test_a_restarted_device_segment_is_not_read(device, tmp_path):
     chain, _ = put(device, "s", 4)
-    reader = SameNodeReader(device, node_id=device.node_id)
+    reader = SameNodeReader(device, node_id=device.node_id, clock=device.clock)
     plan = reader.plan(chain)
     reader.release(plan)
     entry = plan.entries[0]
     from memkv.protocol.messages import ReadPlan
     from memkv.same_node import SegmentMaps
 
-    gone = ReadPlan(plan.lease_id, plan.device_id, plan.node_id, "new-incarnation", 5.0, (
-        type(entry)(**{**{f: getattr(entry, f) for f in entry.__slots__}, "segment": "memkv-gone"}),
-    ))
+    gone = ReadPlan(
+        plan.lease_id,
+        plan.device_id,
+        plan.node_id,
+        "new-incarnation",
+        5.0,
+        (
+            type(entry)(
+                **{**{f: getattr(entry, f) for f in entry.__slots__}, "segment": "memkv-gone"}
+            ),
+        ),
+    )
     from memkv.same_node import copy_entries
 
     with pytest.raises(LeaseExpiredError, match="gone"):

@@ -298,6 +298,21 @@ class DeviceCache:
             out.append(to_payload(k, fetched.block, fetched.tier.value, fetched.exact))
         return out
 
+    def fetch_blocks(self, keys: Sequence[bytes], stream: str | None = None) -> ray.ObjectRef:
+        """Blocks by key as one object in the node's object store (the in-cluster path).
+
+        The bytes are copied once, from the arena (pinned meanwhile) into the
+        object store, where every reader on the node maps them without a copy
+        (a read-only view). The caller gets the object's reference: one more
+        local fetch, one copy less than returning the blocks by value, which
+        would need an owned copy to serialise after the pins are gone.
+        """
+        hashes = [BlockHash(bytes(k)) for k in keys]
+        with self.store.pinned_reads(hashes, stream=stream) as fetched:
+            return ray.put(
+                [to_payload(f.key, f.block, f.tier.value, f.exact) for f in fetched]
+            )
+
     def read_plan(
         self,
         keys: Sequence[bytes],
@@ -333,6 +348,7 @@ class DeviceCache:
             incarnation=self.incarnation,
             ttl_s=float(ttl_s),
             entries=tuple(_plan_entry(p) if p is not None else None for p in planned),
+            expires_at=lease.expires_at,
         )
 
     def release_lease(self, lease_id: str) -> bool:

@@ -257,9 +257,8 @@ class BlockFetcher:
         offset: int,
     ) -> _Asked:
         if self._maps is None:
-            return _Asked(
-                device_id, batch, device.get_blocks.remote(list(batch), stream), False, 0.0
-            )
+            ref = device.fetch_blocks.remote(list(batch), stream)
+            return _Asked(device_id, batch, ref, False, 0.0)
         if self._plans is not None and all(
             self._plans.lookup(device_id, k) is not None for k in batch
         ):
@@ -299,7 +298,7 @@ class BlockFetcher:
     ) -> AsyncIterator[FetchedBytes]:
         batch = asked.batch
         if not asked.planned:
-            for payload in await asked.ref:
+            for payload in await (await asked.ref):
                 self.in_cluster_blocks += 1
                 yield _from_payload(payload)
             return
@@ -329,7 +328,7 @@ class BlockFetcher:
             # The device is elsewhere: give the pins back, read in-cluster.
             drained.append(plan)
             self._maps = None
-            for payload in await device.get_blocks.remote(list(batch), stream):
+            for payload in await (await device.fetch_blocks.remote(list(batch), stream)):
                 self.in_cluster_blocks += 1
                 yield _from_payload(payload)
             return

@@ -44,13 +44,21 @@ class GatewayServer:
         host: str = "127.0.0.1",
         port: int = 8080,
         max_body_bytes: int = 1 << 30,
+        same_node_reads: bool = True,
+        plan_cache_bytes: int = 256 << 20,
     ) -> GatewayServer:
         """Bind ``host:port`` (0 = any free port) and serve until :meth:`stop`.
 
         Args:
             cluster: a :class:`memkv.cluster.MemkvCluster` (its router is used).
+            same_node_reads, plan_cache_bytes: see :func:`memkv.api.app.create_app`.
         """
-        app = create_app(cluster.router, max_body_bytes=max_body_bytes)
+        app = create_app(
+            cluster.router,
+            max_body_bytes=max_body_bytes,
+            same_node_reads=same_node_reads,
+            plan_cache_bytes=plan_cache_bytes,
+        )
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -265,15 +265,19 @@ class MemkvCluster:
 
 
 def _pipelined(device: Any, keys: list[bytes], stream: str) -> Iterator[BlockPayload]:
-    """Payloads of ``keys`` in order, with a bounded window of batched get_blocks calls."""
+    """Payloads of ``keys`` in order, with a bounded window of batched fetch_blocks calls.
+
+    Each batch arrives as a reference to one object-store object (see
+    ``DeviceCache.fetch_blocks``) whose arrays this process maps read-only.
+    """
     batches = [keys[i : i + READ_BATCH_BLOCKS] for i in range(0, len(keys), READ_BATCH_BLOCKS)]
     in_flight: deque[Any] = deque()
     for batch in batches:
-        in_flight.append(device.get_blocks.remote(batch, stream))
+        in_flight.append(device.fetch_blocks.remote(batch, stream))
         if len(in_flight) > READ_WINDOW_BATCHES:
-            yield from ray.get(in_flight.popleft())
+            yield from ray.get(ray.get(in_flight.popleft()))
     while in_flight:
-        yield from ray.get(in_flight.popleft())
+        yield from ray.get(ray.get(in_flight.popleft()))
 
 
 def connect(

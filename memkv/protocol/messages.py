@@ -53,6 +53,9 @@ class ReadPlan:
         incarnation: the device process's incarnation (segments of an older one are stale).
         ttl_s: the lease runs out this many seconds after it was granted; after
             that the blocks may move and ``release_lease`` says so.
+        expires_at: when it runs out, in the device's ``time.monotonic()``: the
+            same clock as every process's on that node (Linux CLOCK_MONOTONIC),
+            so a reader there can tell without asking whether it is still valid.
         entries: one per key asked for, in order; None where a block could not
             be planned (not in a shared arena): read those in-cluster instead.
     """
@@ -63,6 +66,7 @@ class ReadPlan:
     incarnation: str
     ttl_s: float
     entries: tuple[PlanEntry | None, ...]
+    expires_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -770,27 +770,30 @@ class TieredStore:
             return PrefixMatch(tokens, tuple(matched))
 
     @contextlib.contextmanager
-    def pinned(self, keys: Sequence[BlockHash]) -> Iterator[list[torch.Tensor]]:
-        """Zero-copy views of blocks, pinned (never moved or freed) while the block runs.
+    def pinned_reads(
+        self, keys: Sequence[BlockHash], *, stream: str | None = None
+    ) -> Iterator[list[FetchedBlock]]:
+        """Blocks read as :meth:`fetch` reads them, pinned while the ``with`` block runs.
 
-        Blocks are promoted to the hot tier first where there is room; a block
-        that stays int8 in the warm tier is returned dequantised (a copy).
+        Each block is a zero-copy view of its arena where it sits there raw in
+        the model dtype (the usual case after promotion), else a decoded copy;
+        the views must not be used after the block ends.
         """
-        views: list[torch.Tensor] = []
-        taken: list[BlockHash] = []
+        taken: list[_Block] = []
+        out: list[FetchedBlock] = []
         try:
             with self._lock:
                 for key in keys:
-                    self.get(key)  # promote (and count the access)
+                    found = self._access(key, stream)
                     entry = self._blocks[key]
                     self._pin(entry)
-                    taken.append(key)
-                    views.append(self._view(entry))
-            yield views
+                    taken.append(entry)
+                    out.append(FetchedBlock(key, self._view(entry), found, entry.exact))
+            yield out
         finally:
             with self._lock:
-                for key in taken:
-                    self._unpin(self._blocks[key])
+                for entry in taken:
+                    self._unpin(entry)
 
     def plan_reads(
         self,

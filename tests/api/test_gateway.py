@@ -296,3 +296,18 @@ def test_reads_land_in_the_callers_buffers(client):
     before = client.stats()["gateway"]["plan_cache"]["hits"]
     list(client.read_blocks(sid))
     assert client.stats()["gateway"]["plan_cache"]["hits"] > before
+
+
+def test_a_gateway_without_same_node_reads_serves_in_cluster(cluster):
+    from memkv.api.server import GatewayServer
+
+    with GatewayServer.start(cluster, host="127.0.0.1", port=0, same_node_reads=False) as gw:
+        with Client(gw.url) as c:
+            sid = new_id()
+            c.create_session(sid, LAYOUT, namespace="t-ray")
+            keys, values = kv(12, seed=8)
+            c.append_turn(sid, list(range(12)), keys, values)
+            assert same([b.tensor for b in c.read_blocks(sid)], split_kv(LAYOUT, keys, values))
+            stats = c.stats()["gateway"]
+            assert stats["same_node_blocks"] == 0 and stats["in_cluster_blocks"] == 3
+            c.delete_session(sid)

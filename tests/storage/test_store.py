@@ -315,7 +315,9 @@ def test_pinned_blocks_are_not_evicted_and_delete_waits_for_readers(tmp_path):
     keys, values = kv(8)
     s.put_kv("s", list(range(8)), keys, values)
     chain = s.session("s").chain
-    with s.pinned(chain) as views:
+    with s.pinned_reads(chain) as fetched:
+        views = [f.block for f in fetched]
+        assert {f.tier for f in fetched} == {Tier.HOT}
         before = [v.clone() for v in views]
         s.create_session("flood", LAYOUT, namespace="b")
         s.put_kv("flood", list(range(64)), *kv(64, seed=3))

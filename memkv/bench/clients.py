@@ -1,0 +1,203 @@
+"""Benchmark clients in processes of their own, started together, timed by themselves.
+
+Each client process connects, prepares (untimed), waits at a barrier for the
+others, then runs its operations and reports its latencies and the wall
+interval it ran in. Throughput is bytes over the union of those intervals
+(``time.perf_counter`` is the same clock in every process on Linux).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ClientRun", "run_clients"]
+
+_JOIN_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRun:
+    latencies: list[float]
+    start: float
+    end: float
+
+
+def _worker(kind: str, params: dict[str, Any], index: int, barrier: Any, queue: Any) -> None:
+    try:
+        op = _OPS[kind](params, index)
+        barrier.wait()
+        start = time.perf_counter()
+        latencies = op()
+        queue.put((index, ClientRun(latencies, start, time.perf_counter()), None))
+    except BaseException as e:  # reported to the parent, which raises it
+        queue.put((index, None, f"{type(e).__name__}: {e}"))
+
+
+def run_clients(kind: str, params: dict[str, Any], concurrency: int) -> list[ClientRun]:
+    """Run ``concurrency`` client processes of ``kind`` with ``params``; their results.
+
+    Raises:
+        RuntimeError: a client failed (its error is in the message).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(concurrency)
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(kind, params, i, barrier, queue), daemon=True)
+        for i in range(concurrency)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results: dict[int, ClientRun] = {}
+        for _ in procs:
+            index, run, error = queue.get(timeout=_JOIN_TIMEOUT_S)
+            if error is not None:
+                raise RuntimeError(f"{kind} client {index} failed: {error}")
+            results[index] = run
+        return [results[i] for i in range(concurrency)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+def _timed(fn: Callable[[int], object], n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(i)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# -- the clients -------------------------------------------------------------------------------
+
+
+def _raw(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
+    import socket
+
+    import numpy as np
+
+    from memkv.bench.peers import RAW_ACK, RAW_GET, RAW_PUT, RAW_REQUEST_BYTES
+
+    nbytes, ops, op = params["nbytes"], params["ops"], params["op"]
+    conn = socket.create_connection(("127.0.0.1", params["port"]))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    dst = np.empty(nbytes, dtype=np.uint8)
+    src = np.random.default_rng(index).integers(0, 255, nbytes, dtype=np.uint8)
+    view = memoryview(dst)
+
+    def get(_: int) -> None:
+        conn.sendall(RAW_GET * RAW_REQUEST_BYTES)
+        got = 0
+        while got < nbytes:
+            got += conn.recv_into(view[got:])
+
+    def put(_: int) -> None:
+        conn.sendall(RAW_PUT * RAW_REQUEST_BYTES)
+        conn.sendall(memoryview(src))
+        if conn.recv(len(RAW_ACK)) != RAW_ACK:
+            raise RuntimeError("the raw server did not acknowledge")
+
+    return lambda: _timed(get if op == "get" else put, ops)
+
+
+def _redis(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
+    import numpy as np
+    import redis
+
+    nbytes, ops, op = params["nbytes"], params["ops"], params["op"]
+    conn = redis.Redis(port=params["port"])
+    payload = np.random.default_rng(index).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+    prefix = f"{params['run']}:{index}"
+    if op == "get":
+        for i in range(ops):
+            conn.set(f"{prefix}:{i}", payload)
+
+        def get(i: int) -> None:
+            got = conn.get(f"{prefix}:{i}")
+            if not isinstance(got, bytes) or len(got) != nbytes:
+                raise RuntimeError("redis returned another value than was stored")
+
+        return lambda: _timed(get, ops)
+    return lambda: _timed(lambda i: conn.set(f"{prefix}:{i}", payload), ops)
+
+
+def _gateway(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
+    """Appends of one block per turn in sessions of ``session_blocks``; reads of each once.
+
+    A get client first writes the blocks it will read (untimed), then reads
+    each once, into one reused destination buffer (as an engine reads into
+    its own staging or paged memory).
+    """
+    import numpy as np
+
+    from memkv.client import Client
+    from memkv.protocol.layout import KVLayout
+
+    layout = KVLayout.from_dict(params["layout"])
+    ops, op, per_session = params["ops"], params["op"], params["session_blocks"]
+    client = Client(params["url"])
+    block = np.random.default_rng(index).standard_normal(layout.block_shape()).astype(np.float16)
+    bt = layout.block_tokens
+    sessions: list[str] = []
+
+    def put(i: int) -> None:
+        n = i % per_session
+        if n == 0:
+            sid = f"{params['run']}-{op}-{index}-{i // per_session}"
+            client.create_session(sid, layout, namespace=params["namespace"])
+            sessions.append(sid)
+        # A token of its own per client and session: every put stores a new block.
+        tokens = np.arange((n + 1) * bt, dtype=np.int64)
+        tokens[0] = 1_000_000 + index * 10_000 + i // per_session
+        client.append_turn(sessions[-1], tokens, blocks=[block], start_block=n)
+
+    if op == "put":
+        return lambda: _timed(put, ops)
+    for i in range(ops):
+        put(i)
+    dst = np.empty(layout.block_nbytes(), dtype=np.uint8)
+
+    def get(i: int) -> None:
+        got = list(
+            client.read_blocks(
+                sessions[i // per_session], i % per_session, i % per_session + 1, out=[dst]
+            )
+        )
+        if len(got) != 1:
+            raise RuntimeError(f"expected 1 block from the gateway, got {len(got)}")
+
+    return lambda: _timed(get, ops)
+
+
+def _gateway_session(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
+    """Reads of a whole stored session into preallocated buffers (the real-size row)."""
+    import numpy as np
+
+    from memkv.client import Client
+
+    client = Client(params["url"])
+    client.session(params["session_id"])  # knows its turn: reads go straight to the device
+    out = [np.empty(n, dtype=np.uint8) for n in params["block_bytes"]]
+
+    def read(_: int) -> None:
+        got = list(client.read_blocks(params["session_id"], out=out))
+        if len(got) != len(out):
+            raise RuntimeError(f"expected {len(out)} blocks, got {len(got)}")
+
+    return lambda: _timed(read, params["ops"])
+
+
+_OPS: dict[str, Callable[[dict[str, Any], int], Callable[[], list[float]]]] = {
+    "raw": _raw,
+    "redis": _redis,
+    "gateway": _gateway,
+    "gateway_session": _gateway_session,
+}
