@@ -53,7 +53,7 @@ QUICK_SESSION_TOKENS = 256
 OPS_PER_CLIENT = 48
 QUICK_OPS_PER_CLIENT = 8
 SESSION_BLOCKS = 16
-#: Each concurrency level runs this many times; the median round is reported.
+#: Each concurrency level runs this many rounds (all their operations are pooled).
 ROUNDS = 3
 #: Timed reads of a whole session per path (the median is reported).
 SESSION_REPS = 5
@@ -92,25 +92,25 @@ class LevelResult:
 
 
 def _from_runs(target: str, op: str, rounds: list[list[ClientRun]], nbytes: int) -> LevelResult:
-    """The median round's throughput (bytes over its wall interval); latencies of all rounds.
+    """GB/s = clients x block bytes / median latency, over every round's operations.
 
-    Rounds are repeated because a 2-core machine shared with the servers
-    stalls now and then: one 100 ms stall in a round of 50 operations of
-    1.5 ms would halve that round's figure.
+    The median, not bytes over wall time: this 2-core machine, shared by the
+    servers, the clients and Ray, stalls now and then, and one 40-100 ms stall
+    in a round of 1.5 ms operations would decide a wall-time figure (the raw
+    socket's own P99 was 42 ms here). For closed-loop clients c / median
+    latency is the throughput of a stall-free round.
     """
     latencies = [lat for runs in rounds for r in runs for lat in r.latencies]
-    per_round = []
-    for runs in rounds:
-        wall = max(r.end for r in runs) - min(r.start for r in runs)
-        per_round.append(sum(len(r.latencies) for r in runs) * nbytes / wall / _GB)
+    c = len(rounds[0])
+    p50 = percentile(latencies, _P50)
     return LevelResult(
         target,
         op,
-        len(rounds[0]),
+        c,
         len(latencies),
         nbytes,
-        float(np.median(per_round)),
-        percentile(latencies, _P50) * _MS,
+        c * nbytes / p50 / _GB,
+        p50 * _MS,
         percentile(latencies, _P99) * _MS,
     )
 
@@ -424,9 +424,9 @@ def run(ctx: BenchContext) -> SuiteResult:
     gw_put, raw_put = find("gateway", "put"), find("raw socket", "put")
     notes += [
         f"blocks of {nbytes / (1 << 20):.3g} MiB ({list(layout.block_shape())} fp16); every "
-        "client is a process of its own; GB/s is the median of "
-        f"{ROUNDS} rounds (bytes over each round's wall time); the gateway, the router and the "
-        "device actor share "
+        f"client is a process of its own; each level runs {ROUNDS} rounds and GB/s is clients x "
+        "block bytes / median latency (stalls of this shared machine would decide a wall-time "
+        "figure); the gateway, the router and the device actor share "
         f"the {os.cpu_count()} cores with them. 'vs ceiling' is the ratio to the raw socket "
         "(gateway rows) or to memcpy of the same bytes (session reads).",
         f"where the time goes, per 4 MiB operation at 1 client: raw transport "
