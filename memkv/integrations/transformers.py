@@ -37,7 +37,7 @@ from transformers import DynamicCache
 
 from memkv.errors import CorruptDataError, InvalidInputError, LayoutMismatchError
 from memkv.protocol.hashing import chain_hashes, token_array
-from memkv.storage.layout import DTYPES, KVLayout, StorageDType, block_token_count, join_blocks
+from memkv.storage.layout import DTYPES, KVLayout, StorageDType, block_token_count
 from memkv.storage.precision import convert
 
 __all__ = [
@@ -568,13 +568,8 @@ def _assemble(
     dtype: torch.dtype | None,
     device: torch.device | str | None,
 ) -> Restored:
-    keys, values = join_blocks(layout, [b.tensor for b in blocks])
-    held = int(keys[0].shape[_TOKEN_AXIS])
-    if held < tokens:
-        raise CorruptDataError(f"expected blocks covering {tokens} tokens, got {held}")
-    keys = [k[:, :tokens] for k in keys]
-    values = [v[:, :tokens] for v in values]
-    cache = kv_to_cache(keys, values, config, dtype=dtype, device=device)
+    keys, values = _layer_tensors(layout, [b.tensor for b in blocks], tokens, dtype)
+    cache = kv_to_cache(keys, values, config, device=device)
     return Restored(
         cache,
         tokens,
@@ -582,6 +577,57 @@ def _assemble(
         source,
         tuple(bytes(b.key) for b in blocks),
     )
+
+
+def _layer_tensors(
+    layout: KVLayout, blocks: Sequence[torch.Tensor], tokens: int, dtype: torch.dtype | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer ``[kv_heads, tokens, head_dim]`` K and V in ``dtype``, in one pass over the blocks.
+
+    Joining, cropping and converting fused: each block slice is copied (and
+    converted) straight into its place in the layer tensors, where joining
+    first and converting after made two more passes over the whole cache.
+
+    Raises:
+        LayoutMismatchError: a block does not fit the layout, or a partial
+            block is not the last one.
+        CorruptDataError: the blocks hold fewer than ``tokens`` tokens.
+        PrecisionOverflowError: a narrowing conversion (e.g. fp32 to fp16)
+            meets a value the model's dtype cannot hold.
+    """
+    target = layout.torch_dtype if dtype is None else dtype
+    narrowing = _narrows(layout.torch_dtype, target)
+    shape = (layout.num_kv_heads, tokens, layout.head_dim)
+    keys = [torch.empty(shape, dtype=target) for _ in range(layout.num_layers)]
+    values = [torch.empty(shape, dtype=target) for _ in range(layout.num_layers)]
+    done = 0
+    for i, block in enumerate(blocks):
+        held = layout.check_block(block)
+        if held != layout.block_tokens and i != len(blocks) - 1:
+            raise LayoutMismatchError(
+                f"only the last block may be partial; block {i} of {len(blocks)} has {held} "
+                f"tokens, expected {layout.block_tokens}"
+            )
+        n = min(held, tokens - done)
+        if n <= 0:
+            break
+        part = block[:, :, :, :n]
+        if narrowing:
+            convert(part, target)  # refuses values the target cannot hold
+        for layer in range(layout.num_layers):
+            keys[layer][:, done : done + n].copy_(part[layer, 0])
+            values[layer][:, done : done + n].copy_(part[layer, 1])
+        done += n
+    if done < tokens:
+        raise CorruptDataError(f"expected blocks covering {tokens} tokens, got {done}")
+    return keys, values
+
+
+def _narrows(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether converting ``source`` to ``target`` can overflow (fp16 <-> bf16 both can)."""
+    if source == target or target == torch.float32:
+        return False
+    return True
 
 
 # -- decoding ---------------------------------------------------------------------------------
