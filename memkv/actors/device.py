@@ -222,6 +222,10 @@ class DeviceCache:
         """Who answers: the device id and this process's incarnation."""
         return {"device_id": self.device_id, "incarnation": self.incarnation}
 
+    def wait_prefaulted(self, timeout_s: float) -> bool:
+        """Block until the arenas' pages are populated (benchmarks wait for it)."""
+        return self.store.prefault_done.wait(timeout_s)
+
     # -- sessions ------------------------------------------------------------------
 
     def create_session(
@@ -414,6 +418,7 @@ class DeviceCache:
         hot = st["tiers"]["hot"]
         st["device_id"] = self.device_id
         st["incarnation"] = self.incarnation
+        st["prefault_done"] = self.store.prefault_done.is_set()
         st["leases"] = {
             "active": len(self.leases),
             "granted": self.leases.granted,

@@ -52,6 +52,9 @@ BENCH_CLUSTER_OVERRIDES: dict[str, Any] = {
     "archive": {"fsync": "never"},
 }
 
+#: How long a benchmark waits for a new device to populate its arenas.
+PREFAULT_WAIT_S = 120.0
+
 #: Request bodies the bench gateway accepts: a turn of an 8k-token session is 32 MiB.
 BENCH_MAX_BODY_BYTES = 256 * MIB
 
@@ -130,6 +133,10 @@ class BenchContext:
         overrides["archive"] = {**overrides["archive"], "directory": archive_dir}
         config = load_config(overrides=overrides)
         self.cluster = self._stack.enter_context(connect(config=config))
+        # Measure a device in its steady state: its arenas populate their pages
+        # in the background at start, which would compete with the first figures.
+        devices = ray.get(self.cluster.router.devices.remote()).values()
+        ray.get([d.wait_prefaulted.remote(PREFAULT_WAIT_S) for d in devices])
         return self.cluster
 
     def get_gateway_url(self) -> str:

@@ -311,15 +311,21 @@ class TieredStore:
         self._closed = False
         self._check = config.debug_refcounts
         self._recover_cold_index()
+        self.prefault_done = threading.Event()
         if config.prefault:
             # Off the caller's path: a fresh page costs a fault on first write.
             threading.Thread(
                 target=self._prefault, name="memkv-prefault", daemon=True
             ).start()
+        else:
+            self.prefault_done.set()
 
     def _prefault(self) -> None:
-        for tier in (self._hot, self._warm):
-            tier.arena.prefault()
+        try:
+            for tier in (self._hot, self._warm):
+                tier.arena.prefault()
+        finally:
+            self.prefault_done.set()
 
     # ------------------------------------------------------------------ lifecycle
 
