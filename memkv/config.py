@@ -177,6 +177,13 @@ class DeviceSettings(_Frozen):
         description="Populate the hot and warm arenas' pages in a background thread at "
         "start (their memory is committed then), so first writes pay no page faults.",
     )
+    same_node_reads: bool = Field(
+        default=False,
+        description="Serve read plans: processes on the device's node (the gateway, an "
+        "engine beside it) copy blocks straight out of its shared memory. Every process "
+        "that can map the segments can read every block in them, whatever its tenant: "
+        "turn it on where everything on the node is trusted.",
+    )
 
     @field_validator("device")
     @classmethod

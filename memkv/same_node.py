@@ -208,7 +208,8 @@ class SameNodeReader:
         try:
             dsts = [out[i] for i, _ in planned] if out is not None else [None] * len(planned)
             copies = self._copy_all(plan, [e for _, e in planned], dsts, verify)
-            valid = self._clock() < plan.expires_at - LEASE_MARGIN_S
+            # Nothing copied from shared memory (nothing planned): nothing to void.
+            valid = not planned or self._clock() < plan.expires_at - LEASE_MARGIN_S
         finally:
             self._release_async(plan)
         if not valid:
@@ -258,6 +259,8 @@ class SameNodeReader:
         return list(self._pool.map(one, range(len(entries))))
 
     def _release_async(self, plan: ReadPlan) -> None:
+        if not plan.lease_id:  # a plan of nothing (same-node reads are off)
+            return
         fn = self._device.release_lease
         if hasattr(fn, "remote"):
             fn.remote(plan.lease_id)  # its answer is not needed: see read()

@@ -64,6 +64,8 @@ def cluster(tmp_path_factory):
                 # round-trip exactly (the transformers tests compare generations).
                 "precision": {"later_dtype": "float32"},
                 "debug_refcounts": True,
+                # The gateway copies blocks straight out of the devices' shared memory.
+                "same_node_reads": True,
             },
             "archive": {"directory": str(archive_dir), "fsync": "never"},
             # Background prefetch (trigger 3) would promote suspended sessions behind

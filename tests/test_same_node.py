@@ -194,3 +194,21 @@ def test_import_memkv_client_loads_neither_torch_nor_ray():
     code = "import sys, memkv.client; print(sorted({'torch', 'ray'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_device_without_same_node_reads_plans_nothing_and_reads_go_in_cluster(tmp_path):
+    cfg = StoreConfig(
+        hot_capacity_bytes=UNIT,
+        warm_capacity_bytes=UNIT,
+        allocator=AllocatorConfig(min_unit_bytes=UNIT),
+        archive=ArchiveConfig(directory=tmp_path, fsync="never"),
+    )
+    dev = DeviceCache(f"no-plans-{os.getpid()}", cfg, same_node_reads=False)
+    try:
+        chain, blocks = put(dev, "s", 8)
+        plan = dev.read_plan(chain)
+        assert not plan.same_node and plan.entries == (None, None) and len(dev.leases) == 0
+        got = SameNodeReader(dev, node_id=dev.node_id).read(chain)
+        assert [g.array.tobytes() for g in got] == [b.numpy().tobytes() for b in blocks]
+    finally:
+        dev.close()

@@ -193,10 +193,24 @@ class DeviceCache:
     """
 
     def __init__(
-        self, device_id: str, store_config: StoreConfig | DeviceSettings, archive: Any = None
+        self,
+        device_id: str,
+        store_config: StoreConfig | DeviceSettings,
+        archive: Any = None,
+        *,
+        same_node_reads: bool | None = None,
     ) -> None:
         self.device_id = device_id
         self.incarnation = uuid.uuid4().hex
+        # Plain use (tests, one process) plans reads unless told otherwise; a
+        # deployment says so in its DeviceSettings (off unless turned on).
+        self.same_node_reads = (
+            same_node_reads
+            if same_node_reads is not None
+            else store_config.same_node_reads
+            if isinstance(store_config, DeviceSettings)
+            else True
+        )
         if isinstance(store_config, DeviceSettings):
             # Resolved here, in the actor: only it knows whether Ray gave it a GPU
             # (Ray narrows CUDA_VISIBLE_DEVICES, so its GPU is cuda:0).
@@ -213,9 +227,7 @@ class DeviceCache:
         _unlink_stale_segment(self.warm_segment)
         _unlink_stale_segment(f"{self.warm_segment}-hot")
         self.store = TieredStore(store_config, cold=cold, warm_name=self.warm_segment)
-        self.leases = LeaseTable(
-            lambda keys: self.store.unpin_blocks([BlockHash(k) for k in keys])
-        )
+        self.leases = LeaseTable(lambda keys: self.store.unpin_blocks([BlockHash(k) for k in keys]))
         self.node_id = _node_id()
 
     def ping(self) -> dict[str, str]:
@@ -313,9 +325,7 @@ class DeviceCache:
         """
         hashes = [BlockHash(bytes(k)) for k in keys]
         with self.store.pinned_reads(hashes, stream=stream) as fetched:
-            return ray.put(
-                [to_payload(f.key, f.block, f.tier.value, f.exact) for f in fetched]
-            )
+            return ray.put([to_payload(f.key, f.block, f.tier.value, f.exact) for f in fetched])
 
     def read_plan(
         self,
@@ -331,15 +341,31 @@ class DeviceCache:
         planned (read them with :meth:`get_blocks`). ``ahead`` (read-ahead) are
         planned after ``keys`` only where they are in memory already.
 
+        A deployment without ``same_node_reads`` answers a plan of no entries
+        (``same_node`` False).
+
         Raises:
             UnknownBlockError: a key is not stored here (nothing stays pinned).
             InvalidInputError: ``ttl_s`` is not in (0, MAX_LEASE_S].
         """
-        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not (
-            0 < ttl_s <= MAX_LEASE_S
+        if (
+            isinstance(ttl_s, bool)
+            or not isinstance(ttl_s, int | float)
+            or not (0 < ttl_s <= MAX_LEASE_S)
         ):
             raise InvalidInputError(f"ttl_s must be in (0, {MAX_LEASE_S}] seconds, got {ttl_s!r}")
         hashes = [BlockHash(bytes(k)) for k in keys]
+        if not self.same_node_reads:
+            # Off for this deployment: nothing is planned (readers go in-cluster).
+            return ReadPlan(
+                "",
+                self.device_id,
+                self.node_id,
+                self.incarnation,
+                0.0,
+                tuple(None for _ in keys),
+                same_node=False,
+            )
         planned = self.store.plan_reads(
             hashes, stream=stream, ahead=[BlockHash(bytes(k)) for k in ahead]
         )

@@ -187,6 +187,8 @@ class BlockFetcher:
         self.in_cluster_blocks = 0
         self.leases_lost = 0
         self._settling: set[asyncio.Future[None]] = set()
+        # Devices on other nodes, or that serve no plans: read through Ray.
+        self._in_cluster_only: set[str] = set()
 
     async def fetch(
         self,
@@ -256,7 +258,7 @@ class BlockFetcher:
         ahead: Sequence[bytes],
         offset: int,
     ) -> _Asked:
-        if self._maps is None:
+        if self._maps is None or device_id in self._in_cluster_only:
             ref = device.fetch_blocks.remote(list(batch), stream)
             return _Asked(device_id, batch, ref, False, 0.0)
         if self._plans is not None and all(
@@ -324,10 +326,12 @@ class BlockFetcher:
                 time.monotonic(),
             )
         plan: ReadPlan = await asked.ref
-        if plan.node_id != self._node_id or self._maps is None:
-            # The device is elsewhere: give the pins back, read in-cluster.
-            drained.append(plan)
-            self._maps = None
+        if plan.node_id != self._node_id or self._maps is None or not plan.same_node:
+            # The device is elsewhere, or does not serve plans: give any pins
+            # back and read this device in-cluster from now on.
+            if plan.lease_id:
+                drained.append(plan)
+            self._in_cluster_only.add(asked.device_id)
             for payload in await (await device.fetch_blocks.remote(list(batch), stream)):
                 self.in_cluster_blocks += 1
                 yield _from_payload(payload)

@@ -47,6 +47,8 @@ BENCH_CLUSTER_OVERRIDES: dict[str, Any] = {
         "hot_capacity_bytes": 2 * GIB,
         "warm_capacity_bytes": 1 * GIB,
         "allocator": {"min_unit_bytes": 1 * MIB},
+        # The suites measure the same-node path too (one trusted machine).
+        "same_node_reads": True,
     },
     # Benchmarks are not about durability: leave flushing to the OS.
     "archive": {"fsync": "never"},

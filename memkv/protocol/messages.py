@@ -56,6 +56,8 @@ class ReadPlan:
         expires_at: when it runs out, in the device's ``time.monotonic()``: the
             same clock as every process's on that node (Linux CLOCK_MONOTONIC),
             so a reader there can tell without asking whether it is still valid.
+        same_node: False when the deployment does not serve read plans
+            (``device.same_node_reads`` off): every entry is None.
         entries: one per key asked for, in order; None where a block could not
             be planned (not in a shared arena): read those in-cluster instead.
     """
@@ -67,6 +69,7 @@ class ReadPlan:
     ttl_s: float
     entries: tuple[PlanEntry | None, ...]
     expires_at: float = 0.0
+    same_node: bool = True
 
 
 @dataclass(frozen=True, slots=True)
