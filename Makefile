@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check memkv tests benchmarks
+	$(PY) -m ruff check memkv tests
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -43,10 +43,10 @@ bench: $(STAMP)
 	$(PY) -m memkv.cli bench all
 
 bench-eviction: $(STAMP)
-	$(PY) benchmarks/replay_trace.py $(TRACE)
+	$(PY) -m memkv.bench.trace_replay $(TRACE)
 
 bench-codecs: $(STAMP)
-	$(PY) benchmarks/bench_codecs.py
+	$(PY) -m memkv.bench.codec_measure
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

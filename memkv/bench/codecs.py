@@ -7,7 +7,7 @@ Two kinds of KV:
   directory): the table's ratio, error, speed and perplexity rise, with real
   statistics (outlier channels, token correlation, peaked distributions);
 * the reference model with random weights (near-Gaussian KV, larger blocks),
-  reusing ``benchmarks/bench_codecs.py``: the "ratio (random KV)" column, a floor.
+  reusing ``memkv/bench/codec_measure.py``: the "ratio (random KV)" column, a floor.
 
 Perplexity: held-out windows of 192 + 64 bytes; the 192-byte prefix's cache
 goes through each precision or codec (encode + decode of real memkv frames),
@@ -37,8 +37,9 @@ from memkv.bench.accuracy import (
     train_byte_llama,
     trained_kv_blocks,
 )
-from memkv.bench.context import BenchContext, load_benchmark_script
+from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track
+from memkv.protocol.checksum import CRC32_BACKEND
 from memkv.storage.codecs import get_codec
 from memkv.storage.layout import KVLayout
 
@@ -98,7 +99,7 @@ def _model_note(info: TrainedModel, ppl: PerplexityResult) -> str:
 
 def run(ctx: BenchContext) -> SuiteResult:
     """Every codec case and precision on the trained model's KV, plus ratios on random KV."""
-    bc = load_benchmark_script("bench_codecs")
+    from memkv.bench import codec_measure as bc
     tokens = QUICK_TOKENS if ctx.quick else TOKENS
     reps = QUICK_REPS if ctx.quick else REPS
     cases = [c for c in bc.CASES if not ctx.quick or c.label in QUICK_CASES]
@@ -143,7 +144,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         _model_note(info, reference),
         f"Speed and error: {len(trained_blocks)} blocks of {list(layout.block_shape())} fp16 "
         f"of the trained model's KV, best of {reps} per block; MB/s = 10^6 fp16 input bytes "
-        f"per second on one core; zlib.crc32 {crc:.2f} GB/s (checked on every decode).",
+        f"per second on one core; CRC32 ({CRC32_BACKEND}) {crc:.2f} GB/s (checked on every decode).",
         f"Ratio (random KV): {tokens} tokens of the reference Llama with random weights (seed "
         f"{bc.SEED}), {len(blocks)} blocks of {list(rlayout.block_shape())} fp16: "
         "near-Gaussian, so lossy ratios there are a floor.",

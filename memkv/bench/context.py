@@ -9,12 +9,9 @@ be initialised only once per process).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from memkv.errors import ConfigError
@@ -26,7 +23,6 @@ __all__ = [
     "BENCH_CLUSTER_OVERRIDES",
     "DEFAULT_OUT",
     "BenchContext",
-    "load_benchmark_script",
 ]
 
 DEFAULT_OUT = Path("benchmarks") / "results"
@@ -59,36 +55,6 @@ PREFAULT_WAIT_S = 120.0
 
 #: Request bodies the bench gateway accepts: a turn of an 8k-token session is 32 MiB.
 BENCH_MAX_BODY_BYTES = 256 * MIB
-
-# The repository's benchmarks/ folder (scripts this package reuses), next to memkv/.
-_SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def load_benchmark_script(name: str) -> ModuleType:
-    """Import ``benchmarks/<name>.py`` of the repository memkv runs from.
-
-    The trace replay and codec scripts predate this package; the suites reuse
-    their functions rather than copy them. They live in the source tree, not
-    in the installed package, so they are found next to it.
-
-    Raises:
-        ConfigError: the script is not there (an installed wheel, not a clone).
-    """
-    module_name = f"memkv_bench_script_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    path = _SCRIPTS_DIR / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None or not path.is_file():
-        raise ConfigError(
-            f"expected the benchmark script {path} (run `memkv bench` from a clone of the "
-            f"repository), but it is not there"
-        )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
 
 @dataclass(slots=True)
 class BenchContext:

@@ -2,7 +2,7 @@
 
 A Mooncake-format trace is replayed at 2, 5, 10 and 20% of its distinct
 blocks. memkv's own policies (LRU-K and plain LRU) go through
-``benchmarks/replay_trace.py``'s :func:`replay`; reference policies come from
+``memkv/bench/trace_replay.py``'s :func:`replay`; reference policies come from
 libcachesim, driven with the same **prefix semantics**: a request hits only
 its leading run of cached blocks (probed without touching the cache), then
 every block of the request is requested in chain order. Belady's offline
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memkv.bench.context import BenchContext, load_benchmark_script
+from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track
 from memkv.errors import InvalidInputError
 from memkv.storage.config import EvictionConfig
@@ -111,7 +111,7 @@ def synthetic_trace(sessions: int, seed: int = SYNTHETIC_SEED) -> list[Any]:
     """
     if sessions < 1:
         raise InvalidInputError(f"a synthetic trace needs >= 1 session, got {sessions}")
-    rt = load_benchmark_script("replay_trace")
+    from memkv.bench import trace_replay as rt
     rng = random.Random(seed)
     next_id = _SYN_PROMPTS * _SYN_PROMPT_BLOCKS
     events: list[tuple[float, tuple[int, ...]]] = []
@@ -178,7 +178,7 @@ def replay_libcachesim(
 
 
 def _load(ctx: BenchContext) -> tuple[list[Any], str]:
-    rt = load_benchmark_script("replay_trace")
+    from memkv.bench import trace_replay as rt
     path = ctx.trace
     if path is None and SHARED_TRACE.is_file():
         path = SHARED_TRACE
@@ -194,7 +194,7 @@ def _load(ctx: BenchContext) -> tuple[list[Any], str]:
 
 def run(ctx: BenchContext) -> SuiteResult:
     """Replay the trace at each capacity with every policy; the table is hit ratios."""
-    rt = load_benchmark_script("replay_trace")
+    from memkv.bench import trace_replay as rt
     requests, source = _load(ctx)
     distinct = rt.distinct_blocks(requests)
     total = sum(len(r.hash_ids) for r in requests)

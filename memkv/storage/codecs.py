@@ -652,7 +652,7 @@ _RL_LEN_TYPES: tuple[type[np.unsignedinteger[Any]], ...] = (np.uint8, np.uint16,
 _BLOCK_NDIM = 5
 _K, _V = 0, 1
 _TOKEN_AXIS_BLOCK = 3  # token axis of [L, 2, H, T, D]
-#: Defaults chosen by benchmarks/bench_codecs.py (see DeltaRLCodec).
+#: Defaults chosen by memkv/bench/codec_measure.py (see DeltaRLCodec).
 DEFAULT_TOKEN_DELTA = False
 DEFAULT_RUN_LENGTH = True
 DEFAULT_K_GROUPING: KGrouping = "channel"
@@ -986,7 +986,7 @@ class DeltaRLCodec(Codec):
        4-bit codes are packed two per byte first: zstd's Huffman stage then
        models pairs of codes, which measured smaller than one code per byte.
 
-    Defaults are what ``benchmarks/bench_codecs.py`` measured on the reference
+    Defaults are what ``memkv/bench/codec_measure.py`` measured on the reference
     model's KV (random weights, 8 x 1 MiB fp16 blocks, one core): 4-bit groups
     of 32 give 3.3x at 7% relative RMS error, decoding at ~1.6-1.8 GB/s; the
     zstd stage adds ~4%, token delta ~1% at half the decode speed (so it is

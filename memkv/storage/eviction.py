@@ -47,7 +47,7 @@ only when every leaf is pinned. A child that arrives before its parent is
 linked when the parent is inserted.
 
 Two refinements, each measured on the Mooncake trace by
-``benchmarks/replay_trace.py``:
+``memkv/bench/trace_replay.py``:
 
 * **Retained history ("ghost")**, as in the original LRU-K: the access times of
   recently evicted or removed keys are kept in a bounded FIFO and restored when

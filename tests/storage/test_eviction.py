@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.replay_trace import Request, distinct_blocks, replay
+from memkv.bench.trace_replay import Request, distinct_blocks, replay
 from memkv.errors import ConfigError, InvalidInputError
 from memkv.storage.config import EvictionConfig
 from memkv.storage.eviction import (

@@ -16,7 +16,7 @@ channels, token-to-token correlation or peaked distributions of a trained
 model's cache, so lossy ratios here are a floor and error figures are not
 perplexity. A later benchmark measures a trained model.
 
-Usage: ``python benchmarks/bench_codecs.py [--tokens 2048] [--json PATH] [--reps 3]``
+Usage: ``python -m memkv.bench.codec_measure [--tokens 2048] [--json PATH] [--reps 3]``
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import functools
 import json
 import platform
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 
 import torch
 
+from memkv.protocol.checksum import crc32
 from memkv.storage.codecs import Codec, get_codec, peek_header
 from memkv.storage.layout import KVLayout, split_kv
 from memkv.storage.precision import dequantize_int8, measure_error, quantize_int8
@@ -221,10 +221,10 @@ def run_int8(blocks: Sequence[torch.Tensor], reps: int) -> Row:
 
 
 def crc32_gb_s(blocks: Sequence[torch.Tensor], reps: int) -> float:
-    """zlib.crc32 throughput on the block bytes (its share of every decode)."""
+    """CRC32 throughput (memkv.protocol.checksum) on the block bytes (its share of every decode)."""
     data = [b.reshape(-1).view(torch.uint8).numpy() for b in blocks]
     raw = sum(d.nbytes for d in data)
-    return raw / best_total(lambda d: zlib.crc32(d.data), data, reps) / 1e9
+    return raw / best_total(lambda d: crc32(d.data), data, reps) / 1e9
 
 
 def print_table(rows: Sequence[Row]) -> None:

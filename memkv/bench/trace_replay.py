@@ -12,7 +12,7 @@ tiny sub-step per block so that times are strictly increasing.
 
 Usage::
 
-    python benchmarks/replay_trace.py ../shared/data/mooncake_conversation_trace.jsonl \\
+    python -m memkv.bench.trace_replay ../shared/data/mooncake_conversation_trace.jsonl \\
         [--capacities 0.02,0.05,0.10,0.20] [--k 3] [--policies lru_k_plain,...] \\
         [--json benchmarks/results/replay_trace.json]
 
