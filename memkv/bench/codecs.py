@@ -144,7 +144,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         _model_note(info, reference),
         f"Speed and error: {len(trained_blocks)} blocks of {list(layout.block_shape())} fp16 "
         f"of the trained model's KV, best of {reps} per block; MB/s = 10^6 fp16 input bytes "
-        f"per second on one core; CRC32 ({CRC32_BACKEND}) {crc:.2f} GB/s (checked on every decode).",
+        f"per second on one core; CRC32 ({CRC32_BACKEND}) {crc:.2f} GB/s (checked on every "
+        "decode).",
         f"Ratio (random KV): {tokens} tokens of the reference Llama with random weights (seed "
         f"{bc.SEED}), {len(blocks)} blocks of {list(rlayout.block_shape())} fp16: "
         "near-Gaussian, so lossy ratios there are a floor.",
