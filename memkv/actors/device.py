@@ -10,9 +10,8 @@ because every call crosses a process boundary.
 from __future__ import annotations
 
 import re
-import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 import ray
 import torch
 from ray.exceptions import RayActorError
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from memkv.actors.leases import LeaseTable
 from memkv.actors.payload import BlockPayload, from_payload, to_payload
@@ -74,35 +74,36 @@ class RemoteColdTier:
         self._codecs = codecs
         self._restart_timeout_s = restart_timeout_s
 
-    def _call(self, method: str, *args: Any) -> Any:
-        """Call the archive, waiting out a restart (it rebuilds its index from disk).
+    def _call(self, call: Callable[[Any], Any]) -> Any:
+        """``ray.get(call(archive handle))``, waiting out a restart (it rebuilds its index).
 
         Every archive call is idempotent (puts of content-addressed frames,
         reads, membership), so retrying one that may have run is safe.
         """
-        deadline = time.monotonic() + self._restart_timeout_s
-        while True:
-            try:
-                return ray.get(getattr(self._archive, method).remote(*args))
-            except RayActorError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(_ARCHIVE_RETRY_S)
+        for attempt in Retrying(
+            retry=retry_if_exception_type(RayActorError),
+            stop=stop_after_delay(self._restart_timeout_s),
+            wait=wait_fixed(_ARCHIVE_RETRY_S),
+            reraise=True,
+        ):
+            with attempt:
+                return ray.get(call(self._archive))
+        raise AssertionError("unreachable: Retrying reraises")  # pragma: no cover
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and bool(self._call("contains", [key])[0])
+        return isinstance(key, bytes) and bool(self._call(lambda a: a.contains.remote([key]))[0])
 
     def missing(self, keys: Sequence[bytes]) -> list[bytes]:
-        present = self._call("contains", list(keys))
+        present = self._call(lambda a: a.contains.remote(list(keys)))
         return [k for k, ok in zip(keys, present, strict=True) if not ok]
 
     def put(self, key: bytes, block: StoredBlock, *, fingerprint: bytes, codec: str) -> int:
         frame = encode_stored(self._codecs, codec, block)
-        self._call("put_frames", [(bytes(key), frame, fingerprint)])
+        self._call(lambda a: a.put_frames.remote([(bytes(key), frame, fingerprint)]))
         return len(frame)
 
     def load(self, key: bytes) -> torch.Tensor:
-        (frame,) = self._call("get_frames", [bytes(key)])
+        (frame,) = self._call(lambda a: a.get_frames.remote([bytes(key)]))
         return decode_frame(frame)
 
     def remove(self, key: bytes) -> None:
@@ -121,7 +122,7 @@ class RemoteColdTier:
         return iter(())
 
     def stats(self) -> ColdStats:
-        s = self._call("stats")
+        s = self._call(lambda a: a.stats.remote())
         return ColdStats(int(s["blocks"]), int(s["live_bytes"]), int(s["dead_bytes"]))
 
     def close(self) -> None:

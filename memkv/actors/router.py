@@ -464,13 +464,9 @@ class SessionRouter:
         result = await self._call(
             device_id,
             session_id,
-            "put_blocks",
-            session_id,
-            token_ids,
-            blocks,
-            start_block,
-            checksums,
-            chain_hint,
+            lambda d: d.put_blocks.remote(
+                session_id, token_ids, blocks, start_block, checksums, chain_hint
+            ),
         )
         garbage = self.state.record_put(session_id, result["chain"], len(token_ids), result["turn"])
         await self._collect(garbage)
@@ -523,16 +519,24 @@ class SessionRouter:
         """
         device_id, _ = await self.device_of(session_id)
         self.state.touch(session_id)
-        moved = int(await self._call(device_id, session_id, "prefetch_session_head", session_id))
+        moved = int(
+            await self._call(
+                device_id, session_id, lambda d: d.prefetch_session_head.remote(session_id)
+            )
+        )
         chain = self.state.get(session_id).chain
         if chain:
-            moved += int(await self._call(device_id, session_id, "prefetch_predicted", chain[-1]))
+            moved += int(
+                await self._call(
+                    device_id, session_id, lambda d: d.prefetch_predicted.remote(chain[-1])
+                )
+            )
         return moved
 
     async def resume(self, session_id: str) -> dict[str, Any]:
         """Answer at once with the chain and where each block is; prefetch runs behind."""
         device_id, device = await self.device_of(session_id)
-        handle = await self._call(device_id, session_id, "resume", session_id)
+        handle = await self._call(device_id, session_id, lambda d: d.resume.remote(session_id))
         self.state.record_state(session_id, "active", archived=False)
         self.state.touch(session_id)
         device.prefetch_session_head.remote(session_id)  # fire and forget
@@ -541,7 +545,9 @@ class SessionRouter:
 
     async def suspend(self, session_id: str, offline: bool = False) -> dict[str, Any]:
         device_id, _ = await self.device_of(session_id)
-        info = await self._call(device_id, session_id, "suspend", session_id, offline)
+        info = await self._call(
+            device_id, session_id, lambda d: d.suspend.remote(session_id, offline)
+        )
         self.state.record_state(session_id, info["state"], archived=True)
         return info
 
@@ -551,7 +557,9 @@ class SessionRouter:
             raise InvalidInputError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
         record.priority = priority
         if record.device_id is not None:
-            await self._call(record.device_id, session_id, "set_priority", session_id, priority)
+            await self._call(
+                record.device_id, session_id, lambda d: d.set_priority.remote(session_id, priority)
+            )
         return record.as_dict()
 
     async def delete_session(self, session_id: str) -> None:
@@ -559,8 +567,10 @@ class SessionRouter:
         if record is None:
             raise UnknownSessionError(f"no session {session_id!r}")
         if record.device_id is not None and record.state != "lost":
-            if await self._call(record.device_id, None, "has_session", session_id):
-                await self._call(record.device_id, None, "delete_session", session_id)
+            if await self._call(record.device_id, None, lambda d: d.has_session.remote(session_id)):
+                await self._call(
+                    record.device_id, None, lambda d: d.delete_session.remote(session_id)
+                )
         await self._collect(self.state.delete(session_id))
 
     async def stats(self) -> dict[str, Any]:
@@ -601,20 +611,23 @@ class SessionRouter:
         if garbage and self._archives:
             await asyncio.gather(*(a.delete.remote(garbage) for a in self._archives.values()))
 
-    async def _call(self, device_id: str, session_id: str | None, method: str, *args: Any) -> Any:
-        """Call a device method; if the device died meanwhile, recover it and call again.
+    async def _call(
+        self, device_id: str, session_id: str | None, call: Callable[[Any], Any]
+    ) -> Any:
+        """``call(device handle)`` (a method's ``.remote(...)``); after a restart, again.
 
-        After a recovery the session may have been marked lost; it is checked
-        again so the caller gets BlockLostError rather than an unknown session.
+        If the device died meanwhile it is recovered first. After a recovery the
+        session may have been marked lost; it is checked again so the caller gets
+        BlockLostError rather than an unknown session.
         """
         await self._check_incarnation(device_id)
         try:
-            return await getattr(self._devices[device_id], method).remote(*args)
+            return await call(self._devices[device_id])
         except RayActorError:
             await self._check_incarnation(device_id, force=True)
             if session_id is not None:
                 self.state.get(session_id)
-            return await getattr(self._devices[device_id], method).remote(*args)
+            return await call(self._devices[device_id])
 
     async def _check_incarnation(self, device_id: str, *, force: bool = False) -> None:
         """Recover the device's sessions if its process was restarted since we last looked.
