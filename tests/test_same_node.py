@@ -187,15 +187,6 @@ def test_a_restarted_device_segment_is_not_read(device, tmp_path):
         copy_entries(SegmentMaps(), gone, [gone.entries[0]])
 
 
-def test_import_memkv_client_loads_neither_torch_nor_ray():
-    import subprocess
-    import sys
-
-    code = "import sys, memkv.client; print(sorted({'torch', 'ray'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
-
-
 def test_a_device_without_same_node_reads_plans_nothing_and_reads_go_in_cluster(tmp_path):
     cfg = StoreConfig(
         hot_capacity_bytes=UNIT,

@@ -43,9 +43,6 @@ __all__ = [
 ]
 
 
-# Blocks a streaming read may run ahead of its consumer before it waits.
-READ_BACKPRESSURE_BLOCKS = 2
-
 #: How long a read plan's blocks stay pinned unless released earlier (seconds).
 DEFAULT_LEASE_S = 30.0
 MAX_LEASE_S = 600.0
@@ -385,22 +382,6 @@ class DeviceCache:
     def release_lease(self, lease_id: str) -> bool:
         """Unpin a plan's blocks. False if the lease had run out (discard what was copied)."""
         return self.leases.release(lease_id)
-
-    @ray.method(
-        num_returns="streaming", _generator_backpressure_num_objects=READ_BACKPRESSURE_BLOCKS
-    )
-    def read_session(
-        self, session_id: str, start: int = 0, end: int | None = None
-    ) -> Iterator[BlockPayload]:
-        """Yield a session's blocks in order (a Ray streaming generator).
-
-        Each block is an object of its own, so a reader holds the first before
-        the last is loaded. Back-pressure keeps the device a few blocks ahead of
-        its reader (the store's read-ahead prefetches a window beyond that), so
-        a resume promotes blocks as they are needed, not all at once.
-        """
-        for fetched in self.store.iter_session(session_id, start, end):
-            yield to_payload(fetched.key, fetched.block, fetched.tier.value, fetched.exact)
 
     def match_prefix(
         self, layout: dict[str, Any], namespace: str, token_ids: Sequence[int]

@@ -38,6 +38,7 @@ from memkv.errors import (
     UnknownSessionError,
 )
 from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.ids import check_session_id
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ReadRoute
 
@@ -146,8 +147,7 @@ class RouterState:
     def create(
         self, session_id: str, layout: dict[str, Any], namespace: str, priority: str
     ) -> SessionRecord:
-        if not isinstance(session_id, str) or not session_id:
-            raise InvalidInputError(f"session id must be a non-empty str, got {session_id!r}")
+        check_session_id(session_id)  # the one rule, checked once, here
         if session_id in self.sessions:
             raise ConflictError(f"session {session_id!r} already exists")
         if priority not in PRIORITIES:

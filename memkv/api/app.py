@@ -10,9 +10,11 @@ memkv's exception hierarchy (only this module maps exceptions to HTTP).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,7 @@ from memkv.errors import (
     NotFoundError,
 )
 from memkv.protocol.hashing import chain_hashes, token_array
+from memkv.protocol.ids import SESSION_ID_PATTERN
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.messages import ReadRoute
 from memkv.protocol.wire import (
@@ -93,7 +96,10 @@ class LayoutIn(_Model):
 
 
 class SessionCreate(_Model):
-    session_id: str = Field(min_length=1, max_length=256)
+    session_id: str = Field(
+        pattern=SESSION_ID_PATTERN,
+        description="1..256 characters of A-Z a-z 0-9 . _ : @ -, starting with a letter or digit",
+    )
     layout: LayoutIn
     namespace: str = Field(default="default", min_length=1, max_length=256)
     priority: str = "normal"
@@ -181,6 +187,9 @@ def create_app(
         read_ahead=READ_AHEAD_BLOCKS,
     )
 
+    # Outermost first: metrics see every request; block reads skip FastAPI's
+    # dependency machinery (their hot path), every other request goes on to it.
+    app.add_middleware(BlockReadFastPath)
     app.add_middleware(MetricsMiddleware, requests=requests, latency=latency)
 
     @app.exception_handler(MemkvError)
@@ -190,11 +199,7 @@ def create_app(
     @app.exception_handler(RayActorError)
     async def _actor_unavailable(request: Request, exc: RayActorError) -> JSONResponse:
         # An actor is restarting: the router recovers it; the client may retry.
-        return JSONResponse(
-            {"error": {"type": "ClosedError", "message": str(exc)[:500], "status": 503}},
-            status_code=503,
-            headers={"Retry-After": "1"},
-        )
+        return _unavailable(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -384,8 +389,15 @@ def create_app(
         the wire, so a resume promotes them from the warm or cold tier as the
         reader gets to them. Each header says where the block was found, whether
         its bytes are exact, and their CRC32 (the writer's own, for exact blocks).
+        Served by :class:`BlockReadFastPath` ahead of this route (same code, no
+        FastAPI dependency machinery); this route documents it and serves the
+        requests the fast path leaves (malformed query strings).
         """
+        return await session_blocks(session_id, start, end, turn)
 
+    async def session_blocks(
+        session_id: str, start: int, end: int | None, turn: int | None
+    ) -> BlockFramesResponse:
         async def opened(whole: ReadRoute) -> BlockFramesResponse:
             route = whole.sliced(start, end)
             response = BlockFramesResponse(
@@ -419,6 +431,8 @@ def create_app(
         whole = await router.read_route.remote(session_id, 0, None)
         routes.put(session_id, whole)
         return await opened(whole)
+
+    app.state.session_blocks = session_blocks
 
     @app.post(
         "/v1/blocks/read",
@@ -566,6 +580,61 @@ class _Touches:
 
 def _this_node() -> str | None:
     return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else None
+
+
+_BLOCKS_PATH = re.compile(r"^/v1/sessions/([^/]+)/blocks$")
+_BLOCKS_ROUTE = SimpleNamespace(path="/v1/sessions/{session_id}/blocks")
+_READ_PARAMS = frozenset({"start", "end", "turn"})
+
+
+class BlockReadFastPath:
+    """``GET /v1/sessions/{id}/blocks`` as plain ASGI, ahead of FastAPI's routing.
+
+    The route's work is a cache lookup and a response object; FastAPI's
+    dependency solving and validation around it cost as much again here. A
+    query string this parser does not take as it is (anything but the three
+    non-negative int parameters) goes on to the FastAPI route, which answers
+    it, errors included, exactly as documented.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "GET":
+            await self._app(scope, receive, send)
+            return
+        match = _BLOCKS_PATH.match(scope["path"])
+        params = _read_params(scope.get("query_string", b"")) if match else None
+        if match is None or params is None:
+            await self._app(scope, receive, send)
+            return
+        scope["route"] = _BLOCKS_ROUTE  # for the metrics' route label
+        try:
+            fastapi_app = scope["app"]
+            response = await fastapi_app.state.session_blocks(match.group(1), *params)
+        except (MemkvError, RayActorError) as e:
+            response = _error_response(e) if isinstance(e, MemkvError) else _unavailable(e)
+        await response(scope, receive, send)
+
+
+def _read_params(query: bytes) -> tuple[int, int | None, int | None] | None:
+    """``(start, end, turn)`` of a plain query string, or None to leave it to FastAPI."""
+    values: dict[str, int] = {}
+    for part in query.decode("latin-1").split("&") if query else ():
+        name, sep, raw = part.partition("=")
+        if not sep or name not in _READ_PARAMS or name in values or not raw.isdigit():
+            return None
+        values[name] = int(raw)
+    return values.get("start", 0), values.get("end"), values.get("turn")
+
+
+def _unavailable(exc: BaseException) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"type": "ClosedError", "message": str(exc)[:500], "status": 503}},
+        status_code=503,
+        headers={"Retry-After": "1"},
+    )
 
 
 class MetricsMiddleware:

@@ -119,18 +119,18 @@ def _first_token_s(model: Any, ids: list[int], cache: Any) -> float:
 def _timed_restore(
     fetch: Callable[[], list[torch.Tensor]], layout: Any, tokens: int, model: Any, ids: list[int]
 ) -> RestoreTiming:
-    """Fetch blocks, rebuild the cache step by step, prefill the new tokens; time each step."""
-    from memkv.integrations.transformers import kv_to_cache
-    from memkv.storage.layout import join_blocks
-    from memkv.storage.precision import convert
+    """Fetch blocks, rebuild the cache step by step, prefill the new tokens; time each step.
+
+    The steps are restore()'s own: decode is the one pass that joins, crops and
+    converts the blocks into per-layer tensors; copy is the DynamicCache build.
+    """
+    from memkv.integrations.transformers import kv_to_cache, layers_from_blocks
 
     model_dtype = next(model.parameters()).dtype
     t0 = time.perf_counter()
     blocks = fetch()
     t1 = time.perf_counter()
-    keys, values = join_blocks(layout, blocks)
-    keys = [convert(k[:, :tokens], model_dtype) for k in keys]
-    values = [convert(v[:, :tokens], model_dtype) for v in values]
+    keys, values = layers_from_blocks(layout, blocks, tokens, model_dtype)
     t2 = time.perf_counter()
     cache = kv_to_cache(keys, values, model.config)
     t3 = time.perf_counter()

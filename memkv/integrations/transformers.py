@@ -52,6 +52,7 @@ __all__ = [
     "cache_to_kv",
     "greedy_decode",
     "kv_to_cache",
+    "layers_from_blocks",
     "layout_for",
     "restore",
     "save_turn",
@@ -568,7 +569,7 @@ def _assemble(
     dtype: torch.dtype | None,
     device: torch.device | str | None,
 ) -> Restored:
-    keys, values = _layer_tensors(layout, [b.tensor for b in blocks], tokens, dtype)
+    keys, values = layers_from_blocks(layout, [b.tensor for b in blocks], tokens, dtype)
     cache = kv_to_cache(keys, values, config, device=device)
     return Restored(
         cache,
@@ -579,7 +580,7 @@ def _assemble(
     )
 
 
-def _layer_tensors(
+def layers_from_blocks(
     layout: KVLayout, blocks: Sequence[torch.Tensor], tokens: int, dtype: torch.dtype | None
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-layer ``[kv_heads, tokens, head_dim]`` K and V in ``dtype``, in one pass over the blocks.

@@ -54,7 +54,7 @@ def test_device_cache_round_trip_with_local_cold_tier(tmp_path):
     bl = blocks(40)
     chain_result = dev.put_blocks("s", list(range(40)), [to_payload(b"", b) for b in bl])
     assert chain_result["new_blocks"] == 10 and chain_result["turn"] == 1
-    read = [from_payload(p) for p in dev.read_session("s")]
+    read = [from_payload(p) for p in dev.get_blocks(chain_result["chain"], "s")]
     assert all(torch.equal(a, b) for a, b in zip(read, bl, strict=True))
     assert set(dev.locations(chain_result["chain"])) <= {"hot", "warm", "cold"}
     info = dev.suspend("s")

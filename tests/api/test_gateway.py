@@ -311,3 +311,13 @@ def test_a_gateway_without_same_node_reads_serves_in_cluster(cluster):
             stats = c.stats()["gateway"]
             assert stats["same_node_blocks"] == 0 and stats["in_cluster_blocks"] == 3
             c.delete_session(sid)
+
+
+@pytest.mark.parametrize("bad", ["../x", ".", "..", "a b", "x/y", "-lead", "é"])
+def test_session_ids_follow_one_rule_at_create(gateway, bad):
+    r = httpx.post(
+        f"{gateway.url}/v1/sessions",
+        json={"session_id": bad, "layout": LAYOUT.to_dict(), "namespace": "t-ids"},
+    )
+    assert r.status_code == 422
+    assert r.json()["error"]["type"] == "InvalidInputError"
