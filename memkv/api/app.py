@@ -13,7 +13,7 @@ import asyncio
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -146,6 +146,8 @@ def create_app(
     max_body_bytes: int = 1 << 30,
     same_node_reads: bool = True,
     plan_cache_bytes: int = 256 << 20,
+    put_object: Callable[[Any], Any] = ray.put,
+    node_id: str | None = None,
 ) -> FastAPI:
     """The gateway app for a router actor handle.
 
@@ -156,6 +158,9 @@ def create_app(
             from their shared-memory arenas (the gateway process maps them).
         plan_cache_bytes: blocks the gateway may keep pinned under read plans
             it holds between reads (0: release each plan after its read).
+        put_object: how a block is handed to the router (``ray.put``: one
+            object-store object per block; tests with fakes hand the payload).
+        node_id: this process's node, for same-node reads (default: Ray's).
     """
     app = FastAPI(
         title="memkv gateway",
@@ -180,7 +185,7 @@ def create_app(
     touches = _Touches(router, TOUCH_FLUSH_S)
     fetcher = BlockFetcher(
         SegmentMaps() if same_node_reads else None,
-        _this_node() if same_node_reads else None,
+        (node_id or _this_node()) if same_node_reads else None,
         PlanCache(ttl_s=PLAN_TTL_S, margin_s=PLAN_MARGIN_S, max_bytes=plan_cache_bytes)
         if same_node_reads and plan_cache_bytes > 0
         else None,
@@ -340,7 +345,7 @@ def create_app(
                 raise LayoutMismatchError(
                     f"block {i} is {dtype}, the session's layout is {layout.dtype}"
                 )
-            refs.append(ray.put(BlockPayload(key, dtype, array)))
+            refs.append(put_object(BlockPayload(key, dtype, array)))
             checksums.append(int(frame.header["crc32"]))
             payload_bytes.labels("in").inc(array.nbytes)
         try:

@@ -1,0 +1,50 @@
+"""In-process stand-ins for actor handles, so the gateway runs against plain classes (no Ray).
+
+``FakeHandle(obj).method.remote(*args)`` returns an awaitable of
+``obj.method(*args)`` (awaited too when the method is async), the way an
+actor handle's call does. The router is the real :class:`SessionRouter`
+over real :class:`DeviceCache` objects; only the process boundaries are gone.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+class _Method:
+    def __init__(self, fn: Any, *, nested: bool = False) -> None:
+        self._fn = fn
+        self._nested = nested
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        async def run() -> Any:
+            result = self._fn(*args, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+
+        if self._nested:
+            # An actor method that returns an object reference: awaiting the call
+            # gives the reference, awaiting that gives the value.
+            async def outer() -> Any:
+                return run()
+
+            return outer()
+        return run()
+
+
+class FakeHandle:
+    """A plain object behind an actor-handle-like face."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "fetch_blocks":  # returns ray.put(...) on a real device
+            return _Method(self._obj.get_blocks, nested=True)
+        return _Method(getattr(self._obj, name))
+
+
+class FakeDevice(FakeHandle):
+    """A DeviceCache behind a handle face (its ``ray.put``-returning method mapped)."""

@@ -1,0 +1,133 @@
+"""The gateway against the real router and device classes behind fake handles: no Ray.
+
+Every route is exercised through a real uvicorn on 127.0.0.1 with the real
+client; the data paths are the in-cluster one (payloads by value) and, with
+``same_node_reads``, the same-node one (this process maps the device's arenas).
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from memkv.actors.device import DeviceCache
+from memkv.actors.router import SessionRouter
+from memkv.api.app import create_app
+from memkv.client import Client
+from memkv.errors import ConflictError, InvalidInputError, UnknownSessionError
+from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
+from memkv.storage.layout import KVLayout, split_kv
+
+from .fakes import FakeHandle
+
+LAYOUT = KVLayout("fake-model", 2, 2, 8, block_tokens=4)
+UNIT = 4096
+
+
+class _Server:
+    """uvicorn serving an app in a thread (the GatewayServer's way, without a cluster)."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+
+        import uvicorn
+
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        config = uvicorn.Config(app, loop="asyncio", http="httptools", log_level="warning",
+                                lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._server.serve(sockets=[self._sock])), daemon=True
+        )
+        self._thread.start()
+        import time
+
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start")
+            time.sleep(0.01)
+
+    def stop(self):
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+@pytest.fixture(params=[False, True], ids=["in-cluster", "same-node"])
+def gateway(request, tmp_path):
+    cfg = StoreConfig(
+        hot_capacity_bytes=4 * UNIT,
+        warm_capacity_bytes=4 * UNIT,
+        allocator=AllocatorConfig(min_unit_bytes=UNIT),
+        archive=ArchiveConfig(directory=tmp_path / "cold", fsync="never"),
+        debug_refcounts=True,
+    )
+    device = DeviceCache(f"fake-dev-{request.node.name[-12:]}", cfg)
+    router = SessionRouter(background_prefetch_interval_s=3600)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(router.register_device("dev-0", FakeHandle(device)))
+    app = create_app(
+        FakeHandle(router),
+        max_body_bytes=1 << 20,
+        same_node_reads=request.param,
+        put_object=lambda payload: payload,
+        node_id=device.node_id,
+    )
+    server = _Server(app)
+    yield server, device
+    server.stop()
+    device.close()
+    loop.close()
+
+
+def kv(tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
+    keys = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
+    values = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
+    return keys, values
+
+
+def test_a_session_round_trips_through_the_gateway_without_ray(gateway):
+    server, device = gateway
+    with Client(server.url) as client:
+        client.create_session("s1", LAYOUT, namespace="t")
+        keys, values = kv(10)
+        r = client.append_turn("s1", list(range(10)), keys, values)
+        assert (r.turn, r.new_blocks) == (1, 3)
+        expected = split_kv(LAYOUT, keys, values)
+        got = list(client.read_blocks("s1"))
+        assert [g.array.tobytes() for g in got] == [e.numpy().tobytes() for e in expected]
+        out = [np.empty(e.numel() * 2, dtype=np.uint8) for e in expected]
+        again = list(client.read_blocks("s1", out=out))
+        assert [o.tobytes() for o in out] == [e.numpy().tobytes() for e in expected]
+        assert all(g.exact for g in again)
+        stats = client.stats()["gateway"]
+        assert stats["same_node_blocks"] + stats["in_cluster_blocks"] == 6
+        with pytest.raises(ConflictError):
+            client.append_turn("s1", list(range(10)), keys, values, turn=1 + 5)
+        with pytest.raises(InvalidInputError):
+            client.create_session("../x", LAYOUT)
+        client.delete_session("s1")
+        with pytest.raises(UnknownSessionError):
+            client.session("s1")
+
+
+def test_a_stale_view_of_a_recreated_session_never_stores_blocks_under_it(gateway):
+    server, _ = gateway
+    other = KVLayout("fake-model", 2, 2, 8, block_tokens=2)  # same id, other layout
+    with Client(server.url) as a, Client(server.url) as b:
+        a.create_session("s2", LAYOUT, namespace="t")
+        keys, values = kv(4)
+        a.append_turn("s2", list(range(4)), keys, values)
+        b.delete_session("s2")
+        b.create_session("s2", other, namespace="t")
+        # a's gateway view says LAYOUT; the router has the new layout: refused.
+        with pytest.raises((ConflictError, InvalidInputError)):
+            a.append_turn("s2", list(range(8)), *kv(8), turn=2)
+        assert a.session("s2").layout == other and a.session("s2").chain == []
