@@ -9,10 +9,8 @@ because every call crosses a process boundary.
 
 from __future__ import annotations
 
-import re
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import numpy as np
@@ -23,6 +21,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_f
 
 from memkv.actors.leases import LeaseTable
 from memkv.actors.payload import BlockPayload, from_payload, to_payload
+from memkv.actors.segments import SegmentOwnership, reclaim_orphans, warm_segment_name
 from memkv.config import DeviceSettings
 from memkv.errors import InvalidInputError
 from memkv.protocol.enums import Tier
@@ -126,21 +125,6 @@ class RemoteColdTier:
         return None
 
 
-def warm_segment_name(device_id: str) -> str:
-    """The shared-memory segment name of a device's warm pool (POSIX-safe)."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", device_id)[:200]
-    return f"memkv-warm-{safe}"
-
-
-def _unlink_stale_segment(name: str) -> None:
-    try:
-        stale = SharedMemory(name=name)
-    except FileNotFoundError:
-        return
-    stale.close()
-    stale.unlink()
-
-
 def _node_id() -> str:
     """This process's Ray node (readers compare it with theirs); "local" outside Ray."""
     if ray.is_initialized():
@@ -222,9 +206,15 @@ class DeviceCache:
         # A fixed segment name per device, so a restart after a crash (which
         # could not unlink it) reclaims the old warm pool instead of leaking it.
         self.warm_segment = warm_segment_name(device_id)
-        _unlink_stale_segment(self.warm_segment)
-        _unlink_stale_segment(f"{self.warm_segment}-hot")
-        self.store = TieredStore(store_config, cold=cold, warm_name=self.warm_segment)
+        # Segments of devices that died without unlinking them (their lock is
+        # free) hold populated memory: reclaim them, then take this one's name.
+        reclaim_orphans()
+        self._ownership = SegmentOwnership(self.warm_segment)
+        try:
+            self.store = TieredStore(store_config, cold=cold, warm_name=self.warm_segment)
+        except BaseException:
+            self._ownership.release()
+            raise
         self.leases = LeaseTable(lambda keys: self.store.unpin_blocks([BlockHash(k) for k in keys]))
         self.node_id = _node_id()
 
@@ -445,6 +435,7 @@ class DeviceCache:
 
     def close(self) -> None:
         self.store.close()
+        self._ownership.release()
 
 
 #: The actor. A few concurrent calls (the store has its own lock) let a prefetch

@@ -1,0 +1,60 @@
+"""Device segments: one live owner per name, orphans of dead devices reclaimed."""
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from memkv.actors.segments import SHM_DIR, SegmentOwnership, reclaim_orphans
+from memkv.errors import ConflictError
+from memkv.storage.arena import SharedHostArena
+
+UNIT = 4096
+
+
+def _exists(name):
+    return os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def test_a_name_has_one_live_owner():
+    base = f"memkv-warm-test-{uuid.uuid4().hex[:8]}"
+    owner = SegmentOwnership(base)
+    try:
+        with pytest.raises(ConflictError, match="unique"):
+            SegmentOwnership(base)
+        assert base not in reclaim_orphans()  # alive: left alone
+    finally:
+        owner.release()
+    SegmentOwnership(base).release()  # free again
+
+
+def test_segments_of_a_dead_device_are_reclaimed():
+    base = f"memkv-warm-test-{uuid.uuid4().hex[:8]}"
+    # A process takes the name, makes its segments and dies without cleaning up.
+    code = (
+        "import os\n"
+        "from memkv.actors.segments import SegmentOwnership\n"
+        "from memkv.storage.arena import SharedHostArena\n"
+        f"SegmentOwnership({base!r})\n"
+        f"a = SharedHostArena({UNIT}, {UNIT}, name={base!r})\n"
+        f"b = SharedHostArena({UNIT}, {UNIT}, name={base + '-hot'!r})\n"
+        "os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert _exists(base) and _exists(base + "-hot")
+    assert base in reclaim_orphans()
+    assert not _exists(base) and not _exists(base + "-hot") and not _exists(base + ".lock")
+
+
+def test_a_restarted_device_takes_its_own_name_over():
+    base = f"memkv-warm-test-{uuid.uuid4().hex[:8]}"
+    stale = SharedHostArena(UNIT, UNIT, name=base)
+    stale._unlinker.detach()  # as if its process had died without unlinking
+    del stale
+    owner = SegmentOwnership(base)  # unlinks the stale segment of this name
+    try:
+        assert not _exists(base)
+    finally:
+        owner.release()
