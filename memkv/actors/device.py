@@ -98,6 +98,12 @@ class RemoteColdTier:
         self._call(lambda a: a.put_frames.remote([(bytes(key), frame, fingerprint)]))
         return len(frame)
 
+    def put_many(self, items: Sequence[tuple[bytes, StoredBlock, bytes, str]]) -> list[int]:
+        """Encode every block here, then one archive call for them all."""
+        frames = [(bytes(k), encode_stored(self._codecs, c, b), fp) for k, b, fp, c in items]
+        self._call(lambda a: a.put_frames.remote(frames))
+        return [len(frame) for _, frame, _ in frames]
+
     def load(self, key: bytes) -> torch.Tensor:
         (frame,) = self._call(lambda a: a.get_frames.remote([bytes(key)]))
         return decode_frame(frame)

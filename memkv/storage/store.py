@@ -75,7 +75,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(slots=True)
 class _Block:
     """Per-block bookkeeping (one per distinct BlockHash)."""
@@ -314,9 +313,7 @@ class TieredStore:
         self.prefault_done = threading.Event()
         if config.prefault:
             # Off the caller's path: a fresh page costs a fault on first write.
-            threading.Thread(
-                target=self._prefault, name="memkv-prefault", daemon=True
-            ).start()
+            threading.Thread(target=self._prefault, name="memkv-prefault", daemon=True).start()
         else:
             self.prefault_done.set()
 
@@ -607,9 +604,7 @@ class TieredStore:
             old_chain = s.chain
             old_set = set(old_chain)
             active = s.state is SessionState.ACTIVE
-            created = self._admit_new_blocks(
-                s, chain, counts, blocks, start_block, now, checksums
-            )
+            created = self._admit_new_blocks(s, chain, counts, blocks, start_block, now, checksums)
             new = len(created)
             dedup = 0
             for i, key in enumerate(chain):
@@ -971,14 +966,20 @@ class TieredStore:
             if s.state is SessionState.ACTIVE:
                 for key in dict.fromkeys(s.chain):
                     self._blocks[key].active_refs -= 1
+            # One batched cold write for the whole session (one archive call, not
+            # one per block), then the memory copies no active session needs go.
+            pending = [
+                self._blocks[key] for key in dict.fromkeys(s.chain) if not self._blocks[key].in_cold
+            ]
+            self._ensure_cold_many(pending, offline=offline)
             for key in dict.fromkeys(s.chain):
                 entry = self._blocks[key]
-                if not entry.in_cold:
-                    self._ensure_cold(entry, self._load_stored(entry), offline=offline)
                 if entry.active_refs == 0 and entry.pins == 0 and entry.tier is not None:
                     self._tier(entry.tier).remove(key)
                     entry.tier = None
                     self._counters["demotions"] += 1
+                    # The cold copy is the one left: a lossy codec makes reads inexact.
+                    self._note_demoted(entry, lossy=not CODECS[entry.cold_codec or "none"].lossless)
             in_memory = any(self._blocks[k].tier is not None for k in s.chain)
             s.state = SessionState.SUSPENDED if in_memory else SessionState.ARCHIVED
             self._cold.put_manifest(session_id, self._manifest(s))
@@ -1312,18 +1313,40 @@ class TieredStore:
     def _ensure_cold(self, entry: _Block, stored: StoredBlock, offline: bool = False) -> None:
         if entry.in_cold:
             return
+        codec = self._cold_codec(entry, offline)
+        self._cold.put(entry.key, stored, fingerprint=entry.layout.fingerprint, codec=codec)
+        self._mark_cold(entry, stored, codec)
+
+    def _ensure_cold_many(self, entries: Sequence[_Block], *, offline: bool) -> None:
+        """Cold copies of ``entries`` in one batch of the cold backend."""
+        items = []
+        for entry in entries:
+            if entry.in_cold:
+                continue
+            items.append((entry, self._load_stored(entry), self._cold_codec(entry, offline)))
+        if not items:
+            return
+        self._cold.put_many(
+            [(e.key, stored, e.layout.fingerprint, codec) for e, stored, codec in items]
+        )
+        for entry, stored, codec in items:
+            self._mark_cold(entry, stored, codec)
+
+    def _cold_codec(self, entry: _Block, offline: bool) -> str:
         # Partial tails are rewritten every turn; the policy stores often
         # rewritten ones uncompressed (compression would be wasted on them).
-        codec = self._codec_policy.choose(
+        return self._codec_policy.choose(
             "cold",
             update_count=entry.rewrites,
             offline=offline and entry.refcount <= 1,
             turns_old=entry.rounds,
         )
+
+    @staticmethod
+    def _mark_cold(entry: _Block, stored: StoredBlock, codec: str) -> None:
+        entry.in_cold = True
         # An int8 block goes down as its codes and scales (the int8 codec), never
         # dequantised first: its cold frame is no larger than its warm copy.
-        self._cold.put(entry.key, stored, fingerprint=entry.layout.fingerprint, codec=codec)
-        entry.in_cold = True
         entry.cold_codec = "int8" if isinstance(stored, QuantizedBlock) else codec
 
     def _promote(self, entry: _Block, block: torch.Tensor, now: float, evict: bool = True) -> bool:

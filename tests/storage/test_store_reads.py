@@ -144,3 +144,31 @@ def test_int8_warm_block_goes_cold_as_int8(tmp_path):
     got = [s.get(k) for k in chain]
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     s.close()
+
+
+def test_offline_suspend_with_a_lossy_codec_reads_back_as_inexact(tmp_path):
+    from memkv.storage.config import CodecConfig
+
+    s = make_store(tmp_path, codecs=CodecConfig(cold_lossy_codec="delta_rl"))
+    s.create_session("s", LAYOUT)
+    s.put_kv("s", list(range(8)), *kv(8, LAYOUT))
+    chain = list(s.session("s").chain)
+    s.suspend("s", offline=True)
+    assert all(s.locate(k) is Tier.COLD for k in chain)
+    plans = s.plan_reads(chain)
+    assert plans and not any(p.exact for p in plans if p is not None)
+    s.unpin_blocks([p.key for p in plans if p is not None])
+    assert not s.fetch(chain[0]).exact
+    s.close()
+
+
+def test_suspend_writes_the_session_cold_in_one_batch(tmp_path):
+    s = make_store(tmp_path)
+    calls = []
+    real = s._cold.put_many
+    s._cold.put_many = lambda items: calls.append(len(items)) or real(items)
+    s.create_session("s", LAYOUT)
+    s.put_kv("s", list(range(16)), *kv(16, LAYOUT))
+    s.suspend("s")
+    assert calls == [4]
+    s.close()
