@@ -708,21 +708,8 @@ class TieredStore:
     def fetch(self, key: BlockHash, *, stream: str | None = None) -> FetchedBlock:
         """Like :meth:`get`, and also the tier the block was found in."""
         with self._lock:
-            self._ensure_open()
-            entry = self._blocks.get(key)
-            if entry is None:
-                self._counters["misses"] += 1
-                self.access_stats.record(key, None, self._clock())
-                raise UnknownBlockError(f"no block {key.hex()} in this store")
-            now = self._clock()
-            found = entry.tier if entry.tier is not None else Tier.COLD
-            self._hits[found] += 1
-            self.access_stats.record(key, found.value, now)
-            if entry.prefetched:
-                entry.prefetched = False
-                self._counters["prefetch_used"] += 1
+            entry, found, now = self._count_read(key)
             block = self._materialize(entry)
-            entry.last_access = now
             if found is Tier.HOT:
                 self._hot.access(key, now)
             elif entry.pins == 0 and self._promote(entry, block, now):
@@ -859,6 +846,22 @@ class TieredStore:
 
     def _access(self, key: BlockHash, stream: str | None) -> Tier:
         """Count a read of ``key`` and bring it to the hot tier where room can be made."""
+        entry, found, now = self._count_read(key)
+        if found is Tier.HOT:
+            self._hot.access(key, now)
+        elif entry.pins == 0:
+            block = self._materialize(entry)
+            if self._promote(entry, block, now):
+                self._note_materialized(entry, block)
+        self._prefetcher.observe(key, stream)
+        return found
+
+    def _count_read(self, key: BlockHash) -> tuple[_Block, Tier, float]:
+        """Account a read of ``key`` (hits, access statistics, prefetch use).
+
+        Raises:
+            UnknownBlockError: not stored (counted as a miss).
+        """
         self._ensure_open()
         entry = self._blocks.get(key)
         if entry is None:
@@ -873,14 +876,7 @@ class TieredStore:
             entry.prefetched = False
             self._counters["prefetch_used"] += 1
         entry.last_access = now
-        if found is Tier.HOT:
-            self._hot.access(key, now)
-        elif entry.pins == 0:
-            block = self._materialize(entry)
-            if self._promote(entry, block, now):
-                self._note_materialized(entry, block)
-        self._prefetcher.observe(key, stream)
-        return found
+        return entry, found, now
 
     def _note_demoted(self, entry: _Block, *, lossy: bool) -> None:
         """The copy that remains went through a lossy step: reads are no longer exact."""
