@@ -132,7 +132,7 @@ def _timed_restore(
     t1 = time.perf_counter()
     keys, values = layers_from_blocks(layout, blocks, tokens, model_dtype)
     t2 = time.perf_counter()
-    cache = kv_to_cache(keys, values, model.config)
+    cache = kv_to_cache(keys, values, model.config, adopt=True)
     t3 = time.perf_counter()
     if int(cache.get_seq_length()) != tokens:
         raise RuntimeError(f"restored {cache.get_seq_length()} tokens, expected {tokens}")

@@ -34,6 +34,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from memkv.errors import CorruptDataError, InvalidInputError, LayoutMismatchError
 from memkv.protocol.hashing import chain_hashes, token_array
@@ -286,8 +287,9 @@ def kv_to_cache(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    adopt: bool = False,
 ) -> DynamicCache:
-    """A ``DynamicCache`` holding per-layer K and V (a copy of them).
+    """A ``DynamicCache`` holding per-layer K and V (a copy of them, unless ``adopt``).
 
     Args:
         keys: one ``[kv_heads, tokens, head_dim]`` (or ``[1, ...]``) tensor per layer.
@@ -296,6 +298,8 @@ def kv_to_cache(
             its layer count must match.
         dtype: convert to this dtype (the model's), refusing values it cannot hold.
         device: move to this device (the model's).
+        adopt: the cache may keep the given tensors themselves (full-attention
+            layers; the caller hands them over and does not change them after).
 
     Returns:
         The cache, of batch size 1.
@@ -327,8 +331,28 @@ def kv_to_cache(
             k4, v4 = convert(k4, dtype), convert(v4, dtype)
         if device is not None:
             k4, v4 = k4.to(device), v4.to(device)
-        cache.update(k4, v4, i)
+        if not (adopt and _adopt_layer(cache, i, k4, v4)):
+            cache.update(k4, v4, i)
     return cache
+
+
+def _adopt_layer(cache: DynamicCache, i: int, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Make ``keys``/``values`` layer ``i``'s tensors without a copy, where that is safe.
+
+    Only a plain, empty full-attention layer qualifies (its ``update``
+    concatenates onto an empty tensor: a copy of the whole cache for nothing);
+    sliding-window and other layer kinds go through ``update``. False when
+    the layer is not adopted.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is None or i >= len(layers) or type(layers[i]) is not DynamicLayer:
+        return False
+    layer = layers[i]
+    if getattr(layer, "is_initialized", True):
+        return False
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    return True
 
 
 def _batched(t: torch.Tensor, what: str, layer: int) -> torch.Tensor:
@@ -570,7 +594,8 @@ def _assemble(
     device: torch.device | str | None,
 ) -> Restored:
     keys, values = layers_from_blocks(layout, [b.tensor for b in blocks], tokens, dtype)
-    cache = kv_to_cache(keys, values, config, device=device)
+    # The layer tensors are fresh (built for this cache): no second copy of them.
+    cache = kv_to_cache(keys, values, config, device=device, adopt=True)
     return Restored(
         cache,
         tokens,

@@ -394,3 +394,22 @@ def test_generation_restored_through_the_gateway_equals_full_recompute(gateway, 
         for sid in sessions:
             client.delete_session(sid)
     assert seen_tiers <= {"hot", "warm", "cold"}
+
+
+def test_kv_to_cache_adopts_fresh_tensors_only_when_asked(model):
+    from memkv.integrations.transformers import kv_to_cache
+
+    n = model.config.num_hidden_layers
+    keys = [torch.randn(2, 5, 8) for _ in range(n)]
+    values = [torch.randn(2, 5, 8) for _ in range(n)]
+    before = [k.clone() for k in keys]
+    copied = kv_to_cache(keys, values, model.config)
+    adopted = kv_to_cache(keys, values, model.config, adopt=True)
+    for i in range(n):
+        assert copied.layers[i].keys.data_ptr() != keys[i].data_ptr()
+        assert adopted.layers[i].keys.data_ptr() == keys[i].data_ptr()  # no copy
+        assert torch.equal(adopted.layers[i].values[0], values[i])
+    # A later step (a prefill) makes new tensors: what was handed over stays as it was.
+    adopted.update(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8), 0)
+    assert adopted.get_seq_length() == 8
+    assert all(torch.equal(k, b) for k, b in zip(keys, before, strict=True))
