@@ -27,10 +27,10 @@ from memkv.errors import InvalidInputError
 from memkv.protocol.enums import Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.messages import PlanEntry, ReadPlan
+from memkv.protocol.messages import ReadPlan
 from memkv.storage.codecs import decode_frame, encode_stored
 from memkv.storage.config import CodecConfig, StoreConfig
-from memkv.storage.store import PlannedBlock, SessionInfo, TieredStore
+from memkv.storage.store import SessionInfo, TieredStore
 from memkv.storage.tiers import ColdStats, StoredBlock
 
 __all__ = [
@@ -136,21 +136,6 @@ def _node_id() -> str:
     if ray.is_initialized():
         return str(ray.get_runtime_context().get_node_id())
     return "local"
-
-
-def _plan_entry(p: PlannedBlock) -> PlanEntry:
-    return PlanEntry(
-        key=bytes(p.key),
-        found=p.found.value,
-        segment=p.segment,
-        segment_bytes=p.segment_bytes,
-        offset=p.offset,
-        nbytes=p.nbytes,
-        shape=tuple(p.shape),
-        dtype=p.dtype,
-        crc32=p.crc32,
-        exact=p.exact,
-    )
 
 
 def session_dict(info: SessionInfo) -> dict[str, Any]:
@@ -371,7 +356,7 @@ class DeviceCache:
             node_id=self.node_id,
             incarnation=self.incarnation,
             ttl_s=float(ttl_s),
-            entries=tuple(_plan_entry(p) if p is not None else None for p in planned),
+            entries=tuple(planned),
             expires_at=lease.expires_at,
         )
 

@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import ray
@@ -180,7 +180,7 @@ def create_app(
     payload_bytes = Counter(
         "memkv_payload_bytes", "KV payload bytes", ["direction"], registry=registry
     )
-    sessions = _SessionCache(SESSION_CACHE_ENTRIES)
+    sessions: _LRU[tuple[KVLayout, str]] = _LRU(SESSION_CACHE_ENTRIES)
     routes = _RouteCache(SESSION_CACHE_ENTRIES)
     touches = _Touches(router, TOUCH_FLUSH_S)
     fetcher = BlockFetcher(
@@ -215,7 +215,7 @@ def create_app(
 
     async def _let_go_of(session_id: str) -> None:
         """Release the read plans this gateway holds on a session's blocks."""
-        route = routes.get(session_id, 0)
+        route = routes.get_at(session_id, 0)
         if route is not None:
             await fetcher.release_session(route)
 
@@ -424,7 +424,7 @@ def create_app(
             await response.prime()
             return response
 
-        cached = routes.get(session_id, turn)
+        cached = routes.get_at(session_id, turn)
         if cached is not None:
             try:
                 response = await opened(cached)
@@ -503,20 +503,23 @@ READ_AHEAD_BLOCKS = 8
 SESSION_CACHE_ENTRIES = 65536
 
 
-class _SessionCache:
-    """A bounded LRU of ``session_id -> (layout, namespace)``."""
+_V = TypeVar("_V")
+
+
+class _LRU(Generic[_V]):
+    """A bounded least-recently-used map of session id to ``_V``."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
-        self._entries: OrderedDict[str, tuple[KVLayout, str]] = OrderedDict()
+        self._entries: OrderedDict[str, _V] = OrderedDict()
 
-    def get(self, session_id: str) -> tuple[KVLayout, str] | None:
+    def get(self, session_id: str) -> _V | None:
         entry = self._entries.get(session_id)
         if entry is not None:
             self._entries.move_to_end(session_id)
         return entry
 
-    def put(self, session_id: str, entry: tuple[KVLayout, str]) -> None:
+    def put(self, session_id: str, entry: _V) -> None:
         self._entries[session_id] = entry
         self._entries.move_to_end(session_id)
         while len(self._entries) > self._capacity:
@@ -526,7 +529,7 @@ class _SessionCache:
         self._entries.pop(session_id, None)
 
 
-class _RouteCache:
+class _RouteCache(_LRU[ReadRoute]):
     """Whole-session read routes by session id, used for reads that name a turn they know.
 
     A read that says "I have seen turn N" is served from a route at turn N or
@@ -534,27 +537,11 @@ class _RouteCache:
     router's answer. Writes and deletes through this gateway drop the entry.
     """
 
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._entries: OrderedDict[str, ReadRoute] = OrderedDict()
-
-    def get(self, session_id: str, turn: int | None) -> ReadRoute | None:
+    def get_at(self, session_id: str, turn: int | None) -> ReadRoute | None:
         if turn is None:
             return None
-        route = self._entries.get(session_id)
-        if route is None or route.turn < turn:
-            return None
-        self._entries.move_to_end(session_id)
-        return route
-
-    def put(self, session_id: str, route: ReadRoute) -> None:
-        self._entries[session_id] = route
-        self._entries.move_to_end(session_id)
-        while len(self._entries) > self._capacity:
-            self._entries.popitem(last=False)
-
-    def drop(self, session_id: str) -> None:
-        self._entries.pop(session_id, None)
+        route = self.get(session_id)
+        return route if route is not None and route.turn >= turn else None
 
 
 #: Reads served from the gateway's own routes are told to the router (session
@@ -696,7 +683,8 @@ def _block_chunks(index: int, payload: BlockPayload) -> list[bytes | memoryview]
         dtype=payload.dtype,
         shape=tuple(payload.data.shape),
         data=data,
-        tier=payload.tier,
+        tier=payload.tier or "hot",
+        exact=payload.exact,
     )
     return [prefix, data]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,12 +153,6 @@ class PlanCache:
                 if k in self._by_key and self._by_key[k][0] is held:
                     del self._by_key[k]
 
-    def drop_all(self) -> list[_HeldLease]:
-        gone = [h for h in self._held.values() if not h.in_use]
-        for held in gone:
-            held.use_until = 0.0
-        return self.sweep()
-
 
 class BlockFetcher:
     """Fetches blocks from a device in pipelined batches.
@@ -287,10 +281,6 @@ class BlockFetcher:
                 # them; this counts how often it happens.
                 self.leases_lost += 1
 
-    async def settled(self) -> None:
-        """Wait until every lease handed back so far is released (shutdown)."""
-        await asyncio.gather(*list(self._settling))
-
     async def _drain(
         self,
         device: Any,
@@ -378,12 +368,6 @@ class BlockFetcher:
         gone = self._plans.drop_keys(route.device_id, route.keys)
         await asyncio.gather(*(h.device.release_lease.remote(h.plan.lease_id) for h in gone))
 
-    def close(self) -> list[Any]:
-        """Release every plan held (shutdown)."""
-        if self._plans is None:
-            return []
-        return [h.device.release_lease.remote(h.plan.lease_id) for h in self._plans.drop_all()]
-
 
 @dataclass(frozen=True, slots=True)
 class _Asked:
@@ -399,10 +383,6 @@ def _entry_bytes(segment: np.ndarray, entry: PlanEntry) -> FetchedBytes:
         raise CorruptDataError(f"block {entry.key.hex()} lies outside its segment")
     data = segment[entry.offset : entry.offset + entry.nbytes].data
     return FetchedBytes(entry.key, data, entry.found, entry.exact, entry.crc32)
-
-
-async def _nothing() -> None:
-    return None
 
 
 async def _release_later(device: Any, plan_ref: Any) -> bool:
@@ -436,7 +416,6 @@ class BlockFramesResponse(Response):
         first_index: int,
         blocks: AsyncIterator[FetchedBytes],
         on_block: Callable[[int], None] = lambda n: None,
-        after: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._templates = [
             BlockFrameTemplate(
@@ -451,7 +430,6 @@ class BlockFramesResponse(Response):
         self._end = end_frame(len(keys))
         self._blocks = blocks
         self._on_block = on_block
-        self._after = after or _nothing
         self._first: FetchedBytes | None = None
         # Response's own fields (FastAPI merges dependency headers into them);
         # the body is ours to write in __call__.
@@ -494,4 +472,3 @@ class BlockFramesResponse(Response):
             await send({"type": "http.response.body", "body": self._end, "more_body": False})
         finally:
             await self._blocks.aclose()  # type: ignore[attr-defined]
-            await self._after()

@@ -93,24 +93,6 @@ def encode_frame(
     )
 
 
-def block_frame_prefix(
-    *, index: int, key: bytes, dtype: str, shape: tuple[int, ...], data: memoryview, **extra: Any
-) -> bytes:
-    """The prefix (magic, length, header) of a block frame whose payload is ``data``."""
-    header = {
-        "kind": "block",
-        "index": index,
-        "key": bytes(key),
-        "dtype": dtype,
-        "shape": list(shape),
-        "nbytes": data.nbytes,
-        "crc32": crc32(data),
-        **extra,
-    }
-    packed = msgpack.packb(header, use_bin_type=True)
-    return _PREFIX.pack(MAGIC, len(packed)) + packed
-
-
 #: Tiers travel as small ints in block headers, so every header of a response
 #: has a size known before its block is fetched (and the response a Content-Length).
 TIER_CODES: dict[str, int] = {"hot": 0, "warm": 1, "cold": 2}
@@ -156,6 +138,23 @@ class BlockFrameTemplate:
         self.prefix[_EXACT_AT] = 0xC3 if exact else 0xC2
         self.prefix[-_CRC_BYTES:] = crc.to_bytes(_CRC_BYTES, "big")
         return self.prefix
+
+
+def block_frame_prefix(
+    *,
+    index: int,
+    key: bytes,
+    dtype: str,
+    shape: tuple[int, ...],
+    data: memoryview,
+    tier: str = "hot",
+    exact: bool = True,
+) -> bytes:
+    """The prefix (magic, length, header) of a block frame whose payload is ``data``."""
+    template = BlockFrameTemplate(
+        index=index, key=key, dtype=dtype, shape=tuple(shape), nbytes=data.nbytes
+    )
+    return bytes(template.fill(tier=tier, exact=exact, crc=crc32(data)))
 
 
 def end_frame(count: int) -> bytes:

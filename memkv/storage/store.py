@@ -51,6 +51,7 @@ from memkv.protocol.checksum import crc32
 from memkv.protocol.enums import PRIORITY_RANK, Priority, SessionState, Tier
 from memkv.protocol.hashing import BlockHash, chain_hashes, token_array
 from memkv.protocol.ids import check_session_id
+from memkv.protocol.messages import PlanEntry
 from memkv.storage.arena import DeviceArena, SharedHostArena
 from memkv.storage.codecs import CODECS, CodecPolicy
 from memkv.storage.config import StoreConfig
@@ -62,7 +63,6 @@ from memkv.storage.tiers import ColdBackend, ColdTier, MemoryTier, StoredBlock
 
 __all__ = [
     "BlockLocation",
-    "PlannedBlock",
     "FetchedBlock",
     "PrefixMatch",
     "PutResult",
@@ -160,27 +160,6 @@ class FetchedBlock(NamedTuple):
     block: torch.Tensor
     tier: Tier
     exact: bool = True  # False: the copy read went through a lossy step
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedBlock:
-    """Where a pinned block's bytes sit in a shared-memory arena (the same-node path).
-
-    A reader maps ``segment`` and copies ``nbytes`` from ``offset``; the bytes
-    are the block in ``dtype`` and ``shape``, with CRC32 ``crc32``. They stay
-    put until the pins are released (:meth:`TieredStore.unpin_blocks`).
-    """
-
-    key: BlockHash
-    found: Tier  # where the block was when asked for (it is in memory now)
-    segment: str
-    segment_bytes: int  # the segment's size, to map it
-    offset: int
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    crc32: int
-    exact: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -789,7 +768,7 @@ class TieredStore:
         *,
         stream: str | None = None,
         ahead: Sequence[BlockHash] = (),
-    ) -> list[PlannedBlock | None]:
+    ) -> list[PlanEntry | None]:
         """Pin blocks where a reader can map them, and say where (the same-node path).
 
         Each block is promoted to the hot tier as :meth:`fetch` would; a block
@@ -807,7 +786,7 @@ class TieredStore:
         Raises:
             UnknownBlockError: a key is not stored.
         """
-        planned: list[PlannedBlock | None] = []
+        planned: list[PlanEntry | None] = []
         pinned: list[_Block] = []
         with self._lock:
             try:
@@ -889,7 +868,7 @@ class TieredStore:
         if not entry.exact:
             entry.crc32 = None
 
-    def _plan(self, entry: _Block, found: Tier) -> PlannedBlock | None:
+    def _plan(self, entry: _Block, found: Tier) -> PlanEntry | None:
         if entry.tier is None:
             return None
         tier = self._tier(entry.tier)
@@ -906,9 +885,9 @@ class TieredStore:
             if isinstance(stored, QuantizedBlock):
                 return None
             entry.crc32 = _crc32(stored)
-        return PlannedBlock(
-            entry.key,
-            found,
+        return PlanEntry(
+            bytes(entry.key),
+            found,  # a Tier, which is a str
             str(segment),
             tier.capacity_bytes,
             offset,
