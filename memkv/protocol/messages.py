@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PlanEntry", "ReadPlan", "ReadRoute"]
+from memkv.protocol.enums import Priority
+from memkv.protocol.layout import KVLayout
+
+__all__ = ["ChainUpdate", "PlanEntry", "ReadPlan", "ReadRoute"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +101,40 @@ class ReadRoute:
         """The part of a whole-session route (first_index 0) from ``start`` to ``end``."""
         keys, tokens = self.keys[start:end], self.tokens[start:end]
         return ReadRoute(self.device_id, self.device, start, keys, tokens, self.layout, self.turn)
+
+
+@dataclass(frozen=True, slots=True)
+class ChainUpdate:
+    """What one append changes in a device's block store.
+
+    The session's owner (the router, or a single-process store's session
+    table) computes it from the session's old and new chains; the device
+    applies it to its blocks without knowing about sessions, the way vLLM's
+    scheduler drives its block pool.
+
+    Attributes:
+        layout: the session's layout (the blocks' shape and dtype).
+        chain: the session's whole chain after the append.
+        tokens: tokens of each block of ``chain`` (the last may be partial).
+        start_block: index in ``chain`` of the first block sent with the update;
+            blocks before it must be stored already.
+        priority: the session's class (a shared block takes its holders' highest).
+        was_active: the session was active before the append (an append
+            activates a suspended session: its blocks count as in use again).
+        hold: keys of ``chain`` the session did not hold before (one reference more each).
+        drop: keys it held before and no longer does (one reference less each).
+        kept: keys it held before and still holds (one more round of use: precision).
+        tail_rewrites: how often the session's partial last block has been
+            replaced (the codec policy stores often rewritten tails uncompressed).
+    """
+
+    layout: KVLayout
+    chain: tuple[bytes, ...]
+    tokens: tuple[int, ...]
+    start_block: int
+    priority: Priority
+    was_active: bool
+    hold: tuple[bytes, ...]
+    drop: tuple[bytes, ...]
+    kept: tuple[bytes, ...]
+    tail_rewrites: int = 0

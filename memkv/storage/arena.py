@@ -98,8 +98,10 @@ def _populate_write(address: int, nbytes: int) -> bool:
         return False
     first = address - address % _PAGE
     length = address + nbytes - first
-    return int(libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length),
-                            _MADV_POPULATE_WRITE)) == 0
+    return (
+        int(libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_POPULATE_WRITE))
+        == 0
+    )
 
 
 _LIBC: list[Any] = []

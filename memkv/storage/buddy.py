@@ -147,11 +147,7 @@ class BuddyAllocator:
     def __init__(self, capacity_bytes: int, min_unit_bytes: int) -> None:
         if not _is_int(min_unit_bytes) or not _is_power_of_two(min_unit_bytes):
             raise ConfigError(f"min_unit_bytes must be a power of two, got {min_unit_bytes!r}")
-        if (
-            not _is_int(capacity_bytes)
-            or capacity_bytes <= 0
-            or capacity_bytes % min_unit_bytes
-        ):
+        if not _is_int(capacity_bytes) or capacity_bytes <= 0 or capacity_bytes % min_unit_bytes:
             raise ConfigError(
                 f"capacity_bytes must be a positive multiple of min_unit_bytes "
                 f"({min_unit_bytes}), got {capacity_bytes!r}"

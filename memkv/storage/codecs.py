@@ -220,8 +220,18 @@ def _parse_header(mv: memoryview) -> FrameHeader:
         raise CorruptDataError(
             f"truncated frame: {len(mv)} bytes, the fixed header alone needs {FIXED_HEADER_SIZE}"
         )
-    (magic, version, codec_id, dtype_code, ndim, var_len, payload_len, raw_len, payload_crc,
-     header_crc) = _FIXED.unpack_from(mv)
+    (
+        magic,
+        version,
+        codec_id,
+        dtype_code,
+        ndim,
+        var_len,
+        payload_len,
+        raw_len,
+        payload_crc,
+        header_crc,
+    ) = _FIXED.unpack_from(mv)
     if magic != MAGIC:
         raise CorruptDataError(f"bad frame magic {bytes(magic)!r}, expected {MAGIC!r}")
     if var_len > _MAX_VAR_HEADER:
@@ -349,8 +359,9 @@ def _shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
     n = words.size
     out = np.empty(raw.size, dtype=np.uint8)
     for plane in range(itemsize):  # one vectorised pass per byte plane
-        np.right_shift(words, plane * _BITS_PER_BYTE, out=out[plane * n : (plane + 1) * n],
-                       casting="unsafe")
+        np.right_shift(
+            words, plane * _BITS_PER_BYTE, out=out[plane * n : (plane + 1) * n], casting="unsafe"
+        )
     return out
 
 
@@ -647,8 +658,12 @@ _WIDE_ABSMAX = 2.0**120
 # output dtype's range.
 _CLAMP_MARGIN = 2.0**-5
 # Run-length lengths are stored in the narrowest unsigned type that fits.
-_RL_LEN_TYPES: tuple[type[np.unsignedinteger[Any]], ...] = (np.uint8, np.uint16, np.uint32,
-                                                            np.uint64)
+_RL_LEN_TYPES: tuple[type[np.unsignedinteger[Any]], ...] = (
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+)
 _BLOCK_NDIM = 5
 _K, _V = 0, 1
 _TOKEN_AXIS_BLOCK = 3  # token axis of [L, 2, H, T, D]
@@ -913,8 +928,11 @@ class _Group4Scheme(_Scheme):
         shape: tuple[int, ...], dtype: torch.dtype, group: int, k_grouping: KGrouping
     ) -> _Geometry:
         layers, _, heads, tokens, dim = shape
-        k_shape = (layers, heads, dim, tokens) if k_grouping == "channel" else (
-            layers, heads, tokens, dim)
+        k_shape = (
+            (layers, heads, dim, tokens)
+            if k_grouping == "channel"
+            else (layers, heads, tokens, dim)
+        )
         v_shape = (layers, heads, tokens, dim)
         tables = [(_group_count(math.prod(s), group), 1) for s in (k_shape, v_shape)]
         return _Geometry(
@@ -1144,8 +1162,10 @@ class DeltaRLCodec(Codec):
         else:
             raise CorruptDataError(f"payload is {len(payload)} bytes, sections sum to {stored_len}")
         offsets = np.cumsum([0, *sizes]).tolist()
-        parts = [np.frombuffer(data[a:b], dtype=np.uint8) for a, b in zip(offsets, offsets[1:],
-                                                                            strict=False)]
+        parts = [
+            np.frombuffer(data[a:b], dtype=np.uint8)
+            for a, b in zip(offsets, offsets[1:], strict=False)
+        ]
         n_codes = sum(math.prod(s) for s in geo.stream_shapes)
         flat = cls._codes(parts, p, bits, n_codes, len(geo.table_shapes))
         streams = []
@@ -1173,8 +1193,9 @@ class DeltaRLCodec(Codec):
         nibbles = bits == _Group4Scheme.bits
         expected_sections = n_tables + (2 if rl else 1)
         if len(parts) != expected_sections:
-            raise CorruptDataError(f"delta_rl frame has {len(parts)} sections, expected "
-                                   f"{expected_sections}")
+            raise CorruptDataError(
+                f"delta_rl frame has {len(parts)} sections, expected {expected_sections}"
+            )
         if not rl:
             if nibbles:
                 return _unpack_nibbles(parts[0], n_codes)
@@ -1184,8 +1205,10 @@ class DeltaRLCodec(Codec):
         runs = _param(p, "runs", int)
         len_type = {np.dtype(t).itemsize: t for t in _RL_LEN_TYPES}.get(rl)
         if len_type is None or parts[1].size != runs * rl:
-            raise CorruptDataError(f"bad run-length section: {parts[1].size} bytes for {runs} "
-                                   f"runs of {rl}-byte lengths")
+            raise CorruptDataError(
+                f"bad run-length section: {parts[1].size} bytes for {runs} "
+                f"runs of {rl}-byte lengths"
+            )
         values = _unpack_nibbles(parts[0], runs) if nibbles else parts[0]
         lengths = parts[1].view(len_type)
         if values.size != runs or int(lengths.sum(dtype=np.uint64)) != n_codes:
@@ -1196,9 +1219,7 @@ class DeltaRLCodec(Codec):
 def _table(raw: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     itemsize = _itemsize(dtype)
     if raw.size != math.prod(shape) * itemsize:
-        raise CorruptDataError(
-            f"table of {raw.size} bytes does not fit shape {shape} of {dtype}"
-        )
+        raise CorruptDataError(f"table of {raw.size} bytes does not fit shape {shape} of {dtype}")
     if raw.size == 0:  # torch cannot reinterpret an empty byte tensor
         return torch.empty(shape, dtype=dtype)
     # copy(): a writable array owned by the tensor (raw may view a read-only frame).
@@ -1253,8 +1274,12 @@ class Int8Codec(Codec):
             # Keep the raw codes where zstd does not pay for itself.
             if len(squeezed) < codes.nbytes:
                 packed, compressed = squeezed, True
-        params = {"z": compressed, "n": int(codes.size), "ks": list(q.k_scale.shape),
-                  "vs": list(q.v_scale.shape)}
+        params = {
+            "z": compressed,
+            "n": int(codes.size),
+            "ks": list(q.k_scale.shape),
+            "vs": list(q.v_scale.shape),
+        }
         return params, [np.asarray(scales[0]), np.asarray(scales[1]), packed]
 
     @classmethod

@@ -264,9 +264,7 @@ class AccessStats:
         for new, key in enumerate(self._last, start=1):
             self._last[key] = new
         live = len(self._last)
-        self._tree = _Fenwick(
-            max(_MIN_TREE_SIZE, _TREE_GROWTH * live), list(range(1, live + 1))
-        )
+        self._tree = _Fenwick(max(_MIN_TREE_SIZE, _TREE_GROWTH * live), list(range(1, live + 1)))
         self._next_pos = live + 1
 
     def _count_window(self, outcome: str, now: float) -> None:
@@ -346,9 +344,7 @@ class Leak:
     held_by: tuple[str, ...]  # sessions whose chain holds the block
 
 
-def find_leaks(
-    blocks: dict[Any, tuple[int, int]], chains: dict[str, list[Any]]
-) -> list[Leak]:
+def find_leaks(blocks: dict[Any, tuple[int, int]], chains: dict[str, list[Any]]) -> list[Leak]:
     """Blocks that are still referenced or pinned, with the sessions that hold them.
 
     After every session is deleted and every reader is done this must be empty;

@@ -82,9 +82,7 @@ def _check_float_tensor(t: object, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in DTYPES.values():
-        raise InvalidInputError(
-            f"{what} must have a dtype in {sorted(DTYPES)}, got {t.dtype}"
-        )
+        raise InvalidInputError(f"{what} must have a dtype in {sorted(DTYPES)}, got {t.dtype}")
     return t
 
 
@@ -140,8 +138,7 @@ def convert(t: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
     # one scalar conversion decides it (65504 < |x| < 65520 rounds to 65504 in fp16).
     if t.numel() and not math.isfinite(float(torch.tensor(amax, dtype=torch.float64).to(target))):
         raise PrecisionOverflowError(
-            f"max |x| = {amax:.6g} overflows {target} (finite range "
-            f"±{torch.finfo(target).max:.6g})"
+            f"max |x| = {amax:.6g} overflows {target} (finite range ±{torch.finfo(target).max:.6g})"
         )
     return t.to(target)
 
@@ -339,9 +336,7 @@ _ITEMSIZE: dict[StoredPrecision, int] = {
 
 def _check_non_negative(name: str, value: float, kind: type) -> None:
     if isinstance(value, bool) or not isinstance(value, kind) or value < 0:
-        raise InvalidInputError(
-            f"{name} must be a non-negative {kind.__name__}, got {value!r}"
-        )
+        raise InvalidInputError(f"{name} must be a non-negative {kind.__name__}, got {value!r}")
     if isinstance(value, float) and math.isnan(value):
         raise InvalidInputError(f"{name} must be a non-negative number, got NaN")
 
@@ -380,8 +375,10 @@ class PrecisionPolicy:
     @staticmethod
     def _resolve_later(config: PrecisionConfig, model: StoredPrecision) -> StoredPrecision:
         if config.later_dtype == "auto":
-            return model if model is StoredPrecision.BFLOAT16 else min(
-                model, StoredPrecision.FLOAT16, key=lambda p: _ITEMSIZE[p]
+            return (
+                model
+                if model is StoredPrecision.BFLOAT16
+                else min(model, StoredPrecision.FLOAT16, key=lambda p: _ITEMSIZE[p])
             )
         later = StoredPrecision(config.later_dtype)
         return model if _ITEMSIZE[later] > _ITEMSIZE[model] else later

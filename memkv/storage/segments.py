@@ -507,9 +507,7 @@ class SegmentStore:
         self._config = config
         self._dir = Path(config.directory)
         self._sync_every = _SYNC_EVERY[FsyncPolicy(config.fsync)](config)
-        self._verify_on_open = (
-            config.verify_on_open if verify_on_open is None else verify_on_open
-        )
+        self._verify_on_open = config.verify_on_open if verify_on_open is None else verify_on_open
         self._lock = threading.Lock()
         self._segments: dict[int, _Segment] = {}
         self._active: _Segment | None = None
@@ -606,9 +604,7 @@ class SegmentStore:
                 file_size = pos
                 break
             end = file_size if nxt is None else nxt
-            log.warning(
-                "%s: skipping %d damaged bytes at offset %d", seg.path.name, end - pos, pos
-            )
+            log.warning("%s: skipping %d damaged bytes at offset %d", seg.path.name, end - pos, pos)
             seg.dead_bytes += end - pos
             seg.corrupt_records += 1
             pos = end
@@ -990,11 +986,7 @@ class SegmentStore:
         """Rewrite one group into a new segment; returns (copied, dropped, corrupt)."""
         numbers = {s.number for s in group}
         records = sorted(
-            (
-                (self._index.get(key) or self._tombs[key], key)
-                for seg in group
-                for key in seg.keys
-            ),
+            ((self._index.get(key) or self._tombs[key], key) for seg in group for key in seg.keys),
             key=lambda pair: (pair[0].segment, pair[0].offset),
         )
         number = self._next_segment

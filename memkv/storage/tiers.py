@@ -43,7 +43,6 @@ __all__ = [
 ]
 
 
-
 #: A block as a memory tier holds it: raw in a float dtype, or int8 with scales.
 StoredBlock = torch.Tensor | QuantizedBlock
 

@@ -118,11 +118,11 @@ def _idle_int8_store(tmp_path, clock):
 def test_lossy_blocks_are_reported_inexact_with_a_checksum_of_what_is_served(tmp_path):
     s, layout = _idle_int8_store(tmp_path, FakeClock())
     chain = list(s.session("s").chain)
-    assert {s._warm.stored_dtype(k) for k in chain} == {torch.int8}
+    assert {s.pool._warm.stored_dtype(k) for k in chain} == {torch.int8}
     plans = s.plan_reads(chain)
     for plan in plans:
         assert plan is not None and plan.found is Tier.WARM and not plan.exact
-        block = s._hot.load(plan.key)
+        block = s.pool._hot.load(plan.key)
         assert plan.crc32 == zlib.crc32(_bytes_of(block))
     s.unpin_blocks(chain)
     s.close()
@@ -131,11 +131,11 @@ def test_lossy_blocks_are_reported_inexact_with_a_checksum_of_what_is_served(tmp
 def test_int8_warm_block_goes_cold_as_int8(tmp_path):
     s, layout = _idle_int8_store(tmp_path, FakeClock())
     chain = list(s.session("s").chain)
-    warm = {k: s._warm.load(k).nbytes for k in chain}
-    expected = [dequantize_int8(s._warm.load(k), torch.float32) for k in chain]
+    warm = {k: s.pool._warm.load(k).nbytes for k in chain}
+    expected = [dequantize_int8(s.pool._warm.load(k), torch.float32) for k in chain]
     s.suspend("s")
     for key in chain:
-        frame = s._cold.segments.get(key)
+        frame = s.pool._cold.segments.get(key)
         header = peek_header(frame)
         assert header.codec == "int8"
         # No larger than the warm copy (codes + scales) plus the frame header.
@@ -165,8 +165,8 @@ def test_offline_suspend_with_a_lossy_codec_reads_back_as_inexact(tmp_path):
 def test_suspend_writes_the_session_cold_in_one_batch(tmp_path):
     s = make_store(tmp_path)
     calls = []
-    real = s._cold.put_many
-    s._cold.put_many = lambda items: calls.append(len(items)) or real(items)
+    real = s.pool._cold.put_many
+    s.pool._cold.put_many = lambda items: calls.append(len(items)) or real(items)
     s.create_session("s", LAYOUT)
     s.put_kv("s", list(range(16)), *kv(16, LAYOUT))
     s.suspend("s")

@@ -1,0 +1,1113 @@
+"""BlockPool: one device's KV blocks across hot, warm and cold tiers.
+
+The block store under every DeviceCacheActor, in the manner of vLLM's block
+pool: it knows blocks, not sessions. Its owner (the router, or a
+single-process :class:`~memkv.storage.store.TieredStore`) tells it which
+blocks are held and by how many sessions, which of those are active, and at
+what priority; the pool keeps where each block lives, pins of blocks being
+read, and the movement between tiers:
+
+* :meth:`BlockPool.put` applies a :class:`~memkv.protocol.messages.ChainUpdate`:
+  new blocks go to the hot tier, blocks already stored anywhere are
+  deduplicated by their :data:`~memkv.protocol.hashing.BlockHash`, and the
+  references the update takes and drops are counted.
+* Under pressure the hot tier demotes its victim to the warm tier (converted by
+  the precision policy: fp16, or int8 for long-idle unshared blocks), and the
+  warm tier writes its victim to the cold tier before freeing it: a block
+  leaves memory only once a copy is safe on disk.
+* ``fetch`` promotes a block back to the hot tier (hot and warm hold exclusive
+  copies; the cold copy, once written, stays until the block dies).
+* :meth:`BlockPool.deactivate` writes blocks to the cold tier and frees the
+  memory copies no active holder needs (a session suspended);
+  :meth:`BlockPool.activate` counts them in use again.
+* A block no holder references and no reader pins is freed from every tier.
+
+All public methods are thread-safe (one re-entrant lock, :attr:`BlockPool.lock`,
+which the owner may take around several calls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, cast
+
+import torch
+
+from memkv.errors import (
+    BlockLostError,
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    InvalidInputError,
+    LayoutMismatchError,
+    PrecisionOverflowError,
+    UnknownBlockError,
+)
+from memkv.protocol.checksum import crc32
+from memkv.protocol.enums import PRIORITY_RANK, Priority, Tier
+from memkv.protocol.hashing import BlockHash
+from memkv.protocol.messages import ChainUpdate, PlanEntry
+from memkv.storage.arena import DeviceArena, SharedHostArena
+from memkv.storage.codecs import CODECS, CodecPolicy
+from memkv.storage.config import StoreConfig
+from memkv.storage.diagnostics import AccessStats, check_refcounts
+from memkv.storage.layout import KVLayout
+from memkv.storage.precision import PrecisionPolicy, QuantizedBlock, convert, quantize_int8
+from memkv.storage.prefetch import MarkovPrefetcher
+from memkv.storage.tiers import ColdBackend, ColdTier, MemoryTier, StoredBlock
+
+__all__ = [
+    "BlockLocation",
+    "BlockPool",
+    "FetchedBlock",
+    "PoolStats",
+    "PutOutcome",
+    "TierStats",
+]
+
+
+@dataclass(slots=True)
+class _Block:
+    """Per-block bookkeeping (one per distinct BlockHash)."""
+
+    key: BlockHash
+    parent: BlockHash | None
+    layout: KVLayout
+    tokens: int
+    priority: Priority
+    last_access: float
+    refcount: int = 0  # sessions whose chain holds the block
+    active_refs: int = 0  # of those, sessions that are active
+    pins: int = 0  # readers holding a zero-copy view
+    tier: Tier | None = None  # memory tier of the copy; None = cold only
+    in_cold: bool = False
+    cold_codec: str | None = None
+    rounds: int = 0  # turns (puts) that included the block after the one that created it
+    prefetched: bool = False  # brought to hot by prefetch and not read since
+    # For a partial tail: how often its session's tail had been rewritten when
+    # it was written (partial tails are replaced every turn; see _ensure_cold).
+    rewrites: int = 0
+    # CRC32 of the block's bytes in the model dtype: the writer's own checksum
+    # while the block is exact; None until computed (or after a lossy step).
+    crc32: int | None = None
+    # False once the only copies left went through a lossy step (int8, fp16 of
+    # an fp32 block, a lossy cold codec): reads then say so.
+    exact: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PutOutcome:
+    """What applying one :class:`~memkv.protocol.messages.ChainUpdate` did."""
+
+    new_blocks: int
+    deduplicated_blocks: int
+    released_blocks: int  # references dropped (e.g. a replaced partial tail)
+
+
+class FetchedBlock(NamedTuple):
+    """A block read from the store, and where it was found."""
+
+    key: BlockHash
+    block: torch.Tensor
+    tier: Tier
+    exact: bool = True  # False: the copy read went through a lossy step
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLocation:
+    key: BlockHash
+    tier: Tier
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    tier: Tier
+    capacity_bytes: int | None
+    used_bytes: int
+    blocks: int
+    hits: int
+    evictions: int
+    fragmentation: float
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    tiers: dict[Tier, TierStats]
+    blocks: int
+    unique_bytes: int  # each distinct block once, in the model dtype
+    dedup_hits: int
+    dedup_bytes_saved: int
+    misses: int  # gets of keys in no tier
+    promotions: int
+    demotions: int
+    prefetched: int
+    prefetch_used: int
+    precision_fallbacks: int  # demotions that kept the model dtype (value out of fp16 range)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            k: getattr(self, k) for k in self.__dataclass_fields__ if k != "tiers"
+        }
+        out["tiers"] = {
+            t.value: {k: getattr(s, k) for k in s.__dataclass_fields__ if k != "tier"}
+            for t, s in self.tiers.items()
+        }
+        return out
+
+
+class BlockPool:
+    """Hot → warm → cold block store: dedup, pins, demotion; no sessions.
+
+    Args:
+        config: capacities and component settings.
+        cold: the cold tier, when it is not the pool's own segment files
+            (``config.archive``): a cluster's archive actor.
+        warm_name: name of the warm pool's shared-memory segment (another
+            process on the node maps it by that name); None picks a unique one.
+        clock: seconds, monotonic (injectable for tests of idle-time policies).
+
+    Example:
+        >>> pool = BlockPool(config)                          # doctest: +SKIP
+        >>> update = table.plan_append("s1", len(tokens), chain)
+        >>> pool.put(update, blocks)
+        >>> block = pool.get(chain[0])
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        cold: ColdBackend | None = None,
+        warm_name: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if cold is None:
+            if config.archive is None:
+                raise ConfigError("a BlockPool needs config.archive or a cold backend")
+            archive = config.archive
+        self.config = config
+        self._clock = clock
+        self._lock = threading.RLock()
+        unit = config.allocator.min_unit_bytes
+        hot_bytes = _whole_units(config.hot_capacity_bytes, unit, "hot")
+        # A CPU "device" keeps its hot tier in shared memory too, so that a
+        # reader on the node (the same-node path) can copy straight out of it.
+        hot_arena: DeviceArena | SharedHostArena = (
+            SharedHostArena(hot_bytes, unit, name=hot_segment_name(warm_name))
+            if config.device == "cpu"
+            else DeviceArena(hot_bytes, unit, device=config.device)
+        )
+        self._hot = MemoryTier(Tier.HOT, hot_arena, config.eviction)
+        pin_warm = config.device.startswith("cuda")
+        try:
+            warm_arena = SharedHostArena(
+                _whole_units(config.warm_capacity_bytes, unit, "warm"),
+                unit,
+                name=warm_name,
+                pin=pin_warm,
+            )
+            self._warm = MemoryTier(Tier.WARM, warm_arena, config.eviction)
+            self._cold: ColdBackend = (
+                cold
+                if cold is not None
+                else ColdTier(archive, config.codecs, config.cold_capacity_bytes)
+            )
+        except BaseException:
+            self._hot.close()
+            with contextlib.suppress(NameError):
+                warm_arena.close()
+            raise
+        self._precision: dict[str, PrecisionPolicy] = {}
+        self._codec_policy = CodecPolicy(config.codecs)
+        self._prefetcher: MarkovPrefetcher[BlockHash] = MarkovPrefetcher(config.prefetch)
+        self.access_stats = AccessStats()
+        self._blocks: dict[BlockHash, _Block] = {}
+        self._hits: Counter[Tier] = Counter()
+        self._counters: Counter[str] = Counter()
+        self._closed = False
+        self._check = config.debug_refcounts
+        self.prefault_done = threading.Event()
+        if config.prefault:
+            # Off the caller's path: a fresh page costs a fault on first write.
+            threading.Thread(target=self._prefault, name="memkv-prefault", daemon=True).start()
+        else:
+            self.prefault_done.set()
+
+    def _prefault(self) -> None:
+        try:
+            for tier in (self._hot, self._warm):
+                tier.arena.prefault()
+        finally:
+            self.prefault_done.set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Flush the cold tier and release the arenas. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._cold.close()
+            self._warm.close()
+            self._hot.close()
+
+    def __enter__(self) -> BlockPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The pool's lock: an owner takes it to make several calls one step."""
+        return self._lock
+
+    @property
+    def cold(self) -> ColdBackend:
+        """The cold tier (a single-process owner keeps its manifests there)."""
+        return self._cold
+
+    # ------------------------------------------------------------------ ownership
+
+    def put(
+        self,
+        update: ChainUpdate,
+        blocks: Sequence[torch.Tensor],
+        *,
+        checksums: Sequence[int] | None = None,
+    ) -> PutOutcome:
+        """Apply one append: store its new blocks and count the references it moves.
+
+        Args:
+            update: what the append changes (from the session's owner).
+            blocks: KV of ``update.chain[update.start_block:]``; those already
+                stored are deduplicated, not written again.
+            checksums: the writer's CRC32 of each block's bytes (verified by the
+                caller), kept and served with the block; computed on first read
+                when absent.
+
+        Raises:
+            LayoutMismatchError: a block's shape/dtype disagrees with the layout
+                or with the token count of its position.
+            InvalidInputError: a wrong number of blocks or checksums, or a block
+                before ``start_block`` that is not stored. Nothing is changed.
+            CapacityError: no tier can take a new block (nothing is changed).
+        """
+        with self._lock:
+            self.ensure_open()
+            layout, counts, start = update.layout, update.tokens, update.start_block
+            if len(blocks) != len(counts) - start:
+                raise InvalidInputError(
+                    f"{sum(counts)} tokens make {len(counts)} blocks; from block {start} "
+                    f"expected {len(counts) - start} blocks, got {len(blocks)}"
+                )
+            if checksums is not None and len(checksums) != len(blocks):
+                raise InvalidInputError(
+                    f"{len(blocks)} blocks came with {len(checksums)} checksums"
+                )
+            for i, block in enumerate(blocks, start=start):
+                n = layout.check_block(block)
+                if n != counts[i]:
+                    raise LayoutMismatchError(f"block {i} must hold {counts[i]} tokens, got {n}")
+            chain = [BlockHash(k) for k in update.chain]
+            for i in range(start):
+                if chain[i] not in self._blocks:
+                    raise InvalidInputError(
+                        f"block {i} was not sent and is not stored; send blocks from index {i}"
+                    )
+            # Validation is over: from here on the pool changes.
+            now = self._clock()
+            created = self._admit_new_blocks(update, chain, blocks, now, checksums)
+            held = set(update.hold)
+            dedup = 0
+            for key in dict.fromkeys(chain[start:]):
+                if key in held and key not in created:
+                    dedup += 1
+                    self._counters["dedup_bytes_saved"] += layout.block_nbytes(
+                        self._blocks[key].tokens
+                    )
+            for key in update.hold:
+                self._hold(self._blocks[BlockHash(key)], update.priority, update.was_active, now)
+            for key in update.kept:
+                self._blocks[BlockHash(key)].rounds += 1
+            for key in update.drop:
+                self._release(BlockHash(key), active=update.was_active)
+            if counts and counts[-1] < layout.block_tokens:
+                tail = self._blocks[chain[-1]]
+                tail.rewrites = max(tail.rewrites, update.tail_rewrites)
+            if not update.was_active:
+                self._activate(chain)
+            self._counters["dedup_hits"] += dedup
+            self._debug_check()
+            return PutOutcome(len(created), dedup, len(update.drop))
+
+    def adopt(
+        self,
+        layout: KVLayout,
+        chain: Sequence[bytes],
+        tokens: Sequence[int],
+        priority: Priority,
+    ) -> None:
+        """Hold, for an inactive holder, a chain whose blocks are all in the cold tier.
+
+        Used when an owner registers an archived session again: after a
+        restart (from its manifest), or when the router moves a dead device's
+        archived sessions to a live one.
+
+        Raises:
+            BlockLostError: some block is in no tier (nothing is held).
+        """
+        with self._lock:
+            self.ensure_open()
+            keys = [BlockHash(bytes(k)) for k in chain]
+            missing = self._cold.missing([k for k in keys if k not in self._blocks])
+            if missing:
+                raise BlockLostError(
+                    f"{len(missing)} of {len(keys)} blocks are in no tier "
+                    f"(first missing {bytes(missing[0]).hex()})"
+                )
+            now = self._clock()
+            seen: set[BlockHash] = set()
+            for i, key in enumerate(keys):
+                if key in seen:
+                    continue
+                seen.add(key)
+                entry = self._blocks.get(key)
+                if entry is None:
+                    entry = _Block(
+                        key,
+                        keys[i - 1] if i else None,
+                        layout,
+                        tokens[i],
+                        priority,
+                        last_access=now,
+                        in_cold=True,
+                    )
+                    self._blocks[key] = entry
+                self._hold(entry, priority, False, now)
+            self._debug_check()
+
+    def release(self, keys: Sequence[bytes], *, active: bool) -> int:
+        """Drop one reference to each key (a holder went); blocks left unheld are freed.
+
+        Returns how many blocks were freed (unpinned ones at once, pinned ones
+        when their last reader lets go).
+        """
+        with self._lock:
+            self.ensure_open()
+            before = len(self._blocks)
+            for key in dict.fromkeys(BlockHash(bytes(k)) for k in keys):
+                self._release(key, active=active)
+            self._debug_check()
+            return before - len(self._blocks)
+
+    def deactivate(
+        self, keys: Sequence[bytes], *, offline: bool = False, was_active: bool = True
+    ) -> bool:
+        """An active holder of ``keys`` went idle (a session suspended).
+
+        Writes the blocks to the cold tier in one batch (one archive call, not
+        one per block), then frees the memory copies no active holder needs.
+
+        Args:
+            offline: the user went away for long: unshared blocks may use the
+                lossy cold codec (Delta+RL).
+            was_active: False for a holder that was idle already (suspended
+                again): no active reference is dropped, the memory copies
+                brought back meanwhile (prefetch) go again.
+
+        Returns:
+            Whether some of the blocks are still in memory (held by an active
+            holder, or pinned by a reader).
+        """
+        with self._lock:
+            self.ensure_open()
+            unique = list(dict.fromkeys(BlockHash(bytes(k)) for k in keys))
+            if was_active:
+                for key in unique:
+                    self._blocks[key].active_refs -= 1
+            self._ensure_cold_many(
+                [self._blocks[k] for k in unique if not self._blocks[k].in_cold], offline=offline
+            )
+            for key in unique:
+                entry = self._blocks[key]
+                if entry.active_refs == 0 and entry.pins == 0 and entry.tier is not None:
+                    self._tier(entry.tier).remove(key)
+                    entry.tier = None
+                    self._counters["demotions"] += 1
+                    # The cold copy is the one left: a lossy codec makes reads inexact.
+                    self._note_demoted(entry, lossy=not CODECS[entry.cold_codec or "none"].lossless)
+            self._debug_check()
+            return any(self._blocks[k].tier is not None for k in unique)
+
+    def activate(self, keys: Sequence[bytes]) -> None:
+        """An idle holder of ``keys`` is active again (a session resumed)."""
+        with self._lock:
+            self.ensure_open()
+            self._activate([BlockHash(bytes(k)) for k in keys])
+
+    def set_priority(self, keys: Sequence[bytes], priority: Priority) -> None:
+        """Move blocks to ``priority``'s eviction queue (a session changed its class)."""
+        with self._lock:
+            now = self._clock()
+            for key in dict.fromkeys(BlockHash(bytes(k)) for k in keys):
+                self._raise_priority(self._blocks[key], priority, now, force=True)
+
+    def stored_prefix(self, keys: Sequence[BlockHash]) -> tuple[int, list[BlockHash]]:
+        """Tokens and keys of the leading run of ``keys`` that is stored."""
+        with self._lock:
+            matched: list[BlockHash] = []
+            tokens = 0
+            for key in keys:
+                entry = self._blocks.get(key)
+                if entry is None:
+                    break
+                matched.append(key)
+                tokens += entry.tokens
+            return tokens, matched
+
+    def tokens_of(self, key: BlockHash) -> int:
+        """Tokens of a stored block.
+
+        Raises:
+            UnknownBlockError: not stored.
+        """
+        with self._lock:
+            entry = self._blocks.get(key)
+            if entry is None:
+                raise UnknownBlockError(f"no block {key.hex()} in this store")
+            return entry.tokens
+
+    def cold_orphans(self) -> list[bytes]:
+        """Keys in the cold tier that no block entry knows (left by a crash)."""
+        with self._lock:
+            return [k for k in self._cold.block_keys() if BlockHash(k) not in self._blocks]
+
+    # ------------------------------------------------------------------ writes
+
+    def _admit_new_blocks(
+        self,
+        update: ChainUpdate,
+        chain: list[BlockHash],
+        blocks: Sequence[torch.Tensor],
+        now: float,
+        checksums: Sequence[int] | None = None,
+    ) -> set[BlockHash]:
+        """Store the blocks of ``chain`` not stored yet; all or nothing."""
+        created: list[BlockHash] = []
+        start_block = update.start_block
+        try:
+            for i in range(start_block, len(chain)):
+                key = chain[i]
+                if key in self._blocks:
+                    continue
+                entry = _Block(
+                    key=key,
+                    parent=chain[i - 1] if i else None,
+                    layout=update.layout,
+                    tokens=update.tokens[i],
+                    priority=update.priority,
+                    last_access=now,
+                    crc32=None if checksums is None else checksums[i - start_block],
+                )
+                self._blocks[key] = entry
+                created.append(key)
+                self._admit(entry, blocks[i - start_block], now)
+        except BaseException:
+            # e.g. CapacityError from a full cold tier: undo this put's new blocks
+            # so nothing half-stored stays behind (older blocks were not touched).
+            for key in reversed(created):
+                entry = self._blocks[key]
+                if entry.tier is not None or entry.in_cold:
+                    self._free(entry)
+                else:
+                    del self._blocks[key]
+            raise
+        return set(created)
+
+    # ------------------------------------------------------------------ reads
+
+    def contains(self, key: BlockHash) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def locate(self, key: BlockHash) -> Tier | None:
+        """Fastest tier holding ``key``, or None when it is not stored."""
+        with self._lock:
+            entry = self._blocks.get(key)
+            if entry is None:
+                return None
+            return entry.tier if entry.tier is not None else Tier.COLD
+
+    def get(self, key: BlockHash, *, stream: str | None = None) -> torch.Tensor:
+        """A copy of block ``key`` in its layout's dtype, promoted to the hot tier.
+
+        Args:
+            key: the block hash.
+            stream: the reader (session id) for the prefetcher's transition model.
+
+        Raises:
+            UnknownBlockError: not stored.
+            CorruptDataError: the only copy failed its checksum (never served).
+        """
+        return self.fetch(key, stream=stream).block
+
+    def fetch(self, key: BlockHash, *, stream: str | None = None) -> FetchedBlock:
+        """Like :meth:`get`, and also the tier the block was found in."""
+        with self._lock:
+            entry, found, now = self._count_read(key)
+            block = self._materialize(entry)
+            if found is Tier.HOT:
+                self._hot.access(key, now)
+            elif entry.pins == 0 and self._promote(entry, block, now):
+                self._note_materialized(entry, block)
+            self._prefetcher.observe(key, stream)
+            return FetchedBlock(key, block, found, entry.exact)
+
+    @contextlib.contextmanager
+    def pinned_reads(
+        self, keys: Sequence[BlockHash], *, stream: str | None = None
+    ) -> Iterator[list[FetchedBlock]]:
+        """Blocks read as :meth:`fetch` reads them, pinned while the ``with`` block runs.
+
+        Each block is a zero-copy view of its arena where it sits there raw in
+        the model dtype (the usual case after promotion), else a decoded copy;
+        the views must not be used after the block ends.
+        """
+        taken: list[_Block] = []
+        out: list[FetchedBlock] = []
+        try:
+            with self._lock:
+                for key in keys:
+                    found = self._access(key, stream)
+                    entry = self._blocks[key]
+                    self._pin(entry)
+                    taken.append(entry)
+                    out.append(FetchedBlock(key, self._view(entry), found, entry.exact))
+            yield out
+        finally:
+            with self._lock:
+                for entry in taken:
+                    self._unpin(entry)
+
+    def plan_reads(
+        self,
+        keys: Sequence[BlockHash],
+        *,
+        stream: str | None = None,
+        ahead: Sequence[BlockHash] = (),
+    ) -> list[PlanEntry | None]:
+        """Pin blocks where a reader can map them, and say where (the same-node path).
+
+        Each block is promoted to the hot tier as :meth:`fetch` would; a block
+        whose memory copy is raw in the model dtype in a shared-memory arena is
+        pinned and planned. A block that is not (int8 in the warm tier with the
+        hot tier full of pinned blocks, or a device arena on a GPU) answers None:
+        the caller serves it another way. All or nothing on errors: nothing
+        stays pinned when this raises.
+
+        ``ahead`` are blocks a reader will probably want next (read-ahead):
+        they are planned, after ``keys``, only where they sit in memory already,
+        never promoted or counted as read, so read-ahead never makes a lazy
+        resume eager. Their entries follow those of ``keys`` (None: not planned).
+
+        Raises:
+            UnknownBlockError: a key is not stored.
+        """
+        planned: list[PlanEntry | None] = []
+        pinned: list[_Block] = []
+        with self._lock:
+            try:
+                for key in keys:
+                    found = self._access(key, stream)
+                    entry = self._blocks[key]
+                    plan = self._plan(entry, found)
+                    if plan is not None:
+                        self._pin(entry)
+                        pinned.append(entry)
+                    planned.append(plan)
+                for key in ahead:
+                    held = self._blocks.get(key)
+                    plan = None
+                    if held is not None and held.tier is not None:
+                        plan = self._plan(held, held.tier)
+                    if held is not None and plan is not None:
+                        self._pin(held)
+                        pinned.append(held)
+                    planned.append(plan)
+            except BaseException:
+                for entry in pinned:
+                    self._unpin(entry)
+                raise
+        return planned
+
+    def unpin_blocks(self, keys: Sequence[BlockHash]) -> None:
+        """Release the pins :meth:`plan_reads` took (once per planned key)."""
+        with self._lock:
+            for key in keys:
+                entry = self._blocks.get(key)
+                if entry is None or entry.pins == 0:
+                    raise_invariant(f"unpin of block {key.hex()} that holds no pin")
+                    return
+                self._unpin(entry)
+
+    def _access(self, key: BlockHash, stream: str | None) -> Tier:
+        """Count a read of ``key`` and bring it to the hot tier where room can be made."""
+        entry, found, now = self._count_read(key)
+        if found is Tier.HOT:
+            self._hot.access(key, now)
+        elif entry.pins == 0:
+            block = self._materialize(entry)
+            if self._promote(entry, block, now):
+                self._note_materialized(entry, block)
+        self._prefetcher.observe(key, stream)
+        return found
+
+    def _count_read(self, key: BlockHash) -> tuple[_Block, Tier, float]:
+        """Account a read of ``key`` (hits, access statistics, prefetch use).
+
+        Raises:
+            UnknownBlockError: not stored (counted as a miss).
+        """
+        self.ensure_open()
+        entry = self._blocks.get(key)
+        if entry is None:
+            self._counters["misses"] += 1
+            self.access_stats.record(key, None, self._clock())
+            raise UnknownBlockError(f"no block {key.hex()} in this store")
+        now = self._clock()
+        found = entry.tier if entry.tier is not None else Tier.COLD
+        self._hits[found] += 1
+        self.access_stats.record(key, found.value, now)
+        if entry.prefetched:
+            entry.prefetched = False
+            self._counters["prefetch_used"] += 1
+        entry.last_access = now
+        return entry, found, now
+
+    def _note_demoted(self, entry: _Block, *, lossy: bool) -> None:
+        """The copy that remains went through a lossy step: reads are no longer exact."""
+        if lossy:
+            entry.exact = False
+            entry.crc32 = None
+
+    def _note_materialized(self, entry: _Block, block: torch.Tensor) -> None:
+        """The hot copy was rebuilt from a lossy copy: its checksum is of the new bytes."""
+        if not entry.exact:
+            entry.crc32 = None
+
+    def _plan(self, entry: _Block, found: Tier) -> PlanEntry | None:
+        if entry.tier is None:
+            return None
+        tier = self._tier(entry.tier)
+        segment = getattr(tier.arena, "name", None)
+        where = tier.location(entry.key)
+        if segment is None or where is None:
+            return None
+        offset, shape, dtype = where
+        if dtype != entry.layout.torch_dtype:
+            return None
+        nbytes = entry.layout.block_nbytes(entry.tokens)
+        if entry.crc32 is None:
+            stored = tier.load(entry.key)
+            if isinstance(stored, QuantizedBlock):
+                return None
+            entry.crc32 = _crc32(stored)
+        return PlanEntry(
+            bytes(entry.key),
+            found,  # a Tier, which is a str
+            str(segment),
+            tier.capacity_bytes,
+            offset,
+            nbytes,
+            shape,
+            entry.layout.dtype,
+            entry.crc32,
+            entry.exact,
+        )
+
+    def prefetch(self, keys: Sequence[BlockHash]) -> int:
+        """Bring blocks into free hot-tier space (never evicting for it). Returns how many."""
+        moved = 0
+        with self._lock:
+            if self._closed:
+                return 0
+            now = self._clock()
+            for key in keys:
+                entry = self._blocks.get(key)
+                if entry is None or entry.tier is Tier.HOT or entry.pins:
+                    continue
+                need = entry.layout.block_nbytes()
+                if self._hot.capacity_bytes - self._hot.used_bytes < need:
+                    break
+                block = self._materialize(entry)
+                if self._promote(entry, block, now, evict=False):
+                    self._note_materialized(entry, block)
+                    entry.prefetched = True
+                    moved += 1
+            self._counters["prefetched"] += moved
+        return moved
+
+    def prefetch_predicted(self, key: BlockHash) -> int:
+        """Prefetch what the Markov model expects to follow ``key``."""
+        with self._lock:
+            predicted = [k for k, _ in self._prefetcher.predict(key)]
+        return self.prefetch(predicted)
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            self.ensure_open()
+            tiers: dict[Tier, TierStats] = {}
+            for tier in (self._hot, self._warm):
+                arena = tier.arena_stats()
+                tiers[tier.tier] = TierStats(
+                    tier.tier,
+                    tier.capacity_bytes,
+                    tier.used_bytes,
+                    len(tier),
+                    self._hits[tier.tier],
+                    tier.evictions,
+                    arena.external_fragmentation,
+                )
+            cold = self._cold.stats()
+            tiers[Tier.COLD] = TierStats(
+                Tier.COLD,
+                self._cold.capacity_bytes,
+                cold.live_bytes,
+                cold.blocks,
+                self._hits[Tier.COLD],
+                0,
+                cold.dead_bytes / max(1, cold.live_bytes + cold.dead_bytes),
+            )
+            unique = sum(b.layout.block_nbytes(b.tokens) for b in self._blocks.values())
+            c = self._counters
+            return PoolStats(
+                tiers=tiers,
+                blocks=len(self._blocks),
+                unique_bytes=unique,
+                dedup_hits=c["dedup_hits"],
+                dedup_bytes_saved=c["dedup_bytes_saved"],
+                misses=c["misses"],
+                promotions=c["promotions"],
+                demotions=c["demotions"],
+                prefetched=c["prefetched"],
+                prefetch_used=c["prefetch_used"],
+                precision_fallbacks=c["precision_fallbacks"],
+            )
+
+    # ------------------------------------------------------------------ diagnostics hooks
+
+    def refcounts(self) -> dict[BlockHash, tuple[int, int]]:
+        """(refcount, pins) per block, for an owner's invariant and leak checks."""
+        with self._lock:
+            return {k: (b.refcount, b.pins) for k, b in self._blocks.items()}
+
+    def check_invariants(self, chains: dict[str, list[BlockHash]] | None = None) -> None:
+        """Raise :class:`~memkv.errors.InvariantViolationError` if the bookkeeping is broken.
+
+        Args:
+            chains: the owner's chain per session: refcounts must match them.
+                Without them only what the pool knows alone is checked (tiers,
+                pins, no unheld block left behind).
+        """
+        with self._lock:
+            blocks = self.refcounts()
+            if chains is not None:
+                check_refcounts(blocks, chains)
+            for key, (refcount, pins) in blocks.items():
+                if pins < 0 or refcount < 0 or (refcount == 0 and pins == 0):
+                    raise_invariant(f"block {key.hex()} has refcount {refcount} and {pins} pins")
+            for key, entry in self._blocks.items():
+                if entry.active_refs < 0 or entry.active_refs > entry.refcount:
+                    raise_invariant(
+                        f"block {key.hex()} has {entry.active_refs} active of "
+                        f"{entry.refcount} references"
+                    )
+                present = entry.tier is not None and key in self._tier(entry.tier)
+                if entry.tier is not None and not present:
+                    raise_invariant(f"block {key.hex()} thinks it is {entry.tier} but is not")
+                if entry.tier is None and not entry.in_cold:
+                    raise_invariant(f"block {key.hex()} is in no tier")
+
+    # ------------------------------------------------------------------ internals
+
+    def _debug_check(self) -> None:
+        if self._check:
+            self.check_invariants()
+
+    def ensure_open(self) -> None:
+        """Raise ClosedError once the pool is closed."""
+        if self._closed:
+            raise ClosedError("the block pool is closed")
+
+    def _tier(self, tier: Tier) -> MemoryTier:
+        return self._hot if tier is Tier.HOT else self._warm
+
+    def _precision_for(self, layout: KVLayout) -> PrecisionPolicy:
+        policy = self._precision.get(layout.dtype)
+        if policy is None:
+            policy = PrecisionPolicy(self.config.precision, layout.dtype)
+            self._precision[layout.dtype] = policy
+        return policy
+
+    def _hold(self, entry: _Block, priority: Priority, active: bool, now: float) -> None:
+        entry.refcount += 1
+        if active:
+            entry.active_refs += 1
+        self._raise_priority(entry, priority, now)
+
+    def _activate(self, keys: Sequence[BlockHash]) -> None:
+        for key in dict.fromkeys(keys):
+            self._blocks[key].active_refs += 1
+
+    def _raise_priority(
+        self, entry: _Block, priority: Priority, now: float, force: bool = False
+    ) -> None:
+        # A shared block belongs to the highest class of the sessions holding it.
+        if not force and PRIORITY_RANK[priority] <= PRIORITY_RANK[entry.priority]:
+            return
+        entry.priority = priority
+        if entry.tier is not None and entry.pins == 0:
+            self._tier(entry.tier).reclassify(entry.key, priority, now)
+
+    def _release(self, key: BlockHash, *, active: bool) -> None:
+        entry = self._blocks[key]
+        entry.refcount -= 1
+        if active:
+            entry.active_refs -= 1
+        if entry.refcount == 0 and entry.pins == 0:
+            self._free(entry)
+
+    def _free(self, entry: _Block) -> None:
+        if entry.tier is not None:
+            self._tier(entry.tier).remove(entry.key)
+        if entry.in_cold:
+            self._cold.remove(entry.key)
+        del self._blocks[entry.key]
+
+    def _pin(self, entry: _Block) -> None:
+        entry.pins += 1
+        if entry.pins == 1 and entry.tier is not None:
+            self._tier(entry.tier).pin(entry.key)
+
+    def _unpin(self, entry: _Block) -> None:
+        entry.pins -= 1
+        if entry.pins == 0:
+            if entry.tier is not None:
+                self._tier(entry.tier).unpin(entry.key)
+            if entry.refcount == 0:
+                self._free(entry)
+
+    def _view(self, entry: _Block) -> torch.Tensor:
+        if entry.tier is None:
+            # Not in memory (no room even after eviction): a decoded copy.
+            return self._materialize(entry)
+        stored = self._tier(entry.tier).load(entry.key)
+        if isinstance(stored, QuantizedBlock) or stored.dtype != entry.layout.torch_dtype:
+            return self._materialize(entry)
+        return stored
+
+    def _load_stored(self, entry: _Block) -> StoredBlock:
+        if entry.tier is not None:
+            return self._tier(entry.tier).load(entry.key)
+        return self._cold.load(entry.key)
+
+    def _materialize(self, entry: _Block) -> torch.Tensor:
+        """An owned copy of the block in its layout's dtype, on the CPU."""
+        stored = self._load_stored(entry)
+        dtype = entry.layout.torch_dtype
+        if isinstance(stored, QuantizedBlock):
+            from memkv.storage.precision import dequantize_int8
+
+            return dequantize_int8(stored, dtype).cpu()
+        if stored.dtype == dtype:
+            return stored.to("cpu", copy=True)
+        return stored.to(device="cpu", dtype=dtype)
+
+    def _admit(self, entry: _Block, block: torch.Tensor, now: float) -> None:
+        """Place a new block: hot if room can be made, else warm, else cold."""
+        if self._put_memory(self._hot, entry, block, now):
+            entry.tier = Tier.HOT
+            return
+        warm = self._to_warm_precision(entry, block, now)
+        if self._put_memory(self._warm, entry, warm, now):
+            entry.tier = Tier.WARM
+            self._note_demoted(entry, lossy=warm is not block)
+            return
+        self._ensure_cold(entry, block)
+        entry.tier = None
+        self._note_demoted(entry, lossy=not CODECS[entry.cold_codec or "none"].lossless)
+
+    def _put_memory(
+        self, tier: MemoryTier, entry: _Block, block: StoredBlock, now: float, evict: bool = True
+    ) -> bool:
+        # A partial block reserves a full block's slot (see Arena.view).
+        data = block.data if isinstance(block, QuantizedBlock) else block
+        reserve = entry.layout.block_nbytes(itemsize=data.element_size())
+        while True:
+            if tier.put(
+                entry.key,
+                block,
+                parent=entry.parent,
+                priority=entry.priority,
+                now=now,
+                reserve_bytes=reserve,
+            ):
+                return True
+            if not evict or not self._evict_one(tier, now):
+                return False
+
+    def _evict_one(self, tier: MemoryTier, now: float) -> bool:
+        """Move the tier's victim one tier down. False when nothing can be evicted."""
+        victim = tier.pop_victim(now)
+        if victim is None:
+            return False
+        key = BlockHash(cast(bytes, victim))
+        entry = self._blocks[key]
+        stored = tier.load(key)
+        try:
+            if tier is self._hot:
+                warm = self._to_warm_precision(entry, stored, now)
+                if self._put_memory(self._warm, entry, warm, now):
+                    entry.tier = Tier.WARM
+                    self._note_demoted(entry, lossy=warm is not stored)
+                else:
+                    self._ensure_cold(entry, stored)
+                    entry.tier = None
+            else:
+                self._ensure_cold(entry, stored)
+                entry.tier = None
+            if entry.tier is None:
+                lossless = CODECS[entry.cold_codec or "none"].lossless
+                self._note_demoted(entry, lossy=not lossless)
+        except CapacityError:
+            tier.restore(key, now)
+            raise
+        tier.discard(key)
+        self._counters["demotions"] += 1
+        return True
+
+    def _to_warm_precision(self, entry: _Block, block: StoredBlock, now: float) -> StoredBlock:
+        if isinstance(block, QuantizedBlock):
+            return block
+        choice = self._precision_for(entry.layout).choose(
+            turn=entry.rounds,
+            refcount=entry.refcount,
+            idle_seconds=max(0.0, now - entry.last_access),
+        )
+        try:
+            if choice == "int8":
+                return quantize_int8(block)
+            if block.dtype == _TORCH_DTYPES[choice]:
+                return block
+            return convert(block, choice)
+        except PrecisionOverflowError:
+            # Values outside fp16's range: keep the model dtype rather than corrupt them.
+            self._counters["precision_fallbacks"] += 1
+            return block
+
+    def _ensure_cold(self, entry: _Block, stored: StoredBlock, offline: bool = False) -> None:
+        if entry.in_cold:
+            return
+        codec = self._cold_codec(entry, offline)
+        self._cold.put(entry.key, stored, fingerprint=entry.layout.fingerprint, codec=codec)
+        self._mark_cold(entry, stored, codec)
+
+    def _ensure_cold_many(self, entries: Sequence[_Block], *, offline: bool) -> None:
+        """Cold copies of ``entries`` in one batch of the cold backend."""
+        items = []
+        for entry in entries:
+            if entry.in_cold:
+                continue
+            items.append((entry, self._load_stored(entry), self._cold_codec(entry, offline)))
+        if not items:
+            return
+        self._cold.put_many(
+            [(e.key, stored, e.layout.fingerprint, codec) for e, stored, codec in items]
+        )
+        for entry, stored, codec in items:
+            self._mark_cold(entry, stored, codec)
+
+    def _cold_codec(self, entry: _Block, offline: bool) -> str:
+        # Partial tails are rewritten every turn; the policy stores often
+        # rewritten ones uncompressed (compression would be wasted on them).
+        return self._codec_policy.choose(
+            "cold",
+            update_count=entry.rewrites,
+            offline=offline and entry.refcount <= 1,
+            turns_old=entry.rounds,
+        )
+
+    @staticmethod
+    def _mark_cold(entry: _Block, stored: StoredBlock, codec: str) -> None:
+        entry.in_cold = True
+        # An int8 block goes down as its codes and scales (the int8 codec), never
+        # dequantised first: its cold frame is no larger than its warm copy.
+        entry.cold_codec = "int8" if isinstance(stored, QuantizedBlock) else codec
+
+    def _promote(self, entry: _Block, block: torch.Tensor, now: float, evict: bool = True) -> bool:
+        """Move a block to the hot tier (``block`` is its materialised copy)."""
+        source = entry.tier
+        if source is Tier.HOT:
+            return True
+        # Pin the source copy so the evictions we may trigger cannot pick it.
+        if source is not None:
+            self._tier(source).pin(entry.key)
+        try:
+            placed = self._put_memory(self._hot, entry, block, now, evict=evict)
+        finally:
+            if source is not None:
+                self._tier(source).unpin(entry.key)
+        if not placed:
+            return False
+        if source is not None:
+            self._tier(source).remove(entry.key)
+        entry.tier = Tier.HOT
+        self._counters["promotions"] += 1
+        return True
+
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _crc32(block: torch.Tensor) -> int:
+    """CRC32 of a contiguous CPU tensor's bytes (no copy)."""
+    raw = block.view(torch.int16) if block.dtype is torch.bfloat16 else block
+    return crc32(raw.numpy().data.cast("B"))
+
+
+def hot_segment_name(warm_name: str | None) -> str | None:
+    """The shared-memory name of a CPU hot arena beside the warm pool ``warm_name``."""
+    return None if warm_name is None else f"{warm_name}-hot"
+
+
+def raise_invariant(message: str) -> None:
+    from memkv.errors import InvariantViolationError
+
+    raise InvariantViolationError(message)
+
+
+def _whole_units(capacity: int, unit: int, tier: str) -> int:
+    # Round down: a tier never takes more memory than it was given.
+    if capacity < unit:
+        raise ConfigError(
+            f"{tier}_capacity_bytes ({capacity}) must be at least one allocator unit ({unit})"
+        )
+    return capacity // unit * unit
