@@ -337,12 +337,13 @@ class BlockPool:
                     self._counters["dedup_bytes_saved"] += layout.block_nbytes(
                         self._blocks[key].tokens
                     )
-            for key in update.hold:
-                self._hold(self._blocks[BlockHash(key)], update.priority, update.was_active, now)
-            for key in update.kept:
-                self._blocks[BlockHash(key)].rounds += 1
-            for key in update.drop:
-                self._release(BlockHash(key), active=update.was_active)
+            for held_key in update.hold:
+                entry = self._blocks[BlockHash(held_key)]
+                self._hold(entry, update.priority, update.was_active, now)
+            for kept_key in update.kept:
+                self._blocks[BlockHash(kept_key)].rounds += 1
+            for dropped_key in update.drop:
+                self._release(BlockHash(dropped_key), active=update.was_active)
             if counts and counts[-1] < layout.block_tokens:
                 tail = self._blocks[chain[-1]]
                 tail.rewrites = max(tail.rewrites, update.tail_rewrites)
