@@ -208,13 +208,18 @@ def _print_tier_stats(stats: dict[str, Any]) -> None:
                 f"{ts['used_bytes'] / MIB:>9.1f} {cap_s} {ts['hits']:>6} {ts['evictions']:>9}"
             )
         print(
-            f"  {'':<22} sessions {dev.get('sessions')}, distinct blocks {dev.get('blocks')}, "
-            f"logical KV {dev.get('logical_bytes', 0) / MIB:.1f} MiB stored as "
+            f"  {'':<22} distinct blocks {dev.get('blocks')}, stored as "
             f"{dev.get('unique_bytes', 0) / MIB:.1f} MiB (dedup saved "
             f"{dev.get('dedup_bytes_saved', 0) / MIB:.1f} MiB); promotions "
             f"{dev.get('promotions')}, demotions {dev.get('demotions')}, prefetched "
             f"{dev.get('prefetched')} ({dev.get('prefetch_used')} used)"
         )
+    # Sessions are the router's: the devices hold blocks only.
+    print(
+        f"  sessions {stats.get('sessions')}, logical KV "
+        f"{stats.get('logical_bytes', 0) / MIB:.1f} MiB (every session's blocks, shared ones "
+        f"counted per session)"
+    )
     for name, arch in sorted(stats.get("archives", {}).items()):
         print(
             f"  {name[:22]:<22} archive: {arch.get('blocks')} blocks, "

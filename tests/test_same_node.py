@@ -15,9 +15,11 @@ from memkv.errors import (
     UnknownBlockError,
     WrongNodeError,
 )
+from memkv.protocol.hashing import chain_hashes
 from memkv.same_node import SameNodeReader, copy_entries
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
+from memkv.storage.sessions import SessionTable
 
 LAYOUT = KVLayout("same-node", 2, 2, 8, block_tokens=4)
 UNIT = 4096  # 8 blocks of 512 bytes
@@ -53,17 +55,20 @@ def device(tmp_path):
     dev = DeviceCache(f"same-node-{os.getpid()}-{tmp_path.name}", cfg)
     dev.clock = SteppingClock()
     dev.leases = LeaseTable(
-        lambda keys: dev.store.unpin_blocks([bytes(k) for k in keys]), clock=dev.clock
+        lambda keys: dev.pool.unpin_blocks([bytes(k) for k in keys]), clock=dev.clock
     )
     yield dev
     dev.close()
 
 
 def put(dev, sid, tokens, seed=0, namespace="t"):
-    dev.create_session(sid, LAYOUT.to_dict(), namespace, "normal")
+    """Store a session's blocks on ``dev`` the way its owner (the router) would."""
+    owner = SessionTable()
+    owner.create(sid, LAYOUT, namespace=namespace)
     blocks = make_blocks(tokens, seed)
-    result = dev.put_blocks(sid, list(range(tokens)), [to_payload(b"", b) for b in blocks])
-    return result["chain"], blocks
+    chain = [bytes(k) for k in chain_hashes(range(tokens), LAYOUT, namespace)]
+    dev.put(owner.plan_append(sid, tokens, chain), [to_payload(b"", b) for b in blocks])
+    return chain, blocks
 
 
 def test_reads_are_byte_identical_and_release_their_pins(device):
@@ -76,7 +81,7 @@ def test_reads_are_byte_identical_and_release_their_pins(device):
         assert np.array_equal(g.array, b.numpy())
     assert len(device.leases) == 0
     with pytest.raises(InvariantViolationError):
-        device.store.unpin_blocks(chain[:1])  # nothing left pinned
+        device.pool.unpin_blocks(chain[:1])  # nothing left pinned
 
 
 def test_reads_into_caller_buffers(device):
@@ -123,7 +128,7 @@ def test_blocks_freed_under_an_expired_plan_are_never_served(device):
     # The expired lease is swept, the session goes, and another session's put
     # reuses the freed slots: the planned offsets now hold other bytes.
     device.leases.sweep()
-    device.delete_session("a")
+    device.release(chain, True)  # session a deleted
     put(device, "b", 32, seed=7, namespace="other")
     stale = copy_entries(reader._maps, plan, [e for e in plan.entries if e is not None])
     assert any(
@@ -139,7 +144,7 @@ def test_blocks_evicted_after_release_are_read_again_from_where_they_went(device
     reader = SameNodeReader(device, node_id=device.node_id, clock=device.clock)
     reader.read(chain)
     put(device, "b", 32, seed=7, namespace="other")  # pushes a's blocks down
-    assert any(device.store.locate(k).value != "hot" for k in chain)
+    assert any(device.pool.locate(k).value != "hot" for k in chain)
     again = reader.read(chain)
     assert [g.array.tobytes() for g in again] == [b.numpy().tobytes() for b in blocks]
     assert {g.found for g in again} - {"hot"}

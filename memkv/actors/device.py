@@ -1,10 +1,13 @@
 """One device's hot and warm tiers: :class:`DeviceCache` and its actor.
 
-A :class:`DeviceCache` wraps a :class:`~memkv.storage.store.TieredStore` whose
-cold tier is the node's :class:`~memkv.actors.archive.ArchiveService`
-(:class:`RemoteColdTier`), so blocks it demotes survive the device. It speaks
-in plain values (dicts, bytes, :class:`~memkv.actors.payload.BlockPayload`)
-because every call crosses a process boundary.
+A :class:`DeviceCache` is a block store: it wraps a
+:class:`~memkv.storage.block_pool.BlockPool` whose cold tier is the node's
+:class:`~memkv.actors.archive.ArchiveService` (:class:`RemoteColdTier`), so
+blocks it demotes survive the device. It has no session table: the router,
+the one owner of sessions, says which blocks an append holds and drops
+(:class:`~memkv.protocol.messages.ChainUpdate`), which go idle or active, and
+at what priority. It speaks in plain values and typed messages because every
+call crosses a process boundary.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 from ray.exceptions import RayActorError
@@ -24,20 +26,19 @@ from memkv.actors.payload import BlockPayload, from_payload, to_payload
 from memkv.actors.segments import SegmentOwnership, reclaim_orphans, warm_segment_name
 from memkv.config import DeviceSettings
 from memkv.errors import InvalidInputError
-from memkv.protocol.enums import Tier
+from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.messages import ReadPlan
+from memkv.protocol.messages import ChainUpdate, ReadPlan
+from memkv.storage.block_pool import BlockPool
 from memkv.storage.codecs import decode_frame, encode_stored
 from memkv.storage.config import CodecConfig, StoreConfig
-from memkv.storage.store import SessionInfo, TieredStore
 from memkv.storage.tiers import ColdStats, StoredBlock
 
 __all__ = [
     "DeviceCache",
     "DeviceCacheActor",
     "RemoteColdTier",
-    "session_dict",
     "warm_segment_name",
 ]
 
@@ -138,20 +139,6 @@ def _node_id() -> str:
     return "local"
 
 
-def session_dict(info: SessionInfo) -> dict[str, Any]:
-    """A session snapshot as plain values (for Ray calls and JSON)."""
-    return {
-        "session_id": info.session_id,
-        "namespace": info.namespace,
-        "layout": info.layout.to_dict(),
-        "priority": info.priority.value,
-        "state": info.state.value,
-        "tokens": info.tokens,
-        "turn": info.turn,
-        "chain": [bytes(k) for k in info.chain],
-    }
-
-
 class DeviceCache:
     """The hot and warm tiers of one device, behind plain-value methods.
 
@@ -202,11 +189,11 @@ class DeviceCache:
         reclaim_orphans()
         self._ownership = SegmentOwnership(self.warm_segment)
         try:
-            self.store = TieredStore(store_config, cold=cold, warm_name=self.warm_segment)
+            self.pool = BlockPool(store_config, cold=cold, warm_name=self.warm_segment)
         except BaseException:
             self._ownership.release()
             raise
-        self.leases = LeaseTable(lambda keys: self.store.unpin_blocks([BlockHash(k) for k in keys]))
+        self.leases = LeaseTable(lambda keys: self.pool.unpin_blocks([BlockHash(k) for k in keys]))
         self.node_id = _node_id()
 
     def ping(self) -> dict[str, str]:
@@ -215,52 +202,22 @@ class DeviceCache:
 
     def wait_prefaulted(self, timeout_s: float) -> bool:
         """Block until the arenas' pages are populated (benchmarks wait for it)."""
-        return self.store.prefault_done.wait(timeout_s)
+        return self.pool.prefault_done.wait(timeout_s)
 
-    # -- sessions ------------------------------------------------------------------
+    # -- blocks, as the router (the owner of sessions) directs -----------------
 
-    def create_session(
-        self, session_id: str, layout: dict[str, Any], namespace: str, priority: str
-    ) -> dict[str, Any]:
-        info = self.store.create_session(
-            session_id, KVLayout.from_dict(layout), namespace=namespace, priority=priority
-        )
-        return session_dict(info)
-
-    def adopt_session(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Take over an archived session (after a restart) from the router's record."""
-        info = self.store.adopt_session(
-            record["session_id"],
-            KVLayout.from_dict(record["layout"]),
-            namespace=record["namespace"],
-            priority=record["priority"],
-            tokens=int(record["tokens"]),
-            turn=int(record["turn"]),
-            chain=[BlockHash(bytes(k)) for k in record["chain"]],
-        )
-        return session_dict(info)
-
-    def session(self, session_id: str) -> dict[str, Any]:
-        return session_dict(self.store.session(session_id))
-
-    def has_session(self, session_id: str) -> bool:
-        return session_id in self.store.sessions()
-
-    def put_blocks(
+    def put(
         self,
-        session_id: str,
-        token_ids: Sequence[int] | np.ndarray,
+        update: ChainUpdate,
         blocks: Sequence[BlockPayload | ray.ObjectRef],
-        start_block: int = 0,
         checksums: Sequence[int] | None = None,
-        chain: Sequence[bytes] | None = None,
-    ) -> dict[str, Any]:
-        """Store a turn's blocks (payloads, or object refs to them: zero-copy reads).
+    ) -> dict[str, int]:
+        """Apply one append: its new blocks (payloads, or refs to them) and references.
 
         Args:
+            update: what the append changes, from the router.
             checksums: the writer's CRC32 of each block, already verified by the
                 caller (the gateway): kept and served with the block.
-            chain: the chain the caller hashed (not hashed again here).
         """
         self.leases.sweep()
         refs = [i for i, b in enumerate(blocks) if isinstance(b, ray.ObjectRef)]
@@ -269,27 +226,55 @@ class DeviceCache:
             for i, value in zip(refs, ray.get([blocks[i] for i in refs]), strict=True):
                 resolved[i] = value
         tensors = [from_payload(p) for p in resolved]
-        result = self.store.put_blocks(
-            session_id,
-            token_ids,
-            tensors,
-            start_block=start_block,
-            checksums=checksums,
-            chain=[BlockHash(bytes(k)) for k in chain] if chain is not None else None,
-        )
+        outcome = self.pool.put(update, tensors, checksums=checksums)
         return {
-            "chain": [bytes(k) for k in result.chain],
-            "new_blocks": result.new_blocks,
-            "deduplicated_blocks": result.deduplicated_blocks,
-            "released_blocks": result.released_blocks,
-            "turn": self.store.session(session_id).turn,
+            "new_blocks": outcome.new_blocks,
+            "deduplicated_blocks": outcome.deduplicated_blocks,
+            "released_blocks": outcome.released_blocks,
         }
+
+    def adopt(
+        self, layout: KVLayout, chain: Sequence[bytes], tokens: Sequence[int], priority: str
+    ) -> None:
+        """Hold an archived chain again (after this device restarted, or moved here).
+
+        Raises:
+            BlockLostError: some block is in no tier (nothing is held).
+        """
+        self.pool.adopt(layout, chain, tokens, Priority(priority))
+
+    def release(self, keys: Sequence[bytes], active: bool) -> int:
+        """A holder of ``keys`` went (session deleted). Returns the blocks freed."""
+        return self.pool.release(keys, active=active)
+
+    def deactivate(
+        self, keys: Sequence[bytes], offline: bool = False, was_active: bool = True
+    ) -> bool:
+        """A session suspended: its blocks go cold; True if some stay in memory."""
+        return self.pool.deactivate(keys, offline=offline, was_active=was_active)
+
+    def activate(self, keys: Sequence[bytes]) -> list[tuple[bytes, str, int]]:
+        """A session resumed: its blocks count as in use. Answers ``(key, tier, tokens)``."""
+        self.pool.activate(keys)
+        return self.tiers_of(keys)
+
+    def tiers_of(self, keys: Sequence[bytes]) -> list[tuple[bytes, str, int]]:
+        """``(key, tier, tokens)`` of stored blocks."""
+        out = []
+        for k in keys:
+            key = BlockHash(bytes(k))
+            tier = self.pool.locate(key) or Tier.COLD
+            out.append((bytes(k), tier.value, self.pool.tokens_of(key)))
+        return out
+
+    def set_priority(self, keys: Sequence[bytes], priority: str) -> None:
+        self.pool.set_priority(keys, Priority(priority))
 
     def get_blocks(self, keys: Sequence[bytes], stream: str | None = None) -> list[BlockPayload]:
         """Blocks by key, each promoted to the hot tier (batched: one call, many blocks)."""
         out = []
         for k in keys:
-            fetched = self.store.fetch(BlockHash(bytes(k)), stream=stream)
+            fetched = self.pool.fetch(BlockHash(bytes(k)), stream=stream)
             out.append(to_payload(k, fetched.block, fetched.tier.value, fetched.exact))
         return out
 
@@ -303,7 +288,7 @@ class DeviceCache:
         would need an owned copy to serialise after the pins are gone.
         """
         hashes = [BlockHash(bytes(k)) for k in keys]
-        with self.store.pinned_reads(hashes, stream=stream) as fetched:
+        with self.pool.pinned_reads(hashes, stream=stream) as fetched:
             return ray.put([to_payload(f.key, f.block, f.tier.value, f.exact) for f in fetched])
 
     def read_plan(
@@ -345,7 +330,7 @@ class DeviceCache:
                 tuple(None for _ in keys),
                 same_node=False,
             )
-        planned = self.store.plan_reads(
+        planned = self.pool.plan_reads(
             hashes, stream=stream, ahead=[BlockHash(bytes(k)) for k in ahead]
         )
         pinned = [p.key for p in planned if p is not None]
@@ -364,50 +349,24 @@ class DeviceCache:
         """Unpin a plan's blocks. False if the lease had run out (discard what was copied)."""
         return self.leases.release(lease_id)
 
-    def match_prefix(
-        self, layout: dict[str, Any], namespace: str, token_ids: Sequence[int]
-    ) -> dict[str, Any]:
-        m = self.store.match_prefix(KVLayout.from_dict(layout), namespace, token_ids)
-        return {"tokens": m.tokens, "blocks": [bytes(k) for k in m.blocks]}
-
-    def suspend(self, session_id: str, offline: bool = False) -> dict[str, Any]:
-        return session_dict(self.store.suspend(session_id, offline=offline))
-
-    def resume(self, session_id: str) -> dict[str, Any]:
-        """Mark active and answer at once; the head is prefetched by a separate call."""
-        handle = self.store.resume(session_id, prefetch=False)
-        return {
-            "session_id": handle.session_id,
-            "tokens": handle.tokens,
-            "blocks": [(bytes(b.key), b.tier.value, b.tokens) for b in handle.blocks],
-        }
-
-    def delete_session(self, session_id: str) -> None:
-        self.store.delete_session(session_id)
-
-    def set_priority(self, session_id: str, priority: str) -> dict[str, Any]:
-        return session_dict(self.store.set_priority(session_id, priority))
-
     # -- prefetch ----------------------------------------------------------------------
 
-    def prefetch_session_head(self, session_id: str, blocks: int | None = None) -> int:
-        """Bring the first blocks of a session into free hot-tier space."""
-        chain = self.store.session(session_id).chain
-        n = self.store.config.prefetch.max_prefetch_blocks if blocks is None else blocks
-        return self.store.prefetch(list(chain[:n]))
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Bring blocks into free hot-tier space (never evicting for it)."""
+        return self.pool.prefetch([BlockHash(bytes(k)) for k in keys])
 
     def prefetch_predicted(self, key: bytes) -> int:
         """Prefetch what the Markov model expects after ``key``."""
-        return self.store.prefetch_predicted(BlockHash(bytes(key)))
+        return self.pool.prefetch_predicted(BlockHash(bytes(key)))
 
     # -- stats -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        st = self.store.stats().as_dict()
+        st = self.pool.stats().as_dict()
         hot = st["tiers"]["hot"]
         st["device_id"] = self.device_id
         st["incarnation"] = self.incarnation
-        st["prefault_done"] = self.store.prefault_done.is_set()
+        st["prefault_done"] = self.pool.prefault_done.is_set()
         st["leases"] = {
             "active": len(self.leases),
             "granted": self.leases.granted,
@@ -420,12 +379,12 @@ class DeviceCache:
         """The tier of each block on this device (None: not here)."""
         out: list[str | None] = []
         for k in keys:
-            tier = self.store.locate(BlockHash(bytes(k)))
+            tier = self.pool.locate(BlockHash(bytes(k)))
             out.append(tier.value if tier is not None else None)
         return out
 
     def close(self) -> None:
-        self.store.close()
+        self.pool.close()
         self._ownership.release()
 
 

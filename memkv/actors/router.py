@@ -1,16 +1,19 @@
 """The session router: one named actor per cluster.
 
-:class:`RouterState` is the plain, separately tested logic: the session table,
+:class:`RouterState` is the plain, separately tested logic: the session table
+(:class:`~memkv.storage.sessions.SessionTable`, the one owner of sessions),
 placement (prefix affinity, then least loaded), hotness (an exponentially
 decayed access rate), cluster-wide block refcounts (so the archive deletes a
 block only when no session anywhere holds it), and the recovery decision for
 sessions of a device that restarted.
 
-:class:`SessionRouterActor` is the async Ray shell: it forwards each session
-operation to the device that owns the session, runs the three prefetch
-triggers (turn input ended, block N read — done by the device's read-ahead —
-and background prefetch while a device's hot tier is under-used), and notices
-restarted devices (a changed incarnation, or ``RayActorError``).
+:class:`SessionRouterActor` is the async Ray shell: it turns each session
+operation into block operations on the session's device (which keeps no
+session table: an append is a :class:`~memkv.protocol.messages.ChainUpdate`),
+runs the three prefetch triggers (turn input ended, block N read — done by the
+device's read-ahead — and background prefetch while a device's hot tier is
+under-used), and notices restarted devices (a changed incarnation, or
+``RayActorError``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -37,56 +39,21 @@ from memkv.errors import (
     UnknownBlockError,
     UnknownSessionError,
 )
+from memkv.protocol.enums import Priority, SessionState
 from memkv.protocol.hashing import chain_hashes
-from memkv.protocol.ids import check_session_id
 from memkv.protocol.layout import KVLayout, block_token_count
-from memkv.protocol.messages import ReadRoute
+from memkv.protocol.messages import ChainUpdate, ReadRoute
+from memkv.storage.sessions import SessionRecord, SessionTable, parse_priority
 
 __all__ = ["DeviceLoad", "RouterState", "SessionRecord", "SessionRouter", "SessionRouterActor"]
 
 logger = logging.getLogger(__name__)
 
-PRIORITIES = ("high", "normal", "background")
 # How long the router waits for a restarted device to answer before giving up.
 DEVICE_RECOVERY_TIMEOUT_S = 120.0
 # A device that answered a ping this recently is not pinged again per request.
 DEVICE_CHECK_INTERVAL_S = 1.0
 _RECOVERY_POLL_S = 0.2
-
-
-@dataclass(slots=True)
-class SessionRecord:
-    """The router's view of a session (the truth for placement and recovery)."""
-
-    session_id: str
-    namespace: str
-    layout: dict[str, Any]
-    priority: str
-    device_id: str | None = None  # placed at the first put (prefix affinity needs the tokens)
-    chain: list[bytes] = field(default_factory=list)
-    tokens: int = 0
-    turn: int = 0
-    state: str = "active"  # active | suspended | archived | lost
-    archived: bool = False  # every block of the chain is in the archive
-    hotness: float = 0.0
-    last_access: float = 0.0
-    lost_reason: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "session_id": self.session_id,
-            "namespace": self.namespace,
-            "layout": self.layout,
-            "priority": self.priority,
-            "device_id": self.device_id,
-            "chain": list(self.chain),
-            "tokens": self.tokens,
-            "turn": self.turn,
-            "state": self.state,
-            "archived": self.archived,
-            "hotness": self.hotness,
-            "lost_reason": self.lost_reason,
-        }
 
 
 @dataclass(slots=True)
@@ -124,9 +91,8 @@ class RouterState:
         self._decay = math.log(2) / hotness_half_life_s
         self._prefix_affinity = prefix_affinity
         self._clock = clock
-        self.sessions: dict[str, SessionRecord] = {}
+        self.sessions = SessionTable(clock)
         self.devices: dict[str, DeviceLoad] = {}
-        self._layouts: dict[bytes, dict[str, Any]] = {}  # fingerprint -> the shared dict
         self._refcounts: Counter[bytes] = Counter()
         # block -> devices whose sessions hold it (how many sessions on each)
         self._block_devices: dict[bytes, Counter[str]] = {}
@@ -140,40 +106,24 @@ class RouterState:
         self.devices[device_id].hot_usage = hot_usage
 
     def sessions_on(self, device_id: str) -> list[SessionRecord]:
-        return [r for r in self.sessions.values() if r.device_id == device_id]
+        return [r for r in self.sessions if r.device_id == device_id]
 
     # -- sessions ------------------------------------------------------------------
 
     def create(
-        self, session_id: str, layout: dict[str, Any], namespace: str, priority: str
+        self,
+        session_id: str,
+        layout: KVLayout | dict[str, Any],
+        namespace: str,
+        priority: Priority | str,
     ) -> SessionRecord:
-        check_session_id(session_id)  # the one rule, checked once, here
-        if session_id in self.sessions:
-            raise ConflictError(f"session {session_id!r} already exists")
-        if priority not in PRIORITIES:
-            raise InvalidInputError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
-        # Validate now, not at the first put; and share one dict per distinct
-        # layout (and one str per namespace): thousands of sessions use a few
-        # layouts, and per-session copies were most of an idle session's bytes.
-        fingerprint = KVLayout.from_dict(layout).fingerprint
-        shared_layout = self._layouts.setdefault(fingerprint, dict(layout))
-        record = SessionRecord(
-            session_id,
-            sys.intern(namespace),
-            shared_layout,
-            PRIORITIES[PRIORITIES.index(priority)],
-            last_access=self._clock(),
-        )
-        self.sessions[session_id] = record
-        return record
+        """A new session (the id rule, layout and priority are checked here, once)."""
+        if not isinstance(layout, KVLayout):
+            layout = KVLayout.from_dict(layout)
+        return self.sessions.create(session_id, layout, namespace=namespace, priority=priority)
 
     def get(self, session_id: str) -> SessionRecord:
-        record = self.sessions.get(session_id)
-        if record is None:
-            raise UnknownSessionError(f"no session {session_id!r}")
-        if record.state == "lost":
-            raise BlockLostError(f"session {session_id!r} is lost: {record.lost_reason}")
-        return record
+        return self.sessions.get(session_id)
 
     def place(self, session_id: str, chain_hint: Sequence[bytes] = ()) -> str:
         """The device of a session, choosing one on first use.
@@ -218,50 +168,33 @@ class RouterState:
         record = self.get(session_id)
         return record.hotness * math.exp(-self._decay * (self._clock() - record.last_access))
 
-    def record_put(
-        self, session_id: str, chain: Sequence[bytes], tokens: int, turn: int
-    ) -> list[bytes]:
-        """A put succeeded: the new chain. Returns blocks no session holds any more."""
+    def record_put(self, session_id: str, update: ChainUpdate) -> list[bytes]:
+        """The session's device applied ``update``. Returns blocks no session holds any more."""
         record = self.get(session_id)
-        old = dict.fromkeys(record.chain)
-        new = dict.fromkeys(bytes(k) for k in chain)
-        for key in new:
-            if key not in old:
-                self._ref(key, record.device_id)
-        garbage = [key for key in old if key not in new and self._unref(key, record.device_id)]
-        record.chain = list(new)
-        record.tokens = tokens
-        record.turn = turn
-        record.state = "active"
-        record.archived = False
+        for key in update.hold:
+            self._ref(key, record.device_id)
+        garbage = [key for key in update.drop if self._unref(key, record.device_id)]
+        self.sessions.commit_append(session_id, update)
         self.touch(session_id)
         return garbage
 
-    def record_state(self, session_id: str, state: str, *, archived: bool) -> None:
-        record = self.get(session_id)
-        record.state = state
-        record.archived = archived
+    def record_state(self, session_id: str, state: SessionState) -> None:
+        self.get(session_id).state = state
 
     def delete(self, session_id: str) -> list[bytes]:
-        """Forget a session. Returns blocks no session holds any more."""
-        record = self.sessions.pop(session_id, None)
-        if record is None:
-            raise UnknownSessionError(f"no session {session_id!r}")
+        """Forget a session (lost ones too). Returns blocks no session holds any more."""
+        record = self.sessions.pop(session_id)
         if record.device_id is not None and record.device_id in self.devices:
             self.devices[record.device_id].sessions -= 1
         return [k for k in dict.fromkeys(record.chain) if self._unref(k, record.device_id)]
 
     def mark_lost(self, session_id: str, reason: str) -> None:
-        record = self.sessions[session_id]
-        record.state = "lost"
-        record.lost_reason = reason
+        self.sessions.mark_lost(session_id, reason)
 
     def background_candidates(self, device_id: str, limit: int) -> list[str]:
         """The hottest sessions of a device that are not active (worth prefetching)."""
         now = self._clock()
-        candidates = [
-            r for r in self.sessions_on(device_id) if r.state in ("suspended", "archived")
-        ]
+        candidates = [r for r in self.sessions_on(device_id) if not r.active and not r.lost]
         candidates.sort(
             key=lambda r: r.hotness * math.exp(-self._decay * (now - r.last_access)), reverse=True
         )
@@ -302,11 +235,13 @@ class RouterState:
     # -- internals -----------------------------------------------------------------------
 
     def _ref(self, key: bytes, device_id: str | None) -> None:
+        key = bytes(key)
         self._refcounts[key] += 1
         if device_id is not None:
             self._block_devices.setdefault(key, Counter())[device_id] += 1
 
     def _unref(self, key: bytes, device_id: str | None) -> bool:
+        key = bytes(key)
         self._refcounts[key] -= 1
         if device_id is not None and key in self._block_devices:
             counts = self._block_devices[key]
@@ -329,6 +264,7 @@ class SessionRouter:
         background_prefetch_interval_s: how often the background prefetcher runs.
         hot_idle_fraction: background prefetch only while a device's hot-tier
             use is below this.
+        head_blocks: how many blocks of a session's head a resume prefetches.
     """
 
     def __init__(
@@ -338,6 +274,7 @@ class SessionRouter:
         prefix_affinity: bool = True,
         background_prefetch_interval_s: float = 2.0,
         hot_idle_fraction: float = 0.3,
+        head_blocks: int = 8,
     ) -> None:
         self.state = RouterState(
             hotness_half_life_s=hotness_half_life_s, prefix_affinity=prefix_affinity
@@ -346,6 +283,7 @@ class SessionRouter:
         self._archives: dict[str, Any] = {}
         self._interval = background_prefetch_interval_s
         self._hot_idle = hot_idle_fraction
+        self._head_blocks = head_blocks
         self._background: asyncio.Task[None] | None = None
         self._recovering: dict[str, asyncio.Future[None]] = {}
         self._session_locks: dict[str, _SessionLock] = {}
@@ -428,9 +366,12 @@ class SessionRouter:
         try:
             async with entry.lock:
                 record = self.state.get(session_id)
-                if expect is not None and (record.layout, record.namespace) != tuple(expect):
+                if expect is not None and (
+                    record.layout.to_dict(),
+                    record.namespace,
+                ) != tuple(expect):
                     raise ConflictError(
-                        f"session {session_id!r} has layout {record.layout} in namespace "
+                        f"session {session_id!r} has layout {record.layout.to_dict()} in namespace "
                         f"{record.namespace!r}, the request was made for {expect}"
                     )
                 return await self._put_blocks(
@@ -452,25 +393,30 @@ class SessionRouter:
         checksums: list[int] | None = None,
     ) -> dict[str, Any]:
         record = self.state.get(session_id)
-        if turn is not None:
-            replay = _check_turn(record, turn, chain_hint, len(token_ids))
-            if replay is not None:
-                return replay
-        first_put = record.device_id is None
-        device_id = self.state.place(session_id, chain_hint or [])
-        await self._check_incarnation(device_id)
-        if first_put:
-            await self._ensure_on_device(record, self._devices[device_id])
-        result = await self._call(
-            device_id,
-            session_id,
-            lambda d: d.put_blocks.remote(
-                session_id, token_ids, blocks, start_block, checksums, chain_hint
-            ),
+        if turn is not None and self.state.sessions.check_turn(
+            session_id, turn, chain_hint, len(token_ids)
+        ):
+            return {
+                "chain": list(record.chain),
+                "new_blocks": 0,
+                "deduplicated_blocks": 0,
+                "released_blocks": 0,
+                "turn": record.turn,
+                "replayed": True,
+            }
+        chain = (
+            chain_hint
+            if chain_hint is not None
+            else [bytes(k) for k in chain_hashes(token_ids, record.layout, record.namespace)]
         )
-        garbage = self.state.record_put(session_id, result["chain"], len(token_ids), result["turn"])
+        update = self.state.sessions.plan_append(session_id, len(token_ids), chain, start_block)
+        device_id = self.state.place(session_id, chain)
+        result = await self._call(
+            device_id, session_id, lambda d: d.put.remote(update, blocks, checksums)
+        )
+        garbage = self.state.record_put(session_id, update)
         await self._collect(garbage)
-        return result
+        return {**result, "chain": list(update.chain), "turn": record.turn}
 
     async def read_route(
         self, session_id: str, start: int = 0, end: int | None = None
@@ -484,10 +430,16 @@ class SessionRouter:
         record = self.state.get(session_id)
         first = max(start, 0)
         keys = record.chain[first:end]
-        bt = int(record.layout["block_tokens"])
+        bt = record.layout.block_tokens
         tokens = [min(bt, record.tokens - i * bt) for i in range(first, first + len(keys))]
         return ReadRoute(
-            device_id, device, first, tuple(keys), tuple(tokens), record.layout, record.turn
+            device_id,
+            device,
+            first,
+            tuple(keys),
+            tuple(tokens),
+            record.layout.to_dict(),
+            record.turn,
         )
 
     async def touch_sessions(self, session_ids: list[str]) -> None:
@@ -519,12 +471,9 @@ class SessionRouter:
         """
         device_id, _ = await self.device_of(session_id)
         self.state.touch(session_id)
-        moved = int(
-            await self._call(
-                device_id, session_id, lambda d: d.prefetch_session_head.remote(session_id)
-            )
-        )
-        chain = self.state.get(session_id).chain
+        chain = list(self.state.get(session_id).chain)
+        head = chain[: self._head_blocks]
+        moved = int(await self._call(device_id, session_id, lambda d: d.prefetch.remote(head)))
         if chain:
             moved += int(
                 await self._call(
@@ -536,49 +485,67 @@ class SessionRouter:
     async def resume(self, session_id: str) -> dict[str, Any]:
         """Answer at once with the chain and where each block is; prefetch runs behind."""
         device_id, device = await self.device_of(session_id)
-        handle = await self._call(device_id, session_id, lambda d: d.resume.remote(session_id))
-        self.state.record_state(session_id, "active", archived=False)
+        record = self.state.get(session_id)
+        chain = list(record.chain)
+        if record.active:
+            blocks = await self._call(device_id, session_id, lambda d: d.tiers_of.remote(chain))
+        else:
+            blocks = await self._call(device_id, session_id, lambda d: d.activate.remote(chain))
+            self.state.record_state(session_id, SessionState.ACTIVE)
         self.state.touch(session_id)
-        device.prefetch_session_head.remote(session_id)  # fire and forget
-        handle["device_id"] = device_id
-        return handle
+        device.prefetch.remote(chain[: self._head_blocks])  # fire and forget
+        return {
+            "session_id": session_id,
+            "tokens": record.tokens,
+            "blocks": blocks,
+            "device_id": device_id,
+        }
 
     async def suspend(self, session_id: str, offline: bool = False) -> dict[str, Any]:
         device_id, _ = await self.device_of(session_id)
-        info = await self._call(
-            device_id, session_id, lambda d: d.suspend.remote(session_id, offline)
+        record = self.state.get(session_id)
+        chain, was_active = list(record.chain), record.active
+        in_memory = await self._call(
+            device_id, session_id, lambda d: d.deactivate.remote(chain, offline, was_active)
         )
-        self.state.record_state(session_id, info["state"], archived=True)
-        return info
+        self.state.record_state(
+            session_id, SessionState.SUSPENDED if in_memory else SessionState.ARCHIVED
+        )
+        return record.as_dict()
 
     async def set_priority(self, session_id: str, priority: str) -> dict[str, Any]:
         record = self.state.get(session_id)
-        if priority not in PRIORITIES:
-            raise InvalidInputError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
-        record.priority = priority
-        if record.device_id is not None:
+        record.priority = parse_priority(priority)
+        if record.device_id is not None and record.chain:
+            chain = list(record.chain)
             await self._call(
-                record.device_id, session_id, lambda d: d.set_priority.remote(session_id, priority)
+                record.device_id,
+                session_id,
+                lambda d: d.set_priority.remote(chain, record.priority.value),
             )
         return record.as_dict()
 
     async def delete_session(self, session_id: str) -> None:
-        record = self.state.sessions.get(session_id)
+        record = self.state.sessions.lookup(session_id)
         if record is None:
             raise UnknownSessionError(f"no session {session_id!r}")
-        if record.device_id is not None and record.state != "lost":
-            if await self._call(record.device_id, None, lambda d: d.has_session.remote(session_id)):
-                await self._call(
-                    record.device_id, None, lambda d: d.delete_session.remote(session_id)
-                )
+        if record.device_id is not None and record.chain and not record.lost:
+            chain, active = list(record.chain), record.active
+            await self._call(record.device_id, None, lambda d: d.release.remote(chain, active))
         await self._collect(self.state.delete(session_id))
 
     async def stats(self) -> dict[str, Any]:
         devices = {d: await h.stats.remote() for d, h in self._devices.items()}
         archives = {a: await h.stats.remote() for a, h in self._archives.items()}
-        states = Counter(r.state for r in self.state.sessions.values())
+        states = Counter("lost" if r.lost else r.state.value for r in self.state.sessions)
+        logical = sum(
+            r.layout.block_nbytes(n)
+            for r in self.state.sessions
+            for n in block_token_count(r.layout, r.tokens)
+        )
         return {
             "sessions": len(self.state.sessions),
+            "logical_bytes": logical,
             "session_states": dict(states),
             "devices": devices,
             "archives": archives,
@@ -598,14 +565,6 @@ class SessionRouter:
         return {d: self.state.devices[d].incarnation or "" for d in self._devices}
 
     # -- internals ---------------------------------------------------------------------
-
-    async def _ensure_on_device(self, record: SessionRecord, device: Any) -> None:
-        if record.chain:
-            await device.adopt_session.remote(record.as_dict())
-        else:
-            await device.create_session.remote(
-                record.session_id, record.layout, record.namespace, record.priority
-            )
 
     async def _collect(self, garbage: list[bytes]) -> None:
         if garbage and self._archives:
@@ -680,15 +639,13 @@ class SessionRouter:
         self.state.devices[device_id].incarnation = incarnation
         device = self._devices[device_id]
         for record in self.state.sessions_on(device_id):
-            if record.state == "lost":
+            if record.lost or not record.chain:
                 continue
-            if not record.chain:
-                await device.create_session.remote(
-                    record.session_id, record.layout, record.namespace, record.priority
-                )
-                continue
+            counts = block_token_count(record.layout, record.tokens)
             try:
-                info = await device.adopt_session.remote(record.as_dict())
+                await device.adopt.remote(
+                    record.layout, list(record.chain), counts, record.priority.value
+                )
             except BlockLostError as e:
                 reason = (
                     f"device {device_id} restarted before all of the session's blocks reached "
@@ -696,7 +653,7 @@ class SessionRouter:
                 )
                 self.state.mark_lost(record.session_id, reason)
                 continue
-            self.state.record_state(record.session_id, info["state"], archived=True)
+            self.state.record_state(record.session_id, SessionState.ARCHIVED)
 
     def _ensure_background(self) -> None:
         if self._background is None or self._background.done():
@@ -724,40 +681,14 @@ class SessionRouter:
                 if stats["hot_usage"] >= self._hot_idle:
                     continue
                 for session_id in self.state.background_candidates(device_id, limit=4):
-                    moved += int(await handle.prefetch_session_head.remote(session_id))
+                    head = self.state.get(session_id).chain[: self._head_blocks]
+                    moved += int(await handle.prefetch.remote(head))
             except (RayActorError, MemkvError) as e:
                 # A device restarting or a session deleted meanwhile: the next
                 # foreground call recovers it; background work just skips a round.
                 logger.info("background prefetch skipped %s: %s", device_id, e)
         self.background_prefetched += moved
         return moved
-
-
-def _check_turn(
-    record: SessionRecord, turn: int, chain: list[bytes] | None, tokens: int
-) -> dict[str, Any] | None:
-    """None to go ahead; the earlier answer for a retried turn; ConflictError otherwise."""
-    if turn == record.turn and chain is not None and list(chain) == record.chain:
-        return {
-            "chain": list(record.chain),
-            "new_blocks": 0,
-            "deduplicated_blocks": 0,
-            "released_blocks": 0,
-            "turn": record.turn,
-            "replayed": True,
-        }
-    if turn <= record.turn:
-        raise ConflictError(
-            f"turn {turn} of session {record.session_id!r} was already applied with other "
-            f"tokens; the session is at turn {record.turn} ({record.tokens} tokens, "
-            f"this append has {tokens})"
-        )
-    if turn != record.turn + 1:
-        raise ConflictError(
-            f"turn {turn} is out of order: session {record.session_id!r} is at turn "
-            f"{record.turn}, the next append is turn {record.turn + 1}"
-        )
-    return None
 
 
 #: The actor: async, so slow device calls of one session do not block others.

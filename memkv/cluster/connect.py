@@ -404,6 +404,7 @@ def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCl
         prefix_affinity=cfg.router.prefix_affinity,
         background_prefetch_interval_s=cfg.router.background_prefetch_interval_s,
         hot_idle_fraction=cfg.device.prefetch.hot_idle_fraction,
+        head_blocks=cfg.device.prefetch.max_prefetch_blocks,
     )
     ray.get([router.register_archive.remote(n, h) for n, h in archives.items()])
     ray.get([router.register_device.remote(n, h) for n, h in devices.items()])

@@ -12,9 +12,11 @@ from memkv.errors import (
     LayoutMismatchError,
     UnknownBlockError,
 )
+from memkv.protocol.hashing import chain_hashes
 from memkv.storage.codecs import get_codec
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
+from memkv.storage.sessions import SessionTable
 
 LAYOUT = KVLayout("m", 2, 2, 8, block_tokens=4)
 
@@ -50,23 +52,25 @@ def test_device_cache_round_trip_with_local_cold_tier(tmp_path):
     )
     dev = DeviceCache("dev-0", cfg)
     assert dev.ping()["device_id"] == "dev-0"
-    dev.create_session("s", LAYOUT.to_dict(), "t", "normal")
+    # The device keeps no sessions: its owner (here a bare table) plans each append.
+    owner = SessionTable()
+    owner.create("s", LAYOUT, namespace="t")
     bl = blocks(40)
-    chain_result = dev.put_blocks("s", list(range(40)), [to_payload(b"", b) for b in bl])
-    assert chain_result["new_blocks"] == 10 and chain_result["turn"] == 1
-    read = [from_payload(p) for p in dev.get_blocks(chain_result["chain"], "s")]
+    chain = [bytes(k) for k in chain_hashes(range(40), LAYOUT, "t")]
+    update = owner.plan_append("s", 40, chain)
+    result = dev.put(update, [to_payload(b"", b) for b in bl])
+    assert result == {"new_blocks": 10, "deduplicated_blocks": 0, "released_blocks": 0}
+    read = [from_payload(p) for p in dev.get_blocks(chain, "s")]
     assert all(torch.equal(a, b) for a, b in zip(read, bl, strict=True))
-    assert set(dev.locations(chain_result["chain"])) <= {"hot", "warm", "cold"}
-    info = dev.suspend("s")
-    assert info["state"] == "archived"
-    handle = dev.resume("s")
-    assert [t for _, t, _ in handle["blocks"]] == ["cold"] * 10
-    assert dev.prefetch_session_head("s", 2) == 2
-    got = [from_payload(p) for p in dev.get_blocks(chain_result["chain"])]
+    assert set(dev.locations(chain)) <= {"hot", "warm", "cold"}
+    assert dev.deactivate(chain) is False  # suspended: every block went cold
+    assert [t for _, t, _ in dev.activate(chain)] == ["cold"] * 10
+    assert dev.prefetch(chain[:2]) == 2
+    got = [from_payload(p) for p in dev.get_blocks(chain)]
     assert all(torch.equal(a, b) for a, b in zip(got, bl, strict=True))
     st = dev.stats()
     assert st["device_id"] == "dev-0" and 0 < st["hot_usage"] <= 1
-    dev.delete_session("s")
+    assert dev.release(chain, True) == 10
     assert dev.stats()["blocks"] == 0
     dev.close()
 

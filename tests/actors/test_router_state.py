@@ -2,9 +2,16 @@ import pytest
 
 from memkv.actors.router import RouterState
 from memkv.errors import BlockLostError, InvalidInputError, MemkvError, UnknownSessionError
+from memkv.protocol.enums import SessionState
 from memkv.protocol.layout import KVLayout
 
 LAYOUT = KVLayout("m", 2, 2, 8, block_tokens=4).to_dict()
+
+
+def append(s, sid, chain, tokens):
+    """Place and record an append the way the router does around its device call."""
+    s.place(sid, chain)
+    return s.record_put(sid, s.sessions.plan_append(sid, tokens, chain))
 
 
 class Clock:
@@ -26,9 +33,8 @@ def test_least_loaded_placement_spreads_sessions():
     s = state()
     for i in range(4):
         s.create(f"s{i}", LAYOUT, "t", "normal")
-        s.place(f"s{i}", [f"chain-{i}".encode()])
-        s.record_put(f"s{i}", [f"chain-{i}".encode()], 4, 1)
-    assert {r.device_id for r in s.sessions.values()} == {"d0", "d1"}
+        append(s, f"s{i}", [f"chain-{i}".encode()], 4)
+    assert {r.device_id for r in s.sessions} == {"d0", "d1"}
     assert s.devices["d0"].sessions == s.devices["d1"].sessions == 2
 
 
@@ -36,10 +42,9 @@ def test_prefix_affinity_places_sharers_together():
     s = state()
     s.create("a", LAYOUT, "t", "normal")
     s.create("filler", LAYOUT, "t", "normal")
-    first = s.place("a", [b"p1", b"p2", b"a3"])
-    s.record_put("a", [b"p1", b"p2", b"a3"], 12, 1)
-    s.place("filler", [b"x"])  # the other device is now less loaded...
-    s.record_put("filler", [b"x"], 4, 1)
+    append(s, "a", [b"p1", b"p2", b"a3"], 12)
+    first = s.get("a").device_id
+    append(s, "filler", [b"x"], 4)  # the other device is now less loaded...
     s.create("b", LAYOUT, "t", "normal")
     s.create("c", LAYOUT, "t", "normal")
     # ...but b shares a's prefix, so it goes where that prefix is.
@@ -47,8 +52,8 @@ def test_prefix_affinity_places_sharers_together():
     no_affinity = state(prefix_affinity=False)
     no_affinity.create("a", LAYOUT, "t", "normal")
     no_affinity.create("b", LAYOUT, "t", "normal")
-    d = no_affinity.place("a", [b"p1"])
-    no_affinity.record_put("a", [b"p1"], 4, 1)
+    append(no_affinity, "a", [b"p1"], 4)
+    d = no_affinity.get("a").device_id
     assert no_affinity.place("b", [b"p1"]) != d
 
 
@@ -56,12 +61,11 @@ def test_cluster_refcounts_report_garbage_only_when_nobody_holds_a_block():
     s = state()
     for sid in ("a", "b"):
         s.create(sid, LAYOUT, "t", "normal")
-        s.place(sid, [b"p"])
-    assert s.record_put("a", [b"p", b"a1"], 8, 1) == []
-    assert s.record_put("b", [b"p", b"b1"], 8, 1) == []
+    assert append(s, "a", [b"p", b"a1"], 8) == []
+    assert append(s, "b", [b"p", b"b1"], 8) == []
     assert s.refcount(b"p") == 2
     # a's partial tail replaced: the old tail is garbage, the prefix is not
-    assert s.record_put("a", [b"p", b"a2"], 8, 2) == [b"a1"]
+    assert append(s, "a", [b"p", b"a2"], 8) == [b"a1"]
     assert s.delete("a") == [b"a2"]
     assert s.delete("b") == [b"p", b"b1"]
     with pytest.raises(UnknownSessionError):
@@ -87,15 +91,14 @@ def test_background_candidates_are_the_hottest_inactive_sessions():
     s = state(clock=clock)
     for sid, touches in (("cold", 1), ("warm", 3), ("active", 9)):
         s.create(sid, LAYOUT, "t", "normal")
-        s.place(sid, [sid.encode()])
-        s.record_put(sid, [sid.encode()], 4, 1)
+        append(s, sid, [sid.encode()], 4)
         for _ in range(touches):
             s.touch(sid)
-    d = s.sessions["cold"].device_id
+    d = s.get("cold").device_id
     for sid in ("cold", "warm", "active"):
-        s.sessions[sid].device_id = d
-    s.record_state("cold", "archived", archived=True)
-    s.record_state("warm", "suspended", archived=True)
+        s.get(sid).device_id = d
+    s.record_state("cold", SessionState.ARCHIVED)
+    s.record_state("warm", SessionState.SUSPENDED)
     assert s.background_candidates(d, limit=4) == ["warm", "cold"]
 
 

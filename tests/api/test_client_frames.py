@@ -91,5 +91,8 @@ def test_headers_patch_in_place():
             for crc in (0, 1, 2**32 - 1):
                 h = msgpack.unpackb(bytes(t.fill(tier=tier, exact=exact, crc=crc)[8:]))
                 assert (h["tier"], h["exact"], h["crc32"], h["index"]) == (
-                    {"hot": 0, "warm": 1, "cold": 2}[tier], exact, crc, 7
+                    {"hot": 0, "warm": 1, "cold": 2}[tier],
+                    exact,
+                    crc,
+                    7,
                 )

@@ -37,8 +37,9 @@ class _Server:
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        config = uvicorn.Config(app, loop="asyncio", http="httptools", log_level="warning",
-                                lifespan="off")
+        config = uvicorn.Config(
+            app, loop="asyncio", http="httptools", log_level="warning", lifespan="off"
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=lambda: asyncio.run(self._server.serve(sockets=[self._sock])), daemon=True

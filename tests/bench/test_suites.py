@@ -20,8 +20,9 @@ from memkv.bench.report import SCHEMA, load_results
 
 @pytest.fixture()
 def ctx(cluster: Any, gateway: Any, tmp_path: Path) -> BenchContext:
-    return BenchContext(quick=True, out=tmp_path / "results", cluster=cluster,
-                        gateway_url=gateway.url)
+    return BenchContext(
+        quick=True, out=tmp_path / "results", cluster=cluster, gateway_url=gateway.url
+    )
 
 
 def _positive(x: Any) -> bool:
@@ -47,7 +48,8 @@ def test_resume_quick(ctx: BenchContext) -> None:
             t = size[path]
             assert all(_positive(t[k]) for k in ("fetch_s", "decode_s", "copy_s", "prefill_s"))
             assert t["ttft_s"] == pytest.approx(
-                t["fetch_s"] + t["decode_s"] + t["copy_s"] + t["prefill_s"])
+                t["fetch_s"] + t["decode_s"] + t["copy_s"] + t["prefill_s"]
+            )
         assert sum(size["gateway_tiers"].values()) > 0
 
 
@@ -116,8 +118,7 @@ def test_byte_llama_is_cached_and_reused(tmp_path: Path) -> None:
     assert not info3.cached
 
 
-def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch,
-                                           tmp_path: Path) -> None:
+def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from memkv.bench.accuracy import default_cache_dir
 
     monkeypatch.delenv("MEMKV_CACHE_DIR", raising=False)
@@ -136,15 +137,24 @@ def test_perplexity_is_scored_on_the_transformed_cache() -> None:
     model, info = train_byte_llama(None, quick=True, minutes=0.01)
     assert info.path is None  # quick without a directory: nothing saved
 
-    def noisy(keys: list[torch.Tensor], values: list[torch.Tensor]
-              ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    def noisy(
+        keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
         gen = torch.Generator().manual_seed(0)
-        return ([k + torch.randn(k.shape, generator=gen) * 3 for k in keys],
-                [v + torch.randn(v.shape, generator=gen) * 3 for v in values], 1)
+        return (
+            [k + torch.randn(k.shape, generator=gen) * 3 for k in keys],
+            [v + torch.randn(v.shape, generator=gen) * 3 for v in values],
+            1,
+        )
 
-    res = perplexity_with_codecs(model, info.corpus.held_out,
-                                 {"same": precision_transform(torch.float32), "noisy": noisy},
-                                 prefix=32, cont=16, n_windows=3)
+    res = perplexity_with_codecs(
+        model,
+        info.corpus.held_out,
+        {"same": precision_transform(torch.float32), "noisy": noisy},
+        prefix=32,
+        cont=16,
+        n_windows=3,
+    )
     assert res["same"].rise_pct == 0 and res["same"].scored_tokens == 48
     # A barely trained model need not get worse, but it must see the damaged cache.
     assert res["noisy"].perplexity != res["same"].perplexity
@@ -153,8 +163,9 @@ def test_perplexity_is_scored_on_the_transformed_cache() -> None:
     assert res["noisy"].stored_bytes == 3
     assert res["noisy"].ratio_vs_fp16 == pytest.approx(3 * 2 * 2 * 2 * 32 * 16 * 2 / 3)
     with pytest.raises(InvalidInputError):
-        perplexity_with_codecs(model, info.corpus.held_out[:10], {}, prefix=32, cont=16,
-                               n_windows=1)
+        perplexity_with_codecs(
+            model, info.corpus.held_out[:10], {}, prefix=32, cont=16, n_windows=1
+        )
 
 
 def test_scale_quick(ctx: BenchContext) -> None:
@@ -171,9 +182,20 @@ def test_eviction_quick_on_a_trace_file(ctx: BenchContext, tmp_path: Path) -> No
     from memkv.bench.eviction import synthetic_trace
 
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(
-        json.dumps({"timestamp": r.timestamp, "input_length": 0, "output_length": 0,
-                    "hash_ids": list(r.hash_ids)}) + "\n" for r in synthetic_trace(40)))
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": r.timestamp,
+                    "input_length": 0,
+                    "output_length": 0,
+                    "hash_ids": list(r.hash_ids),
+                }
+            )
+            + "\n"
+            for r in synthetic_trace(40)
+        )
+    )
     ctx.trace = trace
     result = run_suite("eviction", ctx)
     _written(ctx, "eviction")
@@ -189,13 +211,28 @@ def test_eviction_quick_on_a_trace_file(ctx: BenchContext, tmp_path: Path) -> No
 def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path) -> None:
     md = tmp_path / "BENCHMARKS.md"
     trace = tmp_path / "t.jsonl"
-    trace.write_text(json.dumps({"timestamp": 0, "hash_ids": [1, 2, 3]}) + "\n"
-                     + json.dumps({"timestamp": 5, "hash_ids": [1, 2, 4]}) + "\n")
+    trace.write_text(
+        json.dumps({"timestamp": 0, "hash_ids": [1, 2, 3]})
+        + "\n"
+        + json.dumps({"timestamp": 5, "hash_ids": [1, 2, 4]})
+        + "\n"
+    )
     # A 4-block trace: memkv's policies run, the reference ones are skipped (too small).
     (ctx.out).mkdir(parents=True)
     (ctx.out / "legacy.json").write_text('{"benchmark": "old format"}')
-    status = main(["eviction", "--quick", "--trace", str(trace), "--out", str(ctx.out),
-                   "--markdown", str(md)], ctx=ctx)
+    status = main(
+        [
+            "eviction",
+            "--quick",
+            "--trace",
+            str(trace),
+            "--out",
+            str(ctx.out),
+            "--markdown",
+            str(md),
+        ],
+        ctx=ctx,
+    )
     assert status == 0
     row = load_results(ctx.out)[0]["figures"]["rows"][0]
     assert set(row["policies"]) == {"memkv LRU-K", "memkv LRU"}

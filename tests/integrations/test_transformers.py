@@ -133,8 +133,9 @@ class FakeClient:
         return [FakeBlock(i, k, self.blocks[k], "warm") for i, k in enumerate(keys)]
 
 
-LAYOUT = KVLayout("fake", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32",
-                  block_tokens=BLOCK)
+LAYOUT = KVLayout(
+    "fake", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_tokens=BLOCK
+)
 
 
 def stored_session(client, tokens, *, namespace="tenant", seed=0):
@@ -213,8 +214,7 @@ def test_restore_uses_the_partial_tail_of_the_session():
     client = FakeClient()
     tokens = list(range(10))  # blocks of 4, 4, 2
     sid, keys, values = stored_session(client, tokens)
-    restored = restore(client, tokens + [50, 51], layout=LAYOUT, namespace="tenant",
-                       session_id=sid)
+    restored = restore(client, tokens + [50, 51], layout=LAYOUT, namespace="tenant", session_id=sid)
     assert restored.tokens == 10 and restored.source is RestoreSource.SESSION
     assert restored.tiers == ["hot", "hot", "hot"]
     got_k, got_v = restored_kv(restored)
@@ -252,8 +252,9 @@ def test_a_new_session_gets_the_shared_prefix_of_its_namespace():
     system = list(range(9))
     stored_session(client, system + [60, 61, 62])
     client.create_session("new", LAYOUT, namespace="tenant")
-    restored = restore(client, system + [70, 71], layout=LAYOUT, namespace="tenant",
-                       session_id="new")
+    restored = restore(
+        client, system + [70, 71], layout=LAYOUT, namespace="tenant", session_id="new"
+    )
     assert restored.tokens == 8 and restored.source is RestoreSource.SHARED
     assert restored.tiers == ["warm", "warm"]
     no_session = restore(client, system + [70], layout=LAYOUT, namespace="tenant")
@@ -319,8 +320,9 @@ def test_greedy_decode_from_a_restored_cache_equals_recompute(model):
     first = greedy_decode(model, prompt, max_new_tokens=5)
     save_turn(client, "chat", prompt + first.tokens[:-1], first.cache)
     follow = prompt + first.tokens + [5, 6, 7]
-    restored = restore(client, follow, layout=layout, namespace="tenant", session_id="chat",
-                       config=model.config)
+    restored = restore(
+        client, follow, layout=layout, namespace="tenant", session_id="chat", config=model.config
+    )
     assert restored.tokens == len(prompt) + 4
     fast = greedy_decode(model, follow, cache=restored.cache, max_new_tokens=6)
     full = greedy_decode(model, follow, max_new_tokens=6)
@@ -328,8 +330,9 @@ def test_greedy_decode_from_a_restored_cache_equals_recompute(model):
     assert restored.keys == tuple(client.sessions["chat"].chain)
     with pytest.raises(InvalidInputError, match="at least one token"):
         greedy_decode(model, follow[:3], cache=fast.cache, max_new_tokens=1)
-    half = restore(client, follow, layout=layout, namespace="tenant", session_id="chat",
-                   dtype=torch.float16)
+    half = restore(
+        client, follow, layout=layout, namespace="tenant", session_id="chat", dtype=torch.float16
+    )
     with pytest.raises(LayoutMismatchError, match="restore it with dtype=torch.float32"):
         greedy_decode(model, follow, cache=half.cache, max_new_tokens=1)
 
@@ -364,8 +367,14 @@ def test_generation_restored_through_the_gateway_equals_full_recompute(gateway, 
                     client.resume(sid)
                 user = torch.randint(0, VOCAB, (6,), generator=g).tolist()
                 prompt = history[sid] + user
-                restored = restore(client, prompt, layout=layout, namespace=namespace,
-                                   session_id=sid, config=model.config)
+                restored = restore(
+                    client,
+                    prompt,
+                    layout=layout,
+                    namespace=namespace,
+                    session_id=sid,
+                    config=model.config,
+                )
                 if turn == 0 and n == 0:
                     assert restored.tokens == 0
                 elif turn == 0:

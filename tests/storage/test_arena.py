@@ -206,9 +206,10 @@ def test_request_above_half_a_unit_gets_its_own_extent() -> None:
 def test_size_classes_per_doubling_share_slabs() -> None:
     unit = 4 * UNIT
     sizes = [2304, 2816, 3328, 3840]  # four distinct 256-byte classes
-    with DeviceArena(16 * unit, unit) as exact, DeviceArena(
-        16 * unit, unit, slab_classes_per_doubling=1
-    ) as coarse:
+    with (
+        DeviceArena(16 * unit, unit) as exact,
+        DeviceArena(16 * unit, unit, slab_classes_per_doubling=1) as coarse,
+    ):
         for n in sizes:
             assert exact.allocate(n) is not None
             assert coarse.allocate(n) is not None

@@ -182,8 +182,12 @@ def test_lowest_address_first_and_split() -> None:
     buddy = BuddyAllocator(16 * unit, unit)
     assert buddy.alloc(1) == 0
     # The split left free blocks of 1, 2, 4 and 8 units behind the first unit.
-    assert buddy.free_blocks() == [(unit, unit), (2 * unit, 2 * unit), (4 * unit, 4 * unit),
-                                   (8 * unit, 8 * unit)]
+    assert buddy.free_blocks() == [
+        (unit, unit),
+        (2 * unit, 2 * unit),
+        (4 * unit, 4 * unit),
+        (8 * unit, 8 * unit),
+    ]
     assert buddy.alloc(3 * unit) == 4 * unit  # rounded to 4 units
     assert buddy.size_of(4 * unit) == 4 * unit
     assert buddy.alloc(unit) == unit
@@ -249,8 +253,15 @@ def test_double_free_is_misuse() -> None:
 
 @pytest.mark.parametrize(
     ("capacity", "unit"),
-    [(0, 4096), (-4096, 4096), (4096 + 1, 4096), (3 * 4096, 3000), (4096, 0), (4096.0, 4096),
-     (4096, True)],
+    [
+        (0, 4096),
+        (-4096, 4096),
+        (4096 + 1, 4096),
+        (3 * 4096, 3000),
+        (4096, 0),
+        (4096.0, 4096),
+        (4096, True),
+    ],
 )
 def test_bad_construction_is_config_error(capacity: Any, unit: Any) -> None:
     with pytest.raises(ConfigError):

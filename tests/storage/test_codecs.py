@@ -89,9 +89,11 @@ def any_tensors(draw: st.DrawFn) -> torch.Tensor:
     else:
         flat = torch.full((n,), 0.75, dtype=dtype)
     if n:
-        for pos, value in draw(st.lists(st.tuples(st.integers(0, n - 1),
-                                                  st.sampled_from(_specials(dtype))),
-                                        max_size=4)):
+        for pos, value in draw(
+            st.lists(
+                st.tuples(st.integers(0, n - 1), st.sampled_from(_specials(dtype))), max_size=4
+            )
+        ):
             flat[pos] = value
     return flat.reshape(shape)
 
@@ -100,22 +102,29 @@ def any_tensors(draw: st.DrawFn) -> torch.Tensor:
 def finite_blocks(draw: st.DrawFn) -> torch.Tensor:
     """KV blocks [L, 2, H, T, D] of finite values, with extremes mixed in."""
     dtype = draw(st.sampled_from(DTYPES))
-    shape = (draw(st.integers(1, 2)), 2, draw(st.integers(1, 2)), draw(st.integers(0, 40)),
-             draw(st.integers(1, 20)))
+    shape = (
+        draw(st.integers(1, 2)),
+        2,
+        draw(st.integers(1, 2)),
+        draw(st.integers(0, 40)),
+        draw(st.integers(1, 20)),
+    )
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     magnitudes = [1e-4, 1.0, 300.0]
     if dtype != torch.float16:
         magnitudes.append(1e37)  # the float64 ("wide") path
     magnitude = draw(st.sampled_from(magnitudes))
     fi = torch.finfo(dtype)
-    x = (torch.randn(shape, generator=g, dtype=torch.float64) * magnitude)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * magnitude
     x = x.clamp(-fi.max, fi.max).to(dtype)
     flat = x.view(-1)
     n = flat.numel()
     if n:
-        for pos, value in draw(st.lists(st.tuples(st.integers(0, n - 1),
-                                                  st.sampled_from(_specials(dtype))),
-                                        max_size=4)):
+        for pos, value in draw(
+            st.lists(
+                st.tuples(st.integers(0, n - 1), st.sampled_from(_specials(dtype))), max_size=4
+            )
+        ):
             flat[pos] = value
     return x
 
@@ -191,8 +200,9 @@ FRAMES = _all_frames()
 @pytest.mark.parametrize(("name", "params"), LOSSLESS_SPECS)
 @settings(max_examples=40, deadline=None)
 @given(tensor=any_tensors())
-def test_lossless_round_trip_is_bit_exact(name: str, params: dict[str, Any],
-                                          tensor: torch.Tensor) -> None:
+def test_lossless_round_trip_is_bit_exact(
+    name: str, params: dict[str, Any], tensor: torch.Tensor
+) -> None:
     codec = get_codec(name, **params)
     assert codec.lossless and codec.error_bound() == "bit-exact"
     frame = codec.encode(tensor)
@@ -201,8 +211,9 @@ def test_lossless_round_trip_is_bit_exact(name: str, params: dict[str, Any],
 
 
 def test_lossless_keeps_negative_zero_and_fp16_extremes() -> None:
-    x = torch.tensor([-0.0, 0.0, 65504.0, -65504.0, 2.0**-24, -(2.0**-24), 2.0**-14],
-                     dtype=torch.float16)
+    x = torch.tensor(
+        [-0.0, 0.0, 65504.0, -65504.0, 2.0**-24, -(2.0**-24), 2.0**-14], dtype=torch.float16
+    )
     for name, params in LOSSLESS_SPECS:
         y = decode_frame(get_codec(name, **params).encode(x))
         assert _bits_equal(x, y), name
@@ -281,8 +292,11 @@ def test_frames_are_self_describing() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(which=st.integers(0, len(FRAMES) - 1), where=st.floats(0, 1, exclude_max=True),
-       flip=st.integers(1, 255))
+@given(
+    which=st.integers(0, len(FRAMES) - 1),
+    where=st.floats(0, 1, exclude_max=True),
+    flip=st.integers(1, 255),
+)
 def test_any_corrupted_byte_is_detected(which: int, where: float, flip: int) -> None:
     frame = bytearray(FRAMES[which])
     pos = int(where * len(frame))
@@ -310,8 +324,18 @@ def test_trailing_bytes_are_detected() -> None:
 
 def _rewrite(frame: bytes, **fields: int) -> bytes:
     """Change fixed-header fields and recompute the header CRC (a well-formed lie)."""
-    names = ["magic", "version", "codec_id", "dtype", "ndim", "var_len", "payload_len",
-             "raw_len", "payload_crc", "header_crc"]
+    names = [
+        "magic",
+        "version",
+        "codec_id",
+        "dtype",
+        "ndim",
+        "var_len",
+        "payload_len",
+        "raw_len",
+        "payload_crc",
+        "header_crc",
+    ]
     values = dict(zip(names, FIXED.unpack_from(frame), strict=True))
     values.update(fields)
     fixed = FIXED.pack(*[values[n] for n in names])
@@ -322,8 +346,12 @@ def _rewrite(frame: bytes, **fields: int) -> bytes:
 
 @pytest.mark.parametrize(
     ("fields", "message"),
-    [({"version": FORMAT_VERSION + 1}, "version"), ({"codec_id": 99}, "codec id"),
-     ({"dtype": 77}, "dtype"), ({"raw_len": 12}, "decoded bytes")],
+    [
+        ({"version": FORMAT_VERSION + 1}, "version"),
+        ({"codec_id": 99}, "codec id"),
+        ({"dtype": 77}, "dtype"),
+        ({"raw_len": 12}, "decoded bytes"),
+    ],
 )
 def test_well_formed_but_invalid_headers(fields: dict[str, int], message: str) -> None:
     with pytest.raises(CorruptDataError, match=message):
@@ -372,9 +400,16 @@ def test_registry() -> None:
 
 @pytest.mark.parametrize(
     ("name", "params"),
-    [("delta_rl", {"bits": 3}), ("delta_rl", {"bits": True}), ("delta_rl", {"group": 0}),
-     ("delta_rl", {"k_grouping": "layer"}), ("delta_rl", {"token_delta": 1}),
-     ("zstd", {"level": 99}), ("zstd", {"level": 1.5}), ("lz4", {"shuffle": "yes"})],
+    [
+        ("delta_rl", {"bits": 3}),
+        ("delta_rl", {"bits": True}),
+        ("delta_rl", {"group": 0}),
+        ("delta_rl", {"k_grouping": "layer"}),
+        ("delta_rl", {"token_delta": 1}),
+        ("zstd", {"level": 99}),
+        ("zstd", {"level": 1.5}),
+        ("lz4", {"shuffle": "yes"}),
+    ],
 )
 def test_bad_codec_params(name: str, params: dict[str, Any]) -> None:
     with pytest.raises(InvalidInputError):
@@ -432,8 +467,9 @@ def test_codec_policy_choices() -> None:
     assert policy.choose("cold", update_count=3, offline=True) == "delta_rl"
     assert policy.choose("cold", update_count=4, offline=True) == "none"  # updated often
     assert policy.choose("cold", update_count=0, turns_old=50) == "zstd"
-    custom = CodecPolicy(CodecConfig(warm_codec="lz4", hot_update_threshold=2),
-                         cold_min_turns_old=10)
+    custom = CodecPolicy(
+        CodecConfig(warm_codec="lz4", hot_update_threshold=2), cold_min_turns_old=10
+    )
     assert custom.choose("warm", update_count=1) == "lz4"
     assert custom.choose("warm", update_count=2) == "none"
     assert custom.choose("cold", update_count=0, turns_old=9) == "lz4"
@@ -443,9 +479,12 @@ def test_codec_policy_choices() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"tier": "hot", "update_count": 0}, {"tier": "cold", "update_count": -1},
-     {"tier": "cold", "update_count": 0, "turns_old": -2},
-     {"tier": "cold", "update_count": 0, "offline": "yes"}],
+    [
+        {"tier": "hot", "update_count": 0},
+        {"tier": "cold", "update_count": -1},
+        {"tier": "cold", "update_count": 0, "turns_old": -2},
+        {"tier": "cold", "update_count": 0, "offline": "yes"},
+    ],
 )
 def test_codec_policy_rejects_bad_inputs(kwargs: dict[str, Any]) -> None:
     with pytest.raises(InvalidInputError):

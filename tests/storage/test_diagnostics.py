@@ -26,7 +26,15 @@ def brute_force_histogram(stream: list[int], max_tracked: int) -> dict[str, int]
 
 def test_reuse_bucket_edges() -> None:
     assert [reuse_bucket(d) for d in (0, 1, 2, 3, 4, 7, 8, 1023, 1024)] == [
-        "0", "1", "2-3", "2-3", "4-7", "4-7", "8-15", "512-1023", "1024-2047",
+        "0",
+        "1",
+        "2-3",
+        "2-3",
+        "4-7",
+        "4-7",
+        "8-15",
+        "512-1023",
+        "1024-2047",
     ]
     assert reuse_bucket(None) == COLD_BUCKET
     with pytest.raises(InvalidInputError):
@@ -66,9 +74,7 @@ def test_reuse_distance_matches_brute_force(stream: list[int], max_tracked: int)
 def test_long_skewed_stream_matches_brute_force(max_tracked: int) -> None:
     rng = random.Random(max_tracked)
     # Mostly a hot set, sometimes a long tail: distances from 0 to hundreds.
-    stream = [
-        rng.randrange(8) if rng.random() < 0.6 else rng.randrange(400) for _ in range(3000)
-    ]
+    stream = [rng.randrange(8) if rng.random() < 0.6 else rng.randrange(400) for _ in range(3000)]
     stats = AccessStats(max_tracked_keys=max_tracked)
     for t, key in enumerate(stream):
         stats.record(key, "cold", now=float(t))

@@ -27,8 +27,9 @@ FP16_MAX = 65504.0
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _block(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0, scale: float = 1.0
-           ) -> torch.Tensor:
+def _block(
+    shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0, scale: float = 1.0
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     # Clamped to fp16's range so large magnitudes give extremes, not infinities.
     return (torch.randn(shape, generator=g) * scale).clamp(-FP16_MAX, FP16_MAX).to(dtype)
@@ -66,8 +67,9 @@ def test_convert_overflow_between_16_bit_formats_and_from_fp32() -> None:
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_convert_refuses_non_finite_input_even_to_same_dtype(bad: float, dtype: torch.dtype
-                                                             ) -> None:
+def test_convert_refuses_non_finite_input_even_to_same_dtype(
+    bad: float, dtype: torch.dtype
+) -> None:
     x = torch.tensor([0.0, bad, 2.0]).to(dtype)
     with pytest.raises(PrecisionOverflowError, match="non-finite"):
         convert(x, dtype)
@@ -130,7 +132,12 @@ def _int8_bound(block: torch.Tensor) -> torch.Tensor:
     magnitude=st.sampled_from([1e-3, 1.0, 300.0, FP16_MAX / 4]),
 )
 def test_int8_error_within_half_a_step(
-    layers: int, heads: int, tokens: int, dim: int, dtype: torch.dtype, seed: int,
+    layers: int,
+    heads: int,
+    tokens: int,
+    dim: int,
+    dtype: torch.dtype,
+    seed: int,
     magnitude: float,
 ) -> None:
     block = _block((layers, 2, heads, tokens, dim), dtype, seed, magnitude)
@@ -195,8 +202,7 @@ def test_dequantize_to_other_dtype_and_overflow() -> None:
     big = quantize_int8(block * 1e6)
     with pytest.raises(PrecisionOverflowError):
         dequantize_int8(big, torch.float16)
-    bad = QuantizedBlock(data=q.data, k_scale=q.k_scale[:, :, :2], v_scale=q.v_scale,
-                         dtype=q.dtype)
+    bad = QuantizedBlock(data=q.data, k_scale=q.k_scale[:, :, :2], v_scale=q.v_scale, dtype=q.dtype)
     with pytest.raises(InvalidInputError):
         dequantize_int8(bad)
 
@@ -259,8 +265,15 @@ def test_policy_never_up_converts_and_keeps_bf16_unless_configured() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [(-1, 0, 0.0), (0, -1, 0.0), (0, 0, -0.5), (0, 0, math.nan), (True, 0, 0.0),
-     (1.5, 0, 0.0), (0, 0, "1")],
+    [
+        (-1, 0, 0.0),
+        (0, -1, 0.0),
+        (0, 0, -0.5),
+        (0, 0, math.nan),
+        (True, 0, 0.0),
+        (1.5, 0, 0.0),
+        (0, 0, "1"),
+    ],
 )
 def test_policy_rejects_bad_inputs(args: tuple[object, object, object]) -> None:
     policy = PrecisionPolicy(PrecisionConfig(), "float16")

@@ -380,9 +380,7 @@ def build_spread(d: Path) -> tuple[ArchiveConfig, list[tuple]]:
 
 @settings(max_examples=50, deadline=None)
 @given(data=st.data(), verify=st.booleans())
-def test_flipped_byte_is_never_served_and_others_survive(
-    data: st.DataObject, verify: bool
-) -> None:
+def test_flipped_byte_is_never_served_and_others_survive(data: st.DataObject, verify: bool) -> None:
     with temp_dir() as d:
         cfg, recs = build_spread(d)
         i = data.draw(st.integers(0, len(recs) - 1), label="record")
