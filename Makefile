@@ -37,16 +37,16 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 demo: $(STAMP)
-	$(PY) -m memkv.demo
+	$(PY) -m memkv.cli demo
 
 bench: $(STAMP)
 	$(PY) -m memkv.cli bench all
 
 bench-eviction: $(STAMP)
-	$(PY) -m memkv.bench.trace_replay $(TRACE)
+	$(PY) -m memkv.cli bench eviction --trace $(TRACE)
 
 bench-codecs: $(STAMP)
-	$(PY) -m memkv.bench.codec_measure
+	$(PY) -m memkv.cli bench codecs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

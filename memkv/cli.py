@@ -10,6 +10,7 @@ nodes pass ``--no-gateway`` and return.
 
 from __future__ import annotations
 
+import enum
 import json
 import signal
 import threading
@@ -17,6 +18,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from memkv.bench import ALL, SUITES
+from memkv.demo_settings import DemoSettings
+
+_DEMO = DemoSettings()
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
 
@@ -95,23 +101,84 @@ def status(address: AddressOpt = "auto", config: ConfigOpt = None) -> None:
 
 @app.command()
 def demo(
-    sessions: Annotated[int, typer.Option(min=2, help="Agent sessions.")] = 4,
-    seed: Annotated[int, typer.Option(help="Model and token seed.")] = 0,
+    sessions: Annotated[
+        int, typer.Option(min=2, help="Agent sessions (at least 2: they share the system prompt).")
+    ] = _DEMO.sessions,
+    turns: Annotated[int, typer.Option(min=1, help="Turns per session.")] = _DEMO.turns,
+    system_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens of the shared system prompt.")
+    ] = _DEMO.system_tokens,
+    user_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens of each user message.")
+    ] = _DEMO.user_tokens,
+    new_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens generated per turn.")
+    ] = _DEMO.new_tokens,
+    block_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens per memkv block.")
+    ] = _DEMO.block_tokens,
+    seed: Annotated[int, typer.Option(help="Model and token seed.")] = _DEMO.seed,
+    repeats: Annotated[
+        int, typer.Option(min=1, help="Timings of each prefill; the fastest is shown.")
+    ] = _DEMO.repeats,
+    model: Annotated[
+        Path | None,
+        typer.Option(file_okay=False, help="A local HF causal LM directory (default: built)."),
+    ] = None,
+    port: Annotated[
+        int, typer.Option(min=0, help="Gateway port on 127.0.0.1 (0: a free one).")
+    ] = _DEMO.port,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="Cold-tier directory (default: a temporary one).")
+    ] = None,
 ) -> None:
-    """Run the demonstration (see ``make demo``)."""
-    from memkv.demo import main as demo_main
+    """Agent sessions sharing a system prompt, through the HTTP gateway (``make demo``)."""
+    from memkv.demo import run_demo
 
-    raise typer.Exit(demo_main(["--sessions", str(sessions), "--seed", str(seed)]))
+    settings = DemoSettings(
+        sessions=sessions,
+        turns=turns,
+        system_tokens=system_tokens,
+        user_tokens=user_tokens,
+        new_tokens=new_tokens,
+        block_tokens=block_tokens,
+        seed=seed,
+        repeats=repeats,
+        model=model,
+        port=port,
+    )
+    raise typer.Exit(0 if run_demo(settings, data_dir) else 1)
 
 
-@app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
-def bench(ctx: typer.Context) -> None:
-    """Run the benchmark suites (``memkv bench --help`` lists them and their options)."""
-    from memkv.bench import main as bench_main
+Suite = enum.StrEnum("Suite", {name: name for name in (ALL, *SUITES)})  # type: ignore[misc]
+_ALL_SUITES = Suite(ALL)
 
-    raise typer.Exit(bench_main(list(ctx.args)))
+
+@app.command()
+def bench(
+    suite: Annotated[
+        Suite, typer.Argument(help="Which suite to run (all: every one, in order).")
+    ] = _ALL_SUITES,
+    quick: Annotated[bool, typer.Option(help="Small sizes: each suite runs in seconds.")] = False,
+    trace: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="Mooncake-format JSONL trace (eviction)."),
+    ] = None,
+    model: Annotated[
+        Path | None, typer.Option(file_okay=False, help="Local HF causal LM directory (resume).")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    markdown: Annotated[
+        Path | None,
+        typer.Option(help="The generated table (default: BENCHMARKS.md, or inside --out)."),
+    ] = None,
+) -> None:
+    """Run the benchmark suites; each writes <out>/<suite>.json and .png, then BENCHMARKS.md."""
+    from memkv.bench.runner import run
+
+    raise typer.Exit(
+        run(suite.value, quick=quick, trace=trace, model=model, out=out, markdown=markdown)
+    )
 
 
 def main() -> None:

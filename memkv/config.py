@@ -51,12 +51,8 @@ from memkv.errors import ConfigError
 from memkv.storage.codecs import CodecPolicy
 from memkv.storage.config import (
     MIB,
-    AllocatorConfig,
     ArchiveConfig,
-    CodecConfig,
-    EvictionConfig,
-    PrecisionConfig,
-    PrefetchConfig,
+    EngineSettings,
     StoreConfig,
 )
 
@@ -136,8 +132,9 @@ def _check_name(value: str, what: str) -> str:
     return value
 
 
-class DeviceSettings(_Frozen):
-    """One device actor: its hot (device) and warm (host) tiers and engine policies."""
+class DeviceSettings(EngineSettings):
+    """One device actor: its hot (device) and warm (host) tiers; the engine's policies
+    come from :class:`~memkv.storage.config.EngineSettings`."""
 
     hot_capacity_bytes: int = Field(
         default=2 * GIB,
@@ -155,27 +152,6 @@ class DeviceSettings(_Frozen):
         default="auto",
         description="'auto' = cuda:<the actor's GPU> when the actor has one, else cpu; "
         "or an explicit 'cpu' / 'cuda:N'.",
-    )
-    allocator: AllocatorConfig = Field(
-        default_factory=AllocatorConfig, description="Buddy allocator of both arenas."
-    )
-    eviction: EvictionConfig = Field(
-        default_factory=EvictionConfig, description="Eviction policy of both memory tiers."
-    )
-    prefetch: PrefetchConfig = Field(
-        default_factory=PrefetchConfig, description="Markov-chain prefetcher."
-    )
-    precision: PrecisionConfig = Field(
-        default_factory=PrecisionConfig, description="Dtype of blocks by age and sharing."
-    )
-    codecs: CodecConfig = Field(default_factory=CodecConfig, description="Per-tier codecs.")
-    debug_refcounts: bool = Field(
-        default=False, description="Check refcount invariants on every operation (slow)."
-    )
-    prefault: bool = Field(
-        default=True,
-        description="Populate the hot and warm arenas' pages in a background thread at "
-        "start (their memory is committed then), so first writes pay no page faults.",
     )
     same_node_reads: bool = Field(
         default=False,
@@ -266,14 +242,8 @@ class DeviceSettings(_Frozen):
                 warm_capacity_bytes=self.warm_capacity_bytes,
                 cold_capacity_bytes=cold_capacity_bytes,
                 device=device,
-                allocator=self.allocator,
-                eviction=self.eviction,
-                prefetch=self.prefetch,
-                precision=self.precision,
-                codecs=self.codecs,
                 archive=archive,
-                debug_refcounts=self.debug_refcounts,
-                prefault=self.prefault,
+                **self.engine_settings(),
             )
         except ValidationError as e:
             raise ConfigError(f"invalid StoreConfig: {_format_errors(e)}") from e

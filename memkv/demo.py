@@ -26,7 +26,6 @@ Every figure printed is measured in this run; the tokens are random ids
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -41,6 +40,7 @@ from transformers import DynamicCache
 
 from memkv.client import Client
 from memkv.config import MemkvConfig, load_config
+from memkv.demo_settings import DemoSettings
 from memkv.integrations.reference_model import REFERENCE_MODEL_ID, build_reference_model
 from memkv.integrations.transformers import (
     Generation,
@@ -57,7 +57,7 @@ from memkv.protocol.hashing import chain_hashes
 from memkv.storage.config import MIB
 from memkv.storage.layout import KVLayout, join_blocks, split_kv
 
-__all__ = ["DemoSettings", "main", "run"]
+__all__ = ["DemoSettings", "run", "run_demo"]
 
 NAMESPACE = "demo-tenant"
 TIERS = ("hot", "warm", "cold")
@@ -71,23 +71,6 @@ EMBEDDED_OBJECT_STORE_BYTES = 256 * MIB
 # Tokens of a first forward pass that warms the model up before anything is timed.
 WARMUP_TOKENS = 32
 MS = 1e3
-
-
-@dataclass(frozen=True, slots=True)
-class DemoSettings:
-    """What the demo runs (the command-line options)."""
-
-    sessions: int = 4
-    turns: int = 3
-    # An agent's system prompt with tool schemas runs to thousands of tokens.
-    system_tokens: int = 2048
-    user_tokens: int = 64
-    new_tokens: int = 16
-    block_tokens: int = 256
-    seed: int = 0
-    repeats: int = 3
-    model: Path | None = None
-    port: int = 0
 
 
 @dataclass(slots=True)
@@ -416,51 +399,19 @@ def run(settings: DemoSettings, data_dir: Path) -> bool:
     return checks.passed
 
 
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return n
+def run_demo(settings: DemoSettings, data_dir: Path | None = None) -> bool:
+    """Run the demo; True when every check passed.
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    defaults = DemoSettings()
-    parser.add_argument("--model", type=Path, default=None,
-                        help="a local HF causal LM directory (default: the reference model)")
-    parser.add_argument("--sessions", type=_positive, default=defaults.sessions)
-    parser.add_argument("--turns", type=_positive, default=defaults.turns)
-    parser.add_argument("--system-tokens", type=_positive, default=defaults.system_tokens)
-    parser.add_argument("--user-tokens", type=_positive, default=defaults.user_tokens)
-    parser.add_argument("--new-tokens", type=_positive, default=defaults.new_tokens)
-    parser.add_argument("--block-tokens", type=_positive, default=defaults.block_tokens)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--repeats", type=_positive, default=defaults.repeats,
-                        help="timings of each prefill; the fastest is shown")
-    parser.add_argument("--port", type=int, default=defaults.port,
-                        help="gateway port on 127.0.0.1 (default 0: a free one)")
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="cold-tier directory (default: a temporary one)")
-    args = parser.parse_args(argv)
-    if args.sessions < 2:
-        parser.error("--sessions must be at least 2 (they share the system prompt)")
-    settings = DemoSettings(
-        sessions=args.sessions,
-        turns=args.turns,
-        system_tokens=args.system_tokens,
-        user_tokens=args.user_tokens,
-        new_tokens=args.new_tokens,
-        block_tokens=args.block_tokens,
-        seed=args.seed,
-        repeats=args.repeats,
-        model=args.model,
-        port=args.port,
-    )
-    if args.data_dir is not None:
-        return 0 if run(settings, args.data_dir) else 1
+    Args:
+        data_dir: the cold tier's directory (default: a temporary one, removed after).
+    """
+    if data_dir is not None:
+        return run(settings, data_dir)
     with tempfile.TemporaryDirectory(prefix="memkv-demo-") as tmp:
-        return 0 if run(settings, Path(tmp)) else 1
+        return run(settings, Path(tmp))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from memkv.cli import app
+
+    app(["demo"])

@@ -58,3 +58,13 @@ def test_up_embedded_starts_and_stops_cleanly(tmp_path: Path):
             proc.kill()
             proc.wait()
     assert (tmp_path / "archive").is_dir()
+
+
+def test_bench_and_demo_options_are_typed():
+    runner = CliRunner()
+    result = runner.invoke(app, ["bench", "--help"])
+    assert result.exit_code == 0 and "--quick" in result.output and "dataplane" in result.output
+    refused = runner.invoke(app, ["bench", "nope"])
+    assert refused.exit_code == 2 and "nope" in refused.output
+    too_few = runner.invoke(app, ["demo", "--sessions", "1"])
+    assert too_few.exit_code == 2  # they share a system prompt: at least 2

@@ -9,26 +9,21 @@ memkv blocks (fp16 layout) and, for each codec configuration, measures:
   second, best of ``--reps`` passes over all blocks,
 * max-abs and RMS error against the fp16 blocks.
 
-Writes the results as JSON (``benchmarks/results/bench_codecs.json`` by default).
+``memkv bench codecs`` runs these measurements (on random and trained KV) and
+writes the table; this module holds the cases and the measuring.
 
 Random-weight KV is close to Gaussian noise: it has none of the outlier
 channels, token-to-token correlation or peaked distributions of a trained
 model's cache, so lossy ratios here are a floor and error figures are not
 perplexity. A later benchmark measures a trained model.
-
-Usage: ``python -m memkv.bench.codec_measure [--tokens 2048] [--json PATH] [--reps 3]``
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,16 +44,8 @@ REFERENCE_MODEL: dict[str, Any] = {
     "max_position_embeddings": 4096,
 }
 SEED = 0
-DEFAULT_TOKENS = 2048
-DEFAULT_REPS = 5
 BLOCK_TOKENS = 256
 MB = 1_000_000
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_codecs.json"
-NOTE = (
-    "KV from a RANDOM-WEIGHT model: near-Gaussian, no outlier channels or token "
-    "correlation, so lossy ratios are a floor and errors are not perplexity "
-    "(a trained model is measured later)."
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,18 +214,6 @@ def crc32_gb_s(blocks: Sequence[torch.Tensor], reps: int) -> float:
     return raw / best_total(lambda d: crc32(d.data), data, reps) / 1e9
 
 
-def print_table(rows: Sequence[Row]) -> None:
-    """One table, one row per case."""
-    head = (f"{'codec':<32} {'ratio':>6} {'enc MB/s':>9} {'dec MB/s':>9} "
-            f"{'max|err|':>9} {'rms err':>9} {'rel rms':>8}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r.label:<32} {r.ratio_vs_fp16:>6.2f} {r.encode_mb_s:>9.0f} "
-              f"{r.decode_mb_s:>9.0f} {r.max_abs_err:>9.2e} {r.rms_err:>9.2e} "
-              f"{r.rel_rms_err:>8.4f}")
-
-
 def stage_contributions(rows: Sequence[Row]) -> dict[str, dict[str, float]]:
     """Ratio gained by each delta_rl stage over the row before it (x factor)."""
     by_label = {r.label: r for r in rows}
@@ -255,57 +230,3 @@ def stage_contributions(rows: Sequence[Row]) -> dict[str, dict[str, float]]:
             steps[by_label[cur].stage] = by_label[cur].ratio_vs_fp16 / by_label[prev].ratio_vs_fp16
         out[name] = steps
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the table, write the JSON; return the results."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="tokens of KV")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
-    parser.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed passes (best)")
-    args = parser.parse_args(argv)
-    if args.tokens < 1 or args.reps < 1:
-        parser.error("--tokens and --reps must be >= 1")
-
-    layout, blocks, meta = build_kv(args.tokens)
-    torch.set_num_threads(1)  # codec figures are per core
-    print(f"memkv codec benchmark: {args.tokens} tokens -> {len(blocks)} blocks of "
-          f"{list(layout.block_shape())} fp16 ({layout.block_nbytes() / 2**20:.2f} MiB each); "
-          f"forward pass {meta['forward_s']} s")
-    print(f"NOTE: {NOTE}")
-    print("MB/s = 10^6 fp16 input bytes per second on one core (per block best of "
-          f"{args.reps}, summed); ratio = fp16 bytes / frame bytes (headers included).")
-    crc = crc32_gb_s(blocks, args.reps)
-    print(f"zlib.crc32: {crc:.2f} GB/s per core (checked on every decode)\n")
-    rows = [run_case(c, blocks, args.reps) for c in CASES[:5]]
-    rows.append(run_int8(blocks, args.reps))
-    rows += [run_case(c, blocks, args.reps) for c in CASES[5:]]
-    print_table(rows)
-    contributions = stage_contributions(rows)
-    print("\nper-stage ratio factors (each over the row before):")
-    for name, steps in contributions.items():
-        print(f"  {name}: " + ", ".join(f"{k} x{v:.3f}" for k, v in steps.items()))
-    result = {
-        "benchmark": "codecs",
-        "note": NOTE,
-        "model": {**REFERENCE_MODEL, "seed": SEED, "weights": "random"},
-        "tokens": args.tokens,
-        "blocks": len(blocks),
-        "block_shape": list(layout.block_shape()),
-        "reps": args.reps,
-        "units": {"speed": "MB/s (1e6 fp16 input bytes/s, one core)", "ratio": "fp16/frame"},
-        "crc32_gb_s": crc,
-        "forward_s": meta["forward_s"],
-        "platform": {"python": platform.python_version(), "torch": torch.__version__,
-                     "machine": platform.machine()},
-        "results": [asdict(r) for r in rows],
-        "stage_contributions": contributions,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.json}")
-    return result
-
-
-if __name__ == "__main__":
-    main()

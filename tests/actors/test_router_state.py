@@ -1,6 +1,6 @@
 import pytest
 
-from memkv.actors.router import RouterState
+from memkv.actors.router_state import RouterState
 from memkv.errors import BlockLostError, InvalidInputError, MemkvError, UnknownSessionError
 from memkv.protocol.enums import SessionState
 from memkv.protocol.layout import KVLayout

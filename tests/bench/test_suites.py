@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
-from memkv.bench import SUITES, main, run_suite
+from memkv.bench import SUITES
 from memkv.bench.context import BenchContext
 from memkv.bench.report import SCHEMA, load_results
+from memkv.bench.runner import run, run_suite
+from memkv.errors import InvalidInputError
 
 
 @pytest.fixture()
@@ -220,19 +222,7 @@ def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path
     # A 4-block trace: memkv's policies run, the reference ones are skipped (too small).
     (ctx.out).mkdir(parents=True)
     (ctx.out / "legacy.json").write_text('{"benchmark": "old format"}')
-    status = main(
-        [
-            "eviction",
-            "--quick",
-            "--trace",
-            str(trace),
-            "--out",
-            str(ctx.out),
-            "--markdown",
-            str(md),
-        ],
-        ctx=ctx,
-    )
+    status = run("eviction", quick=True, trace=trace, out=ctx.out, markdown=md, ctx=ctx)
     assert status == 0
     row = load_results(ctx.out)[0]["figures"]["rows"][0]
     assert set(row["policies"]) == {"memkv LRU-K", "memkv LRU"}
@@ -241,7 +231,9 @@ def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path
     assert [d["suite"] for d in load_results(ctx.out)] == ["eviction"]
 
 
-def test_unknown_suite_is_refused() -> None:
-    with pytest.raises(SystemExit):
-        main(["nope"])
+def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:
+    with pytest.raises(InvalidInputError, match="suite must be one of"):
+        run("nope")
+    with pytest.raises(InvalidInputError, match="expected a JSONL file"):
+        run("eviction", trace=tmp_path / "absent.jsonl")
     assert set(SUITES) == {"resume", "dataplane", "codecs", "eviction", "scale"}
