@@ -48,8 +48,10 @@ def up(
     ] = True,
 ) -> None:
     """Start memkv (embedded) or bring up its actors on a Ray cluster, and serve the gateway."""
+    from memkv.api.auth import deployment_authenticator
     from memkv.api.server import GatewayServer
     from memkv.cluster import connect
+    from memkv.config import data_dir
 
     cluster = connect(address, config, profile=profile)
     summary: dict[str, Any] = {
@@ -64,10 +66,18 @@ def up(
         cluster.disconnect()
         return
     settings = cluster.config.gateway
+    auth, dev_token = deployment_authenticator(settings.auth, data_dir())
     server = GatewayServer.start(
-        cluster, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes
+        cluster,
+        host=settings.host,
+        port=settings.port,
+        max_body_bytes=settings.max_body_bytes,
+        auth=auth,
     )
     summary["gateway"] = server.url
+    summary["auth"] = (
+        "off" if not auth.enabled else f"token in {dev_token}" if dev_token else "tokens"
+    )
     typer.echo(json.dumps(summary, indent=2))
     where = "the embedded default" if address is None else f"the cluster at {address}"
     typer.echo(f"memkv is serving {server.url} on {where}; Ctrl-C stops it.")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
@@ -492,6 +493,15 @@ def _read_block_frames(
 # -- the sync client ---------------------------------------------------------------------------
 
 
+#: The bearer token a client sends when it is given none.
+TOKEN_ENV = "MEMKV_TOKEN"
+
+
+def _auth_headers(token: str | None) -> dict[str, str]:
+    token = token if token is not None else os.environ.get(TOKEN_ENV)
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 class Client:
     """Synchronous client of the memkv gateway.
 
@@ -500,6 +510,8 @@ class Client:
         timeout: seconds per request (connect, read, write).
         retries: extra attempts for idempotent requests on connection errors and 502/503/504.
         transport: an httpx transport (tests); block bodies then go through httpx too.
+        token: the bearer token (default: ``$MEMKV_TOKEN``; none for a gateway
+            without authentication).
     """
 
     def __init__(
@@ -509,8 +521,12 @@ class Client:
         timeout: float = 60.0,
         retries: int = 2,
         transport: httpx.BaseTransport | None = None,
+        token: str | None = None,
     ) -> None:
-        self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
+        self._auth = _auth_headers(token)
+        self._http = httpx.Client(
+            base_url=base_url, timeout=timeout, transport=transport, headers=self._auth
+        )
         self._retries = retries
         # Block routes over http.client unless a custom transport is in play.
         self._blocks = _Connections(base_url, timeout) if transport is None else None
@@ -561,7 +577,11 @@ class Client:
         """
         if self._blocks is None:
             raise RuntimeError("no block connection with a custom transport")
-        headers = {"content-type": FRAMES_MEDIA_TYPE, "content-length": str(length)}
+        headers = {
+            "content-type": FRAMES_MEDIA_TYPE,
+            "content-length": str(length),
+            **self._auth,
+        }
         attempt = 0
         while True:
             conn = self._blocks.get()
@@ -599,7 +619,7 @@ class Client:
         session_id: str,
         layout: KVLayout,
         *,
-        namespace: str = "default",
+        namespace: str | None = None,
         priority: str = "normal",
     ) -> SessionView:
         body = {
@@ -752,12 +772,12 @@ class Client:
                 yield from parser.feed(chunk)
             parser.close()
 
-    def read_blocks_by_key(self, namespace: str, keys: Sequence[bytes]) -> list[Block]:
+    def read_blocks_by_key(self, namespace: str | None, keys: Sequence[bytes]) -> list[Block]:
         body = {"namespace": namespace, "keys": [bytes(k).hex() for k in keys]}
         return list(self._read_via_httpx("POST", "/v1/blocks/read", json=body))
 
     def match(
-        self, layout: KVLayout, namespace: str, token_ids: Sequence[int] | np.ndarray
+        self, layout: KVLayout, namespace: str | None, token_ids: Sequence[int] | np.ndarray
     ) -> Match:
         body = {
             "layout": layout.to_dict(),
@@ -781,8 +801,11 @@ class AsyncClient:
         timeout: float = 60.0,
         retries: int = 2,
         transport: httpx.AsyncBaseTransport | None = None,
+        token: str | None = None,
     ) -> None:
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
+        self._http = httpx.AsyncClient(
+            base_url=base_url, timeout=timeout, transport=transport, headers=_auth_headers(token)
+        )
         self._retries = retries
 
     async def aclose(self) -> None:
@@ -823,7 +846,7 @@ class AsyncClient:
         session_id: str,
         layout: KVLayout,
         *,
-        namespace: str = "default",
+        namespace: str | None = None,
         priority: str = "normal",
     ) -> SessionView:
         body = {
@@ -896,7 +919,7 @@ class AsyncClient:
             parser.close()
 
     async def match(
-        self, layout: KVLayout, namespace: str, token_ids: Sequence[int] | np.ndarray
+        self, layout: KVLayout, namespace: str | None, token_ids: Sequence[int] | np.ndarray
     ) -> Match:
         body = {
             "layout": layout.to_dict(),

@@ -64,11 +64,13 @@ __all__ = [
     "GIB",
     "PROFILE_ENV",
     "ArchiveSettings",
+    "AuthSettings",
     "ClusterSettings",
     "DeviceSettings",
     "GatewaySettings",
     "MemkvConfig",
     "RouterSettings",
+    "data_dir",
     "dump_config",
     "load_config",
     "packaged_config_path",
@@ -413,6 +415,28 @@ class ClusterSettings(_Frozen):
         return self
 
 
+class AuthSettings(_Frozen):
+    """Who may call the gateway (see :mod:`memkv.api.auth`)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Every route but /healthz and /readyz needs a bearer token. Off: one "
+        "trusted user, session ids unscoped, any namespace (loopback experiments only).",
+    )
+    tokens_file: Path | None = Field(
+        default=None,
+        description="Token document (tenant, roles, public namespaces per SHA-256 of a token), "
+        "e.g. a mounted Kubernetes Secret; None: $MEMKV_TOKENS, else `memkv up` makes a "
+        "token for tenant 'default' and writes it to <data dir>/gateway-token (0600).",
+    )
+    open_metrics: bool = Field(
+        default=True, description="Serve /metrics without a token (for Prometheus scrapes)."
+    )
+    open_docs: bool = Field(
+        default=True, description="Serve /docs, /redoc and /openapi.json without a token."
+    )
+
+
 class GatewaySettings(_Frozen):
     """The FastAPI gateway."""
 
@@ -427,6 +451,7 @@ class GatewaySettings(_Frozen):
     max_body_bytes: int = Field(
         default=GIB, gt=0, description="Largest request body accepted (a turn's KV blocks)."
     )
+    auth: AuthSettings = Field(default_factory=AuthSettings, description="Authentication.")
 
 
 class MemkvConfig(_Frozen):
@@ -720,3 +745,9 @@ def _format_errors(error: ValidationError) -> str:
         got = "" if isinstance(value, Mapping) else f" (got {reprlib.repr(value)})"
         lines.append(f"{where}: {err['msg']}{got}")
     return "; ".join(lines)
+
+
+def data_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Root of local data: ``$MEMKV_DATA_DIR``, else ``~/.cache/memkv`` (``~`` expanded)."""
+    env = os.environ if environ is None else environ
+    return Path(env.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR).expanduser()

@@ -37,6 +37,7 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "CorruptDataError",
+    "ForbiddenError",
     "InvalidInputError",
     "InvariantViolationError",
     "LayoutMismatchError",
@@ -44,6 +45,7 @@ __all__ = [
     "MemkvError",
     "NotFoundError",
     "PrecisionOverflowError",
+    "UnauthorizedError",
     "UnknownBlockError",
     "UnknownSessionError",
     "WrongNodeError",
@@ -81,6 +83,14 @@ class WrongNodeError(InvalidInputError):
 class ConflictError(InvalidInputError):
     """The request clashes with the current state: the id is taken, the layout differs
     from the session's, or a turn index is out of order."""
+
+
+class UnauthorizedError(MemkvError):
+    """No credentials, or credentials that name no one (HTTP 401)."""
+
+
+class ForbiddenError(MemkvError):
+    """The credentials are valid but may not do this (HTTP 403)."""
 
 
 class NotFoundError(MemkvError, LookupError):

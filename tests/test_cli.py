@@ -49,6 +49,15 @@ def test_up_embedded_starts_and_stops_cleanly(tmp_path: Path):
         assert summary["namespace"] == "memkv-cli-test"
         assert summary["gateway"].startswith("http://127.0.0.1:")
         assert httpx.get(summary["gateway"] + "/readyz", timeout=30).json() == {"status": "ready"}
+        # Authentication is on by default: a token for tenant 'default' was made, private.
+        token_file = tmp_path / "gateway-token"
+        assert summary["auth"] == f"token in {token_file}"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        stats = summary["gateway"] + "/v1/stats"
+        assert httpx.get(stats, timeout=30).status_code == 401
+        token = token_file.read_text().strip()
+        answer = httpx.get(stats, headers={"authorization": f"Bearer {token}"}, timeout=30)
+        assert answer.status_code == 200 and answer.json()["sessions"] == 0
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0

@@ -256,10 +256,15 @@ class SessionRouter:
         tokens, blocks = self.state.match_prefix(KVLayout.from_dict(layout), namespace, token_ids)
         return {"tokens": tokens, "blocks": blocks}
 
-    async def locate_blocks(self, keys: list[bytes]) -> list[tuple[str, Any, list[bytes]]]:
-        """``(device_id, handle, keys)`` groups: where to read blocks by key."""
+    async def locate_blocks(
+        self, keys: list[bytes], namespace: str | None = None
+    ) -> list[tuple[str, Any, list[bytes]]]:
+        """``(device_id, handle, keys)`` groups: where to read blocks by key.
+
+        ``namespace``: only blocks of that namespace are found (None: any).
+        """
         out = []
-        for device_id, group in self.state.locate(keys).items():
+        for device_id, group in self.state.locate(keys, namespace).items():
             await self._check_incarnation(device_id)
             out.append((device_id, self._devices[device_id], group))
         return out

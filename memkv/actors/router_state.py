@@ -62,6 +62,9 @@ class RouterState:
         self._refcounts: Counter[bytes] = Counter()
         # block -> devices whose sessions hold it (how many sessions on each)
         self._block_devices: dict[bytes, Counter[str]] = {}
+        # block -> the namespace its hash was salted with (by-key reads are
+        # served only within the namespaces the caller may read)
+        self._block_namespace: dict[bytes, str] = {}
 
     # -- devices -------------------------------------------------------------------
 
@@ -139,6 +142,7 @@ class RouterState:
         record = self.get(session_id)
         for key in update.hold:
             self._ref(key, record.device_id)
+            self._block_namespace.setdefault(bytes(key), record.namespace)
         garbage = [key for key in update.drop if self._unref(key, record.device_id)]
         self.sessions.commit_append(session_id, update)
         self.touch(session_id)
@@ -183,16 +187,24 @@ class RouterState:
             tokens += n
         return tokens, matched
 
-    def locate(self, keys: Sequence[bytes]) -> dict[str, list[bytes]]:
+    def locate(
+        self, keys: Sequence[bytes], namespace: str | None = None
+    ) -> dict[str, list[bytes]]:
         """Group ``keys`` by a device whose sessions hold them.
 
+        Args:
+            namespace: only blocks hashed in this namespace are found (None: any).
+
         Raises:
-            UnknownBlockError: a key no session holds.
+            UnknownBlockError: a key no session holds (or one of another namespace:
+                the same answer, so keys of other tenants cannot be probed).
         """
         by_device: dict[str, list[bytes]] = {}
         for key in keys:
             holders = self._block_devices.get(bytes(key))
-            if not holders:
+            if not holders or (
+                namespace is not None and self._block_namespace.get(bytes(key)) != namespace
+            ):
                 raise UnknownBlockError(f"no session holds block {bytes(key).hex()}")
             device_id = max(holders, key=lambda d: holders[d])
             by_device.setdefault(device_id, []).append(bytes(key))
@@ -218,5 +230,6 @@ class RouterState:
                 del self._block_devices[key]
         if self._refcounts[key] <= 0:
             del self._refcounts[key]
+            self._block_namespace.pop(key, None)
             return True
         return False

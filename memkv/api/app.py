@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 import ray
-from fastapi import FastAPI, Query, Request, Response
+from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import (
@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayActorError, RayError
 
 from memkv.actors.payload import BlockPayload
+from memkv.api.auth import Authenticator, Principal
 from memkv.api.blocks import FRAMES_MEDIA_TYPE, BlockFetcher, BlockFramesResponse, PlanCache
 from memkv.errors import (
     BlockLostError,
@@ -40,13 +41,15 @@ from memkv.errors import (
     ClosedError,
     ConflictError,
     CorruptDataError,
+    ForbiddenError,
     InvalidInputError,
     LayoutMismatchError,
     MemkvError,
     NotFoundError,
+    UnauthorizedError,
 )
 from memkv.protocol.hashing import chain_hashes, token_array
-from memkv.protocol.ids import SESSION_ID_PATTERN
+from memkv.protocol.ids import NAME_PATTERN, SESSION_ID_PATTERN, scoped_session_id
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.messages import ReadRoute
 from memkv.protocol.wire import (
@@ -64,6 +67,8 @@ __all__ = ["FRAMES_MEDIA_TYPE", "create_app"]
 
 # Most specific first: the first isinstance match decides the status.
 _STATUS: list[tuple[type[BaseException], int]] = [
+    (UnauthorizedError, 401),
+    (ForbiddenError, 403),
     (ConflictError, 409),
     (NotFoundError, 404),
     (BlockLostError, 410),
@@ -101,7 +106,12 @@ class SessionCreate(_Model):
         description="1..256 characters of A-Z a-z 0-9 . _ : @ -, starting with a letter or digit",
     )
     layout: LayoutIn
-    namespace: str = Field(default="default", min_length=1, max_length=256)
+    namespace: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Where the session's blocks are hashed: the caller's tenant by default, "
+        "or a public namespace its token may publish into (shared prompts).",
+    )
     priority: str = "normal"
 
 
@@ -111,19 +121,38 @@ class SuspendIn(_Model):
 
 class MatchIn(_Model):
     layout: LayoutIn
-    namespace: str = "default"
+    namespace: str | None = Field(
+        default=None, pattern=NAME_PATTERN, description="Default: the caller's tenant."
+    )
     token_ids: list[int]
 
 
+#: Keys one by-key read may name (duplicates are collapsed first).
+MAX_KEYS_PER_READ = 4096
+
+
 class BlocksByKeyIn(_Model):
-    namespace: str
-    keys: list[str] = Field(description="Block keys, hex.")
+    namespace: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Whose blocks: the caller's tenant by default, or a public namespace "
+        "its token may read. Keys of any other namespace answer 404, like missing ones.",
+    )
+    keys: list[str] = Field(description="Block keys, hex.", max_length=MAX_KEYS_PER_READ)
 
 
-def _session_out(record: dict[str, Any]) -> dict[str, Any]:
+def _session_out(record: dict[str, Any], session_id: str) -> dict[str, Any]:
+    """A session as its tenant sees it (its own id, not the router's scoped one)."""
     out = dict(record)
+    out["session_id"] = session_id
     out["chain"] = [bytes(k).hex() for k in record.get("chain", [])]
     return out
+
+
+def caller(request: Request) -> Principal:
+    """The principal :class:`AuthMiddleware` put on the request."""
+    principal: Principal = request.scope["state"]["principal"]
+    return principal
 
 
 def _error_response(exc: BaseException) -> JSONResponse:
@@ -135,8 +164,11 @@ def _error_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, PayloadTooLarge):
         status = 413
     name = type(shown).__name__
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(
-        {"error": {"type": name, "message": str(shown), "status": status}}, status_code=status
+        {"error": {"type": name, "message": str(shown), "status": status}},
+        status_code=status,
+        headers=headers,
     )
 
 
@@ -148,11 +180,14 @@ def create_app(
     plan_cache_bytes: int = 256 << 20,
     put_object: Callable[[Any], Any] = ray.put,
     node_id: str | None = None,
+    auth: Authenticator | None = None,
 ) -> FastAPI:
     """The gateway app for a router actor handle.
 
     Args:
         router: the SessionRouter actor.
+        auth: who may call it; None serves every caller as one trusted user
+            (``memkv up`` always passes the deployment's authenticator).
         max_body_bytes: larger append bodies are refused with 413.
         same_node_reads: serve blocks of devices on the gateway's node straight
             from their shared-memory arenas (the gateway process maps them).
@@ -195,6 +230,7 @@ def create_app(
     # Outermost first: metrics see every request; block reads skip FastAPI's
     # dependency machinery (their hot path), every other request goes on to it.
     app.add_middleware(BlockReadFastPath)
+    app.add_middleware(AuthMiddleware, auth=auth if auth is not None else Authenticator.disabled())
     app.add_middleware(MetricsMiddleware, requests=requests, latency=latency)
 
     @app.exception_handler(MemkvError)
@@ -213,22 +249,29 @@ def create_app(
             status_code=422,
         )
 
-    async def _let_go_of(session_id: str) -> None:
+    async def _let_go_of(sid: str) -> None:
         """Release the read plans this gateway holds on a session's blocks."""
-        route = routes.get_at(session_id, 0)
+        route = routes.get_at(sid, 0)
         if route is not None:
             await fetcher.release_session(route)
+
+    Reader = Depends(caller)
+
+    def scoped(who: Principal, session_id: str, role: str) -> str:
+        """The router's id of the caller's session (checks the role first)."""
+        who.require(role)
+        return scoped_session_id(who.tenant, session_id)
 
     # -- health ------------------------------------------------------------------------
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
-        """The gateway process is up."""
+        """The gateway process is up (no token needed)."""
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["health"])
     async def readyz() -> JSONResponse:
-        """The router answers (the cluster can serve)."""
+        """The router answers (the cluster can serve; no token needed)."""
         try:
             await router.ping.remote()
         except RayError as e:
@@ -242,36 +285,43 @@ def create_app(
     # -- sessions ------------------------------------------------------------------------
 
     @app.post("/v1/sessions", status_code=201, tags=["sessions"])
-    async def create_session(body: SessionCreate) -> dict[str, Any]:
+    async def create_session(body: SessionCreate, who: Principal = Reader) -> dict[str, Any]:
+        sid = scoped(who, body.session_id, "write")
+        namespace = who.write_namespace(body.namespace)
         layout = KVLayout.from_dict(body.layout.model_dump())
         record = await router.create_session.remote(
-            body.session_id, layout.to_dict(), body.namespace, body.priority
+            sid, layout.to_dict(), namespace, body.priority
         )
-        return _session_out(record)
+        return _session_out(record, body.session_id)
 
     @app.get("/v1/sessions/{session_id}", tags=["sessions"])
-    async def get_session(session_id: str) -> dict[str, Any]:
-        return _session_out(await router.session.remote(session_id))
+    async def get_session(session_id: str, who: Principal = Reader) -> dict[str, Any]:
+        sid = scoped(who, session_id, "read")
+        return _session_out(await router.session.remote(sid), session_id)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"])
-    async def delete_session(session_id: str) -> Response:
-        await _let_go_of(session_id)
-        sessions.drop(session_id)
-        routes.drop(session_id)
-        await router.delete_session.remote(session_id)
+    async def delete_session(session_id: str, who: Principal = Reader) -> Response:
+        sid = scoped(who, session_id, "write")
+        await _let_go_of(sid)
+        sessions.drop(sid)
+        routes.drop(sid)
+        await router.delete_session.remote(sid)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/suspend", tags=["sessions"])
-    async def suspend(session_id: str, body: SuspendIn | None = None) -> dict[str, Any]:
+    async def suspend(
+        session_id: str, body: SuspendIn | None = None, who: Principal = Reader
+    ) -> dict[str, Any]:
+        sid = scoped(who, session_id, "write")
         offline = body.offline if body is not None else False
-        await _let_go_of(session_id)
-        return _session_out(await router.suspend.remote(session_id, offline))
+        await _let_go_of(sid)
+        return _session_out(await router.suspend.remote(sid, offline), session_id)
 
     @app.post("/v1/sessions/{session_id}/resume", tags=["sessions"])
-    async def resume(session_id: str) -> dict[str, Any]:
-        handle = await router.resume.remote(session_id)
+    async def resume(session_id: str, who: Principal = Reader) -> dict[str, Any]:
+        handle = await router.resume.remote(scoped(who, session_id, "write"))
         return {
-            "session_id": handle["session_id"],
+            "session_id": session_id,
             "device_id": handle["device_id"],
             "tokens": handle["tokens"],
             "blocks": [
@@ -281,9 +331,10 @@ def create_app(
         }
 
     @app.post("/v1/sessions/{session_id}/input-end", tags=["sessions"])
-    async def input_end(session_id: str) -> dict[str, int]:
+    async def input_end(session_id: str, who: Principal = Reader) -> dict[str, int]:
         """A turn's input is complete: prefetch the session's cache now."""
-        return {"prefetched": int(await router.notify_input_end.remote(session_id))}
+        sid = scoped(who, session_id, "read")
+        return {"prefetched": int(await router.notify_input_end.remote(sid))}
 
     # -- KV data -----------------------------------------------------------------------
 
@@ -297,21 +348,24 @@ def create_app(
             }
         },
     )
-    async def append_turn(session_id: str, request: Request) -> dict[str, Any]:
+    async def append_turn(
+        session_id: str, request: Request, who: Principal = Reader
+    ) -> dict[str, Any]:
         """Append a turn: a ``turn`` frame then its ``block`` frames (docs/wire-format.md).
 
         Idempotent by the turn index: a retry of the last turn with the same
         tokens answers as before (``replayed``) and stores nothing.
         """
+        sid = scoped(who, session_id, "write")
         frames = await _read_frames(request, max_body_bytes)
         if not frames or frames[0].kind != "turn":
             raise WireError("an append body starts with a 'turn' frame")
         head = frames[0].header
-        known = sessions.get(session_id)
+        known = sessions.get(sid)
         if known is None:
-            record = await router.session.remote(session_id)
+            record = await router.session.remote(sid)
             known = (KVLayout.from_dict(record["layout"]), record["namespace"])
-            sessions.put(session_id, known)
+            sessions.put(sid, known)
         layout, namespace = known
         sent_layout = head.get("layout")
         if sent_layout is not None and KVLayout.from_dict(sent_layout) != layout:
@@ -350,7 +404,7 @@ def create_app(
             payload_bytes.labels("in").inc(array.nbytes)
         try:
             result = await router.put_blocks.remote(
-                session_id,
+                sid,
                 tokens,
                 refs,
                 start,
@@ -360,10 +414,10 @@ def create_app(
                 (layout.to_dict(), namespace),
             )
         except (NotFoundError, ConflictError):
-            sessions.drop(session_id)  # the session went, or was created again
+            sessions.drop(sid)  # the session went, or was created again
             raise
         finally:
-            routes.drop(session_id)
+            routes.drop(sid)
         result["chain"] = [bytes(k).hex() for k in result["chain"]]
         return result
 
@@ -378,6 +432,7 @@ def create_app(
         session_id: str,
         start: int = Query(default=0, ge=0),
         end: int | None = Query(default=None, ge=0),
+        who: Principal = Reader,
         turn: int | None = Query(
             default=None,
             ge=0,
@@ -398,11 +453,13 @@ def create_app(
         FastAPI dependency machinery); this route documents it and serves the
         requests the fast path leaves (malformed query strings).
         """
-        return await session_blocks(session_id, start, end, turn)
+        return await session_blocks(who, session_id, start, end, turn)
 
     async def session_blocks(
-        session_id: str, start: int, end: int | None, turn: int | None
+        who: Principal, session_id: str, start: int, end: int | None, turn: int | None
     ) -> BlockFramesResponse:
+        sid = scoped(who, session_id, "read")
+
         async def opened(whole: ReadRoute) -> BlockFramesResponse:
             route = whole.sliced(start, end)
             response = BlockFramesResponse(
@@ -416,7 +473,7 @@ def create_app(
                     route.device_id,
                     route.device,
                     route.keys,
-                    session_id,
+                    sid,
                     whole.keys[start + len(route.keys) :],
                 ),
                 on_block=payload_bytes.labels("out").inc,
@@ -424,17 +481,17 @@ def create_app(
             await response.prime()
             return response
 
-        cached = routes.get_at(session_id, turn)
+        cached = routes.get_at(sid, turn)
         if cached is not None:
             try:
                 response = await opened(cached)
             except (MemkvError, RayError):
-                routes.drop(session_id)  # moved or lost: ask the router below
+                routes.drop(sid)  # moved or lost: ask the router below
             else:
-                touches.add(session_id)  # hotness, told to the router in batches
+                touches.add(sid)  # hotness, told to the router in batches
                 return response
-        whole = await router.read_route.remote(session_id, 0, None)
-        routes.put(session_id, whole)
+        whole = await router.read_route.remote(sid, 0, None)
+        routes.put(sid, whole)
         return await opened(whole)
 
     app.state.session_blocks = session_blocks
@@ -446,13 +503,20 @@ def create_app(
         status_code=200,
         responses={200: {"content": {FRAMES_MEDIA_TYPE: {"schema": _BINARY}}}},
     )
-    async def read_blocks_by_key(body: BlocksByKeyIn) -> Response:
-        """Blocks by key (e.g. a prefix found by /v1/match), in the order asked."""
+    async def read_blocks_by_key(body: BlocksByKeyIn, who: Principal = Reader) -> Response:
+        """Blocks by key (e.g. a prefix found by /v1/match), in the order asked.
+
+        Only blocks of the namespace read (the caller's tenant, or a public one
+        its token may read) are served; any other key answers 404 like a
+        missing one. A key named twice is sent once.
+        """
+        who.require("read")
+        namespace = who.read_namespace(body.namespace)
         try:
-            keys = [bytes.fromhex(k) for k in body.keys]
+            keys = list(dict.fromkeys(bytes.fromhex(k) for k in body.keys))
         except ValueError as e:
             raise InvalidInputError(f"keys must be hex strings: {e}") from e
-        groups = await router.locate_blocks.remote(keys)
+        groups = await router.locate_blocks.remote(keys, namespace)
         found: dict[bytes, BlockPayload] = {}
         for _, device, group in groups:
             for payload in await device.get_blocks.remote(group):
@@ -468,15 +532,20 @@ def create_app(
         return StreamingResponse(stream(), media_type=FRAMES_MEDIA_TYPE)
 
     @app.post("/v1/match", tags=["kv"])
-    async def match(body: MatchIn) -> dict[str, Any]:
-        """How many leading tokens are already cached (any session of the namespace)."""
+    async def match(body: MatchIn, who: Principal = Reader) -> dict[str, Any]:
+        """How many leading tokens are already cached (any session of the namespace:
+        the caller's tenant by default, or a public one its token may read)."""
+        who.require("read")
+        namespace = who.read_namespace(body.namespace)
         layout = KVLayout.from_dict(body.layout.model_dump())
         token_array(body.token_ids)  # validate before asking the router
-        result = await router.match_prefix.remote(layout.to_dict(), body.namespace, body.token_ids)
+        result = await router.match_prefix.remote(layout.to_dict(), namespace, body.token_ids)
         return {"tokens": result["tokens"], "blocks": [bytes(k).hex() for k in result["blocks"]]}
 
     @app.get("/v1/stats", tags=["cluster"])
-    async def stats() -> dict[str, Any]:
+    async def stats(who: Principal = Reader) -> dict[str, Any]:
+        """Cluster-wide figures (every tenant's): the admin role only."""
+        who.require("admin")
         out = dict(await router.stats.remote())
         # This gateway's own read paths: how many blocks it served from shared
         # memory and how many in-cluster, and leases that ran out mid-write.
@@ -604,7 +673,8 @@ class BlockReadFastPath:
         scope["route"] = _BLOCKS_ROUTE  # for the metrics' route label
         try:
             fastapi_app = scope["app"]
-            response = await fastapi_app.state.session_blocks(match.group(1), *params)
+            who = scope["state"]["principal"]
+            response = await fastapi_app.state.session_blocks(who, match.group(1), *params)
         except (MemkvError, RayActorError) as e:
             response = _error_response(e) if isinstance(e, MemkvError) else _unavailable(e)
         await response(scope, receive, send)
@@ -627,6 +697,43 @@ def _unavailable(exc: BaseException) -> JSONResponse:
         status_code=503,
         headers={"Retry-After": "1"},
     )
+
+
+class AuthMiddleware:
+    """Resolves the bearer token of every request but the open ones: pure ASGI.
+
+    The principal goes on the scope (``scope["state"]["principal"]``) for the
+    routes and the block-read fast path; a request without a valid token is
+    answered 401 before any route runs.
+    """
+
+    def __init__(self, app: Any, *, auth: Authenticator) -> None:
+        self._app = app
+        self._auth = auth
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        if not self._auth.enabled:
+            scope.setdefault("state", {})["principal"] = Principal.trusted()
+            await self._app(scope, receive, send)
+            return
+        if self._auth.is_open(scope["path"]):
+            await self._app(scope, receive, send)  # health probes (and docs, metrics)
+            return
+        header = None
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                header = value.decode("latin-1")
+                break
+        try:
+            principal = self._auth.authenticate(header)
+        except UnauthorizedError as e:
+            await _error_response(e)(scope, receive, send)
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        await self._app(scope, receive, send)
 
 
 class MetricsMiddleware:

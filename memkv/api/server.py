@@ -12,6 +12,7 @@ import uvicorn
 import uvloop
 
 from memkv.api.app import create_app
+from memkv.api.auth import Authenticator
 
 __all__ = ["GatewayServer"]
 
@@ -46,18 +47,20 @@ class GatewayServer:
         max_body_bytes: int = 1 << 30,
         same_node_reads: bool = True,
         plan_cache_bytes: int = 256 << 20,
+        auth: Authenticator | None = None,
     ) -> GatewayServer:
         """Bind ``host:port`` (0 = any free port) and serve until :meth:`stop`.
 
         Args:
             cluster: a :class:`memkv.cluster.MemkvCluster` (its router is used).
-            same_node_reads, plan_cache_bytes: see :func:`memkv.api.app.create_app`.
+            same_node_reads, plan_cache_bytes, auth: see :func:`memkv.api.app.create_app`.
         """
         app = create_app(
             cluster.router,
             max_body_bytes=max_body_bytes,
             same_node_reads=same_node_reads,
             plan_cache_bytes=plan_cache_bytes,
+            auth=auth,
         )
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

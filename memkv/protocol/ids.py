@@ -11,12 +11,27 @@ import re
 
 from memkv.errors import InvalidInputError
 
-__all__ = ["MAX_SESSION_ID_LEN", "SESSION_ID_PATTERN", "check_session_id"]
+__all__ = [
+    "MAX_SESSION_ID_LEN",
+    "NAME_PATTERN",
+    "SESSION_ID_PATTERN",
+    "check_name",
+    "check_session_id",
+    "check_stored_session_id",
+    "scoped_session_id",
+    "unscoped_session_id",
+]
 
 MAX_SESSION_ID_LEN = 256
 #: Starts with a letter or digit, then letters, digits and ``._:@-``.
 SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}$"
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
+#: Tenants and namespaces: a letter or digit, then letters, digits and ``._-``
+#: (no ``/``: a tenant scopes session ids as ``<tenant>/<session id>``).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+_NAME = re.compile(NAME_PATTERN)
+#: Separates a tenant from its session ids in the router's table; in neither alphabet.
+TENANT_SEPARATOR = "/"
 
 
 def check_session_id(session_id: object) -> str:
@@ -33,3 +48,48 @@ def check_session_id(session_id: object) -> str:
             f"starting with a letter or digit, got {session_id!r:.80}"
         )
     return session_id
+
+
+def check_name(name: object, what: str = "name") -> str:
+    """Return a tenant or namespace name if it follows :data:`NAME_PATTERN`.
+
+    Raises:
+        InvalidInputError: otherwise.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidInputError(
+            f"{what} must be 1..64 characters of A-Z a-z 0-9 . _ - starting with a letter or "
+            f"digit, got {name!r:.80}"
+        )
+    return name
+
+
+def scoped_session_id(tenant: str | None, session_id: str) -> str:
+    """The router's id of a tenant's session: ``<tenant>/<session id>`` (None: unscoped).
+
+    Tenants never share session ids: another tenant's session is just another
+    key, so it answers exactly as a missing one does.
+    """
+    check_session_id(session_id)
+    return session_id if tenant is None else f"{check_name(tenant, 'tenant')}/{session_id}"
+
+
+def unscoped_session_id(stored: str) -> str:
+    """The session id a tenant sees for the router's id ``stored``."""
+    return stored.rpartition(TENANT_SEPARATOR)[2]
+
+
+def check_stored_session_id(stored: object) -> str:
+    """Return a router id (``session id`` or ``tenant/session id``) if both parts follow the rules.
+
+    Raises:
+        InvalidInputError: otherwise.
+    """
+    if not isinstance(stored, str):
+        check_session_id(stored)  # raises with the usual message
+    tenant, sep, session_id = str(stored).partition(TENANT_SEPARATOR)
+    if not sep:
+        return check_session_id(stored)
+    check_name(tenant, "tenant")
+    check_session_id(session_id)
+    return str(stored)

@@ -27,7 +27,7 @@ from memkv.errors import (
 )
 from memkv.protocol.enums import Priority, SessionState
 from memkv.protocol.hashing import BlockHash
-from memkv.protocol.ids import check_session_id
+from memkv.protocol.ids import check_stored_session_id
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ChainUpdate
 
@@ -168,7 +168,7 @@ class SessionTable:
             InvalidInputError: bad id, layout, namespace or priority.
             ConflictError: the id exists.
         """
-        check_session_id(session_id)  # the one rule, checked once, here
+        check_stored_session_id(session_id)  # the one rule, checked once, here
         if not isinstance(layout, KVLayout):
             raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if not isinstance(namespace, str) or not namespace:

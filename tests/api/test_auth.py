@@ -1,0 +1,238 @@
+"""Tenants and tokens at the gateway, tried as users and attackers would: no Ray.
+
+The real router and device classes behind fake handles, a real uvicorn and the
+real client; every request goes over 127.0.0.1.
+"""
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from memkv.actors.device import DeviceCache
+from memkv.actors.router import SessionRouter
+from memkv.api.app import create_app
+from memkv.api.auth import (
+    Authenticator,
+    Principal,
+    TokenEntry,
+    deployment_authenticator,
+    hash_token,
+)
+from memkv.client import Client
+from memkv.config import AuthSettings
+from memkv.errors import (
+    ConfigError,
+    ForbiddenError,
+    UnauthorizedError,
+    UnknownBlockError,
+    UnknownSessionError,
+)
+from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
+from memkv.storage.layout import KVLayout, split_kv
+
+from .fakes import FakeHandle
+from .test_gateway_fakes import _Server
+
+LAYOUT = KVLayout("auth-model", 2, 2, 8, block_tokens=4)
+UNIT = 4096
+PUBLIC = "shared-prompts"
+
+TOKENS = {
+    "alice": ("tok-alice", TokenEntry(hash_token("tok-alice"), "acme", frozenset({"write"}))),
+    "mallory": (
+        "tok-mallory",
+        TokenEntry(
+            hash_token("tok-mallory"), "evil", frozenset({"write"}), read=frozenset({PUBLIC})
+        ),
+    ),
+    "publisher": (
+        "tok-pub",
+        TokenEntry(hash_token("tok-pub"), "ops", frozenset({"write"}), publish=frozenset({PUBLIC})),
+    ),
+    "reader": ("tok-reader", TokenEntry(hash_token("tok-reader"), "acme", frozenset({"read"}))),
+    "admin": ("tok-admin", TokenEntry(hash_token("tok-admin"), "ops", frozenset({"admin"}))),
+}
+
+
+@pytest.fixture
+def gateway(tmp_path):
+    cfg = StoreConfig(
+        hot_capacity_bytes=8 * UNIT,
+        warm_capacity_bytes=8 * UNIT,
+        allocator=AllocatorConfig(min_unit_bytes=UNIT),
+        archive=ArchiveConfig(directory=tmp_path / "cold", fsync="never"),
+        debug_refcounts=True,
+    )
+    device = DeviceCache(f"auth-dev-{tmp_path.name[-10:]}", cfg)
+    router = SessionRouter(background_prefetch_interval_s=3600)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(router.register_device("dev-0", FakeHandle(device)))
+    auth = Authenticator([entry for _, entry in TOKENS.values()], open_metrics=False)
+    app = create_app(
+        FakeHandle(router),
+        max_body_bytes=1 << 20,
+        same_node_reads=False,
+        put_object=lambda payload: payload,
+        auth=auth,
+    )
+    server = _Server(app)
+    yield server
+    server.stop()
+    device.close()
+    loop.close()
+
+
+def client(server, who):
+    return Client(server.url, token=TOKENS[who][0] if who else None)
+
+
+def kv(tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
+    keys = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
+    values = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
+    return keys, values
+
+
+def test_every_route_but_the_probes_needs_a_token(gateway):
+    url = gateway.url
+    assert httpx.get(url + "/healthz").status_code == 200
+    assert httpx.get(url + "/readyz").status_code == 200
+    assert httpx.get(url + "/openapi.json").status_code == 200  # open_docs
+    for method, path in [
+        ("GET", "/metrics"),  # closed by this deployment's config
+        ("GET", "/v1/stats"),
+        ("POST", "/v1/sessions"),
+        ("GET", "/v1/sessions/x"),
+        ("GET", "/v1/sessions/x/blocks"),
+        ("POST", "/v1/blocks/read"),
+        ("POST", "/v1/match"),
+    ]:
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic x"}):
+            r = httpx.request(method, url + path, headers=headers)
+            assert r.status_code == 401, (method, path, headers)
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert r.json()["error"]["type"] == "UnauthorizedError"
+    with client(gateway, None) as anonymous, pytest.raises(UnauthorizedError):
+        anonymous.create_session("s", LAYOUT)
+
+
+def test_sessions_are_scoped_by_tenant_and_others_look_missing(gateway):
+    keys, values = kv(8)
+    with client(gateway, "alice") as alice, client(gateway, "mallory") as mallory:
+        created = alice.create_session("chat", LAYOUT)
+        assert created.session_id == "chat" and created.namespace == "acme"
+        alice.append_turn("chat", list(range(8)), keys, values)
+        # Mallory knows the id: every route answers as for a missing session.
+        for probe in (
+            lambda: mallory.session("chat"),
+            lambda: list(mallory.read_blocks("chat")),
+            lambda: mallory.suspend("chat"),
+            lambda: mallory.delete_session("chat"),
+        ):
+            with pytest.raises(UnknownSessionError):
+                probe()
+        # Creating the same id is no existence oracle: it is Mallory's own session.
+        assert mallory.create_session("chat", LAYOUT).namespace == "evil"
+        assert mallory.session("chat").tokens == 0
+        got = [b.array.tobytes() for b in alice.read_blocks("chat")]
+        assert got == [b.numpy().tobytes() for b in split_kv(LAYOUT, keys, values)]
+
+
+def test_namespaces_come_from_the_token_and_poisoning_fails(gateway):
+    prompt = list(range(8))
+    keys, values = kv(8, seed=1)
+    with (
+        client(gateway, "alice") as alice,
+        client(gateway, "mallory") as mallory,
+        client(gateway, "publisher") as publisher,
+    ):
+        # Mallory may not write under Alice's namespace nor into the public one.
+        for namespace in ("acme", PUBLIC):
+            with pytest.raises(ForbiddenError):
+                mallory.create_session("poison", LAYOUT, namespace=namespace)
+        # What she writes under her own namespace never reaches Alice.
+        mallory.create_session("poison", LAYOUT)
+        garbage = [torch.zeros_like(t) for t in keys]
+        mallory.append_turn("poison", prompt, garbage, garbage)
+        assert alice.match(LAYOUT, None, prompt).tokens == 0
+        with pytest.raises(ForbiddenError):
+            alice.match(LAYOUT, "evil", prompt)
+        # Alice stores the real prompt; it is not deduplicated against Mallory's.
+        alice.create_session("a", LAYOUT)
+        assert alice.append_turn("a", prompt, keys, values).deduplicated_blocks == 0
+        # Mallory cannot read Alice's blocks by key, even knowing their hashes.
+        alice_keys = [
+            bytes.fromhex(k) if isinstance(k, str) else k for k in alice.session("a").chain
+        ]
+        with pytest.raises(UnknownBlockError):
+            mallory.read_blocks_by_key(None, alice_keys)
+        with pytest.raises(ForbiddenError):
+            mallory.read_blocks_by_key("acme", alice_keys)
+        # The publisher shares a prompt; a token allowed to read the namespace finds it.
+        publisher.create_session("sys", LAYOUT, namespace=PUBLIC)
+        publisher.append_turn("sys", prompt, keys, values)
+        shared = mallory.match(LAYOUT, PUBLIC, prompt)
+        assert shared.tokens == 8
+        blocks = mallory.read_blocks_by_key(PUBLIC, shared.blocks + shared.blocks)  # dup collapsed
+        assert [b.array.tobytes() for b in blocks] == [
+            b.numpy().tobytes() for b in split_kv(LAYOUT, keys, values)
+        ]
+        with pytest.raises(ForbiddenError):
+            alice.match(LAYOUT, PUBLIC, prompt)  # alice's token may not read it
+
+
+def test_roles_decide_what_a_token_may_do(gateway):
+    keys, values = kv(4)
+    with (
+        client(gateway, "alice") as alice,
+        client(gateway, "reader") as reader,
+        client(gateway, "admin") as admin,
+    ):
+        alice.create_session("r", LAYOUT)
+        alice.append_turn("r", list(range(4)), keys, values)
+        assert len(list(reader.read_blocks("r"))) == 1  # same tenant, read role
+        for change in (
+            lambda: reader.create_session("r2", LAYOUT),
+            lambda: reader.append_turn("r", list(range(8)), *kv(8), turn=2),
+            lambda: reader.suspend("r"),
+            lambda: reader.delete_session("r"),
+        ):
+            with pytest.raises(ForbiddenError):
+                change()
+        with pytest.raises(ForbiddenError):
+            alice.stats()
+        assert admin.stats()["sessions"] == 1
+        r = httpx.get(gateway.url + "/metrics", headers={"authorization": "Bearer tok-admin"})
+        assert r.status_code == 200 and "memkv_http_requests" in r.text
+
+
+def test_token_documents_are_checked_and_dev_tokens_are_private(tmp_path):
+    ok = Authenticator.from_document(
+        '{"tokens": [{"sha256": "%s", "tenant": "t1", "roles": ["read"]}]}' % hash_token("x"),
+        "doc",
+    )
+    assert ok.authenticate("Bearer x") == Principal("t1", frozenset({"read"}))
+    for bad, message in [
+        ("tokens: 3", "'tokens' list"),
+        ("tokens: [{sha256: abc, tenant: t}]", "64-hex-digit"),
+        ('tokens: [{sha256: "%s", tenant: "a/b"}]' % ("0" * 64), "tenant"),
+        ('tokens: [{sha256: "%s", tenant: t, roles: [root]}]' % ("0" * 64), "roles"),
+        ('tokens: [{sha256: "%s", tenant: t, extra: 1}]' % ("0" * 64), "unknown keys"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            Authenticator.from_document(bad, "doc")
+    with pytest.raises(ConfigError, match="no tokens are configured"):
+        Authenticator.load(None, environ={})
+    env = {"MEMKV_TOKENS": '{"tokens": [{"sha256": "%s", "tenant": "e"}]}' % hash_token("y")}
+    assert Authenticator.load(None, environ=env).authenticate("Bearer y").tenant == "e"
+    auth, path = deployment_authenticator(AuthSettings(), tmp_path, environ={})
+    assert path is not None and path.stat().st_mode & 0o777 == 0o600
+    token = path.read_text().strip()
+    assert auth.authenticate(f"Bearer {token}").roles == {"write", "admin"}
+    again, _ = deployment_authenticator(AuthSettings(), tmp_path, environ={})
+    assert again.authenticate(f"Bearer {token}").tenant == "default"  # reused, not replaced
+    off, none = deployment_authenticator(AuthSettings(enabled=False), tmp_path, environ={})
+    assert none is None and off.authenticate(None) == Principal.trusted()
