@@ -48,9 +48,10 @@ from memkv.errors import (
     NotFoundError,
     UnauthorizedError,
 )
+from memkv.protocol.dtypes import DTYPES
 from memkv.protocol.hashing import chain_hashes, token_array
 from memkv.protocol.ids import NAME_PATTERN, SESSION_ID_PATTERN, scoped_session_id
-from memkv.protocol.layout import KVLayout
+from memkv.protocol.layout import LAYOUT_LIMITS, MAX_MODEL_ID_CHARS, KVLayout
 from memkv.protocol.messages import ReadRoute
 from memkv.protocol.wire import (
     Frame,
@@ -92,12 +93,15 @@ class _Model(BaseModel):
 
 
 class LayoutIn(_Model):
-    model_id: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str = "float16"
-    block_tokens: int = 256
+    # Strict: "4" is not 4. Bounds are KVLayout's own (LAYOUT_LIMITS).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model_id: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
+    num_layers: int = Field(ge=1, le=LAYOUT_LIMITS["num_layers"])
+    num_kv_heads: int = Field(ge=1, le=LAYOUT_LIMITS["num_kv_heads"])
+    head_dim: int = Field(ge=1, le=LAYOUT_LIMITS["head_dim"])
+    dtype: str = Field(default="float16", pattern="^(" + "|".join(DTYPES) + ")$")
+    block_tokens: int = Field(default=256, ge=1, le=LAYOUT_LIMITS["block_tokens"])
 
 
 class SessionCreate(_Model):
@@ -163,6 +167,8 @@ def _error_response(exc: BaseException) -> JSONResponse:
     status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 500)
     if isinstance(exc, PayloadTooLarge):
         status = 413
+    elif isinstance(exc, BodyTimeout):
+        status = 408
     name = type(shown).__name__
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(
@@ -181,6 +187,7 @@ def create_app(
     put_object: Callable[[Any], Any] = ray.put,
     node_id: str | None = None,
     auth: Authenticator | None = None,
+    body_timeout_s: float = 30.0,
 ) -> FastAPI:
     """The gateway app for a router actor handle.
 
@@ -188,6 +195,8 @@ def create_app(
         router: the SessionRouter actor.
         auth: who may call it; None serves every caller as one trusted user
             (``memkv up`` always passes the deployment's authenticator).
+        body_timeout_s: an append body that sends nothing for this long is
+            answered 408 and its buffers let go.
         max_body_bytes: larger append bodies are refused with 413.
         same_node_reads: serve blocks of devices on the gateway's node straight
             from their shared-memory arenas (the gateway process maps them).
@@ -357,7 +366,7 @@ def create_app(
         tokens answers as before (``replayed``) and stores nothing.
         """
         sid = scoped(who, session_id, "write")
-        frames = await _read_frames(request, max_body_bytes)
+        frames = await _read_frames(request, max_body_bytes, body_timeout_s)
         if not frames or frames[0].kind != "turn":
             raise WireError("an append body starts with a 'turn' frame")
         head = frames[0].header
@@ -796,14 +805,38 @@ def _block_chunks(index: int, payload: BlockPayload) -> list[bytes | memoryview]
     return [prefix, data]
 
 
-async def _read_frames(request: Request, max_body_bytes: int) -> list[Frame]:
+class BodyTimeout(InvalidInputError):
+    """A request body stalled (no bytes for the gateway's body timeout)."""
+
+
+async def _read_frames(
+    request: Request, max_body_bytes: int, idle_timeout_s: float
+) -> list[Frame]:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {max_body_bytes}")
-    reader = FrameReader(max_payload_bytes=max_body_bytes)
+    limit = max_body_bytes
+    if declared is not None and declared.isdigit():
+        if int(declared) > max_body_bytes:
+            raise PayloadTooLarge(
+                f"body of {declared} bytes exceeds the limit of {max_body_bytes}"
+            )
+        # No frame may declare more payload than the whole body has: a header
+        # that lies about its size allocates nothing for it.
+        limit = int(declared)
+    reader = FrameReader(max_payload_bytes=limit)
     frames: list[Frame] = []
     total = 0
-    async for chunk in request.stream():
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            async with asyncio.timeout(idle_timeout_s):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise BodyTimeout(
+                f"the request body stalled: no bytes for {idle_timeout_s:g} s "
+                f"({total} bytes received)"
+            ) from None
         total += len(chunk)
         if total > max_body_bytes:
             raise PayloadTooLarge(f"body exceeds the limit of {max_body_bytes} bytes")

@@ -32,9 +32,25 @@ FINGERPRINT_BYTES = 16
 KV_AXIS_SIZE = 2
 
 
+#: Bounds of a layout's sizes: far above any model's (Llama-3-405B has 126
+#: layers, 8 KV heads of 128), low enough that no product of them overflows.
+LAYOUT_LIMITS: dict[str, int] = {
+    "num_layers": 1024,
+    "num_kv_heads": 1024,
+    "head_dim": 4096,
+    "block_tokens": 65536,
+}
+#: The largest block a layout may make (all layers of block_tokens tokens).
+MAX_BLOCK_BYTES = 1 << 32
+MAX_MODEL_ID_CHARS = 256
+
+
 def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidInputError(f"KVLayout.{name} must be a positive int, got {value!r}")
+    limit = LAYOUT_LIMITS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+        raise InvalidInputError(
+            f"KVLayout.{name} must be an int in [1, {limit}], got {value!r:.40}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,15 +81,28 @@ class KVLayout:
     fingerprint: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model_id, str) or not self.model_id:
+        if (
+            not isinstance(self.model_id, str)
+            or not self.model_id
+            or len(self.model_id) > MAX_MODEL_ID_CHARS
+        ):
             raise InvalidInputError(
-                f"KVLayout.model_id must be a non-empty str, got {self.model_id!r}"
+                f"KVLayout.model_id must be a str of 1..{MAX_MODEL_ID_CHARS} characters, "
+                f"got {self.model_id!r:.80}"
             )
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
             _check_positive_int(name, getattr(self, name))
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise InvalidInputError(
-                f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"
+                f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r:.40}"
+            )
+        block_bytes = (
+            self.num_layers * 2 * self.num_kv_heads * self.block_tokens * self.head_dim
+        ) * dtype_info(self.dtype).itemsize
+        if block_bytes > MAX_BLOCK_BYTES:
+            raise InvalidInputError(
+                f"a block of this layout would be {block_bytes} bytes; at most "
+                f"{MAX_BLOCK_BYTES} (fewer block_tokens)"
             )
         object.__setattr__(self, "fingerprint", self._compute_fingerprint())
 

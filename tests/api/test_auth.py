@@ -76,6 +76,7 @@ def gateway(tmp_path):
         same_node_reads=False,
         put_object=lambda payload: payload,
         auth=auth,
+        body_timeout_s=0.5,
     )
     server = _Server(app)
     yield server
@@ -236,3 +237,62 @@ def test_token_documents_are_checked_and_dev_tokens_are_private(tmp_path):
     assert again.authenticate(f"Bearer {token}").tenant == "default"  # reused, not replaced
     off, none = deployment_authenticator(AuthSettings(enabled=False), tmp_path, environ={})
     assert none is None and off.authenticate(None) == Principal.trusted()
+
+
+def test_layouts_are_strict_and_bounded_and_leave_nothing_behind(gateway):
+    good = LAYOUT.to_dict()
+    headers = {"authorization": "Bearer tok-alice"}
+    for field, value in [
+        ("num_layers", "4"),  # a string is not an int
+        ("num_layers", 2**70),
+        ("head_dim", 0),
+        ("block_tokens", 10**9),
+        ("dtype", "int4"),
+        ("model_id", ""),
+    ]:
+        body = {"session_id": "bad", "layout": {**good, field: value}}
+        r = httpx.post(gateway.url + "/v1/sessions", json=body, headers=headers)
+        assert r.status_code == 422, (field, value, r.text)
+        assert r.json()["error"]["type"] == "InvalidInputError"
+    # Each size within bounds, but the block would be 2 TiB: refused by KVLayout.
+    huge = {**good, "num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096}
+    r = httpx.post(
+        gateway.url + "/v1/sessions", json={"session_id": "bad", "layout": huge}, headers=headers
+    )
+    assert r.status_code == 422 and "bytes" in r.json()["error"]["message"]
+    with client(gateway, "alice") as alice, pytest.raises(UnknownSessionError):
+        alice.session("bad")
+
+
+def _raw_post(url, path, head: bytes, body: bytes, *, timeout=10.0) -> bytes:
+    """Send a request by hand (a client that lies or stalls); return the answer's bytes."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head + body)
+        return sock.recv(65536)
+
+
+def test_lying_frame_headers_and_stalled_bodies_are_refused(gateway):
+    from memkv.protocol.wire import encode_frame
+
+    with client(gateway, "alice") as alice:
+        alice.create_session("lie", LAYOUT)
+    turn = encode_frame({"kind": "turn", "tokens": [1, 2, 3, 4]})
+    # A block frame whose header declares 1 GiB of payload, in a 300-byte body.
+    lie = encode_frame({"kind": "block", "key": b"k" * 16, "dtype": "float16", "nbytes": 1 << 30})
+    body = b"".join(bytes(c) for c in (*turn, *lie))[:300]
+    head = (
+        f"POST /v1/sessions/lie/turns HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer tok-alice\r\nContent-Type: application/x-memkv-frames\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    answer = _raw_post(gateway.url, "/v1/sessions/lie/turns", head, body)
+    assert answer.startswith(b"HTTP/1.1 422") and b"exceeds" in answer
+    # A body that promises 1 MiB and stops after 10 bytes: 408 once it stalls.
+    stalled = head.replace(f"Content-Length: {len(body)}".encode(), b"Content-Length: 1000000")
+    answer = _raw_post(gateway.url, "/v1/sessions/lie/turns", stalled, body[:10])
+    assert answer.startswith(b"HTTP/1.1 408") and b"stalled" in answer
+    with client(gateway, "alice") as alice:
+        assert alice.session("lie").turn == 0  # nothing was stored
