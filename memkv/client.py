@@ -90,6 +90,7 @@ class SessionView:
     turn: int
     chain: list[bytes]
     device_id: str | None
+    ack: str = "memory"  # when appends are answered: in memory, or fsynced in the archive
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +155,7 @@ def _session(data: dict[str, Any]) -> SessionView:
         turn=int(data["turn"]),
         chain=[bytes.fromhex(k) for k in data["chain"]],
         device_id=data.get("device_id"),
+        ack=data.get("ack", "memory"),
     )
 
 
@@ -621,12 +623,14 @@ class Client:
         *,
         namespace: str | None = None,
         priority: str = "normal",
+        ack: str | None = None,
     ) -> SessionView:
         body = {
             "session_id": session_id,
             "layout": layout.to_dict(),
             "namespace": namespace,
             "priority": priority,
+            "ack": ack,
         }
         view = _session(self._request("POST", "/v1/sessions", json=body, idempotent=False).json())
         self._known[session_id] = view
@@ -848,12 +852,14 @@ class AsyncClient:
         *,
         namespace: str | None = None,
         priority: str = "normal",
+        ack: str | None = None,
     ) -> SessionView:
         body = {
             "session_id": session_id,
             "layout": layout.to_dict(),
             "namespace": namespace,
             "priority": priority,
+            "ack": ack,
         }
         r = await self._request("POST", "/v1/sessions", json=body, idempotent=False)
         return _session(r.json())

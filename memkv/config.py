@@ -360,6 +360,27 @@ class RouterSettings(_Frozen):
         description="Place a new session on the device that already holds its longest "
         "cached prefix, when that device has room.",
     )
+    default_ack: Literal["memory", "archive"] = Field(
+        default="memory",
+        description="Acknowledgement mode of sessions that name none: memory = an append "
+        "answers once its blocks are in device memory (a crash may cost the newest turns, "
+        "which are recomputed); archive = once they are fsynced in the cold tier.",
+    )
+    journal: bool = Field(
+        default=True,
+        description="Keep the session table in a journal + snapshot, so a restarted router "
+        "(or machine) serves every session again.",
+    )
+    journal_dir: Path | None = Field(
+        default=None,
+        description="Where the journal lives; None = <archive.directory>/router on the "
+        "router's node.",
+    )
+    journal_fsync: bool = Field(
+        default=True,
+        description="fsync the journal (group commit) before answering changes of archive-"
+        "mode sessions, suspends and deletes.",
+    )
 
 
 class ClusterSettings(_Frozen):

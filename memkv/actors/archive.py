@@ -58,8 +58,13 @@ class ArchiveService:
         """The incarnation id (changes when the actor restarts)."""
         return self.incarnation
 
-    def put_frames(self, items: Sequence[tuple[bytes, bytes, bytes]]) -> int:
+    def put_frames(self, items: Sequence[tuple[bytes, bytes, bytes]], durable: bool = False) -> int:
         """Store ``(key, frame, fingerprint)`` triples; keys already stored are skipped.
+
+        Args:
+            durable: fsync before answering. Group-committed: concurrent callers
+                share an fsync (the segment store skips one that has nothing
+                left to force), so throughput holds.
 
         Returns:
             Frames written.
@@ -76,7 +81,13 @@ class ArchiveService:
             header = verify_frame(frame)  # a frame damaged on the way is never kept
             self._segments.put(key, frame, fingerprint=fingerprint, codec_id=header.codec_id)
             written += 1
+        if durable:
+            self._segments.flush()
         return written
+
+    def keys(self) -> list[bytes]:
+        """Every stored block's key (the router collects those no session holds)."""
+        return list(self._segments.keys())
 
     def get_frames(self, keys: Sequence[bytes]) -> list[bytes]:
         """Frames of ``keys``, verified (CorruptDataError, UnknownBlockError otherwise)."""

@@ -30,7 +30,7 @@ from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.messages import ChainUpdate, ReadPlan
-from memkv.storage.block_pool import BlockPool
+from memkv.storage.block_pool import BlockPool, Holder
 from memkv.storage.codecs import decode_frame, encode_stored
 from memkv.storage.config import CodecConfig, StoreConfig
 from memkv.storage.tiers import ColdStats, StoredBlock
@@ -99,11 +99,19 @@ class RemoteColdTier:
         self._call(lambda a: a.put_frames.remote([(bytes(key), frame, fingerprint)]))
         return len(frame)
 
-    def put_many(self, items: Sequence[tuple[bytes, StoredBlock, bytes, str]]) -> list[int]:
-        """Encode every block here, then one archive call for them all."""
+    def put_many(
+        self, items: Sequence[tuple[bytes, StoredBlock, bytes, str]], *, durable: bool = False
+    ) -> list[int]:
+        """Encode every block here, then one archive call for them all.
+
+        ``durable``: the archive fsyncs (group-committed) before it answers.
+        """
         frames = [(bytes(k), encode_stored(self._codecs, c, b), fp) for k, b, fp, c in items]
-        self._call(lambda a: a.put_frames.remote(frames))
+        self._call(lambda a: a.put_frames.remote(frames, durable))
         return [len(frame) for _, frame, _ in frames]
+
+    def sync(self) -> None:
+        self._call(lambda a: a.flush.remote())
 
     def load(self, key: bytes) -> torch.Tensor:
         (frame,) = self._call(lambda a: a.get_frames.remote([bytes(key)]))
@@ -211,6 +219,7 @@ class DeviceCache:
         update: ChainUpdate,
         blocks: Sequence[BlockPayload | ray.ObjectRef],
         checksums: Sequence[int] | None = None,
+        durable: bool = False,
     ) -> dict[str, int]:
         """Apply one append: its new blocks (payloads, or refs to them) and references.
 
@@ -218,6 +227,8 @@ class DeviceCache:
             update: what the append changes, from the router.
             checksums: the writer's CRC32 of each block, already verified by the
                 caller (the gateway): kept and served with the block.
+            durable: answer only once every block of the chain is fsynced in
+                the archive (an ``archive``-mode session).
         """
         self.leases.sweep()
         refs = [i for i, b in enumerate(blocks) if isinstance(b, ray.ObjectRef)]
@@ -226,7 +237,7 @@ class DeviceCache:
             for i, value in zip(refs, ray.get([blocks[i] for i in refs]), strict=True):
                 resolved[i] = value
         tensors = [from_payload(p) for p in resolved]
-        outcome = self.pool.put(update, tensors, checksums=checksums)
+        outcome = self.pool.put(update, tensors, checksums=checksums, durable=durable)
         return {
             "new_blocks": outcome.new_blocks,
             "deduplicated_blocks": outcome.deduplicated_blocks,
@@ -242,6 +253,14 @@ class DeviceCache:
             BlockLostError: some block is in no tier (nothing is held).
         """
         self.pool.adopt(layout, chain, tokens, Priority(priority))
+
+    def resync(self, holders: Sequence[Holder]) -> list[int]:
+        """Set every block's references from the router's table (a restarted router).
+
+        Returns:
+            Indices of holders some of whose blocks are in no tier (lost).
+        """
+        return self.pool.resync(holders)
 
     def release(self, keys: Sequence[bytes], active: bool) -> int:
         """A holder of ``keys`` went (session deleted). Returns the blocks freed."""

@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from ray.exceptions import RayActorError
 from memkv.actors.router_state import RouterState
 from memkv.errors import (
     BlockLostError,
+    ClosedError,
     ConflictError,
     InvalidInputError,
     MemkvError,
@@ -38,11 +40,17 @@ from memkv.protocol.enums import SessionState
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ReadRoute
-from memkv.storage.sessions import parse_priority
+from memkv.storage.block_pool import Holder
+from memkv.storage.journal import Journal
 
 __all__ = ["RouterState", "SessionRouter", "SessionRouterActor"]
 
 logger = logging.getLogger(__name__)
+
+#: Acknowledgement modes of a session's appends (docs/durability.md).
+ACK_MODES = ("memory", "archive")
+#: The journal is rewritten as a snapshot once it holds this many records.
+JOURNAL_SNAPSHOT_RECORDS = 10_000
 
 # How long the router waits for a restarted device to answer before giving up.
 DEVICE_RECOVERY_TIMEOUT_S = 120.0
@@ -66,6 +74,12 @@ class SessionRouter:
         hot_idle_fraction: background prefetch only while a device's hot-tier
             use is below this.
         head_blocks: how many blocks of a session's head a resume prefetches.
+        journal_dir: where the session table's journal lives; the table is
+            rebuilt from it when the router starts (None: memory only, lost
+            with the process).
+        journal_fsync: fsync the journal (group-committed) before answering a
+            change of an ``archive``-mode session, a suspend or a delete.
+        default_ack: the acknowledgement mode of a session created without one.
     """
 
     def __init__(
@@ -76,9 +90,26 @@ class SessionRouter:
         background_prefetch_interval_s: float = 2.0,
         hot_idle_fraction: float = 0.3,
         head_blocks: int = 8,
+        journal_dir: str | None = None,
+        journal_fsync: bool = True,
+        default_ack: str = "memory",
     ) -> None:
+        journal = (
+            Journal(Path(journal_dir), fsync=journal_fsync) if journal_dir is not None else None
+        )
         self.state = RouterState(
-            hotness_half_life_s=hotness_half_life_s, prefix_affinity=prefix_affinity
+            hotness_half_life_s=hotness_half_life_s,
+            prefix_affinity=prefix_affinity,
+            journal=journal,
+        )
+        # Devices and archives of the journal are found again by name on the
+        # first call (a restarted router); until then every call waits.
+        if default_ack not in ACK_MODES:
+            raise InvalidInputError(f"default_ack must be one of {list(ACK_MODES)}")
+        self._default_ack = default_ack
+        self._restore_lock = asyncio.Lock()
+        self._restored = journal is None or not (
+            self.state.known_devices or self.state.known_archives
         )
         self._devices: dict[str, Any] = {}
         self._archives: dict[str, Any] = {}
@@ -95,17 +126,21 @@ class SessionRouter:
 
     async def register_device(self, device_id: str, handle: Any) -> None:
         """Add a device; registering a known one again (``memkv up`` is repeatable) checks it."""
+        await self._ready()
         if device_id in self._devices:
             await self._check_incarnation(device_id, force=True)
             return
         info = await handle.ping.remote()
         self._devices[device_id] = handle
         self.state.add_device(device_id, info["incarnation"])
+        await self._rehome_orphans()
         self._ensure_background()
 
     async def register_archive(self, archive_id: str, handle: Any) -> None:
+        await self._ready()
         await handle.ping.remote()
         self._archives[archive_id] = handle
+        self.state.add_archive(archive_id)
 
     async def devices(self) -> dict[str, Any]:
         return dict(self._devices)
@@ -121,17 +156,34 @@ class SessionRouter:
         layout: dict[str, Any],
         namespace: str = "default",
         priority: str = "normal",
+        ack: str | None = None,
     ) -> dict[str, Any]:
-        return self.state.create(session_id, layout, namespace, priority).as_dict()
+        """A new session; ``ack``: ``memory`` or ``archive`` (docs/durability.md), None:
+        the deployment's default."""
+        await self._ready()
+        ack = self._default_ack if ack is None else ack
+        if ack not in ACK_MODES:
+            raise InvalidInputError(f"ack must be one of {list(ACK_MODES)}, got {ack!r}")
+        record = self.state.create(
+            session_id, layout, namespace, priority, durable=ack == "archive"
+        )
+        await self._durable(record.durable)
+        return record.as_dict()
 
     async def session(self, session_id: str) -> dict[str, Any]:
+        await self._ready()
         return self.state.get(session_id).as_dict()
 
     async def device_of(self, session_id: str) -> tuple[str, Any]:
         """The device that owns the session (readers call it directly, zero-copy)."""
+        await self._ready()
         record = self.state.get(session_id)
         if record.device_id is None:
             raise InvalidInputError(f"session {session_id!r} has no blocks yet")
+        if record.device_id not in self._devices:
+            raise ClosedError(
+                f"session {session_id!r} is being recovered (its device is coming back); retry"
+            )
         await self._check_incarnation(record.device_id)
         self.state.get(session_id)  # may have been marked lost by the recovery
         return record.device_id, self._devices[record.device_id]
@@ -212,10 +264,14 @@ class SessionRouter:
         )
         update = self.state.sessions.plan_append(session_id, len(token_ids), chain, start_block)
         device_id = self.state.place(session_id, chain)
+        if device_id not in self._devices:
+            raise ClosedError(f"session {session_id!r} is being recovered; retry")
+        durable = record.durable
         result = await self._call(
-            device_id, session_id, lambda d: d.put.remote(update, blocks, checksums)
+            device_id, session_id, lambda d: d.put.remote(update, blocks, checksums, durable)
         )
         garbage = self.state.record_put(session_id, update)
+        await self._durable(durable)
         await self._collect(garbage)
         return {**result, "chain": list(update.chain), "turn": record.turn}
 
@@ -263,6 +319,7 @@ class SessionRouter:
 
         ``namespace``: only blocks of that namespace are found (None: any).
         """
+        await self._ready()
         out = []
         for device_id, group in self.state.locate(keys, namespace).items():
             await self._check_incarnation(device_id)
@@ -317,12 +374,13 @@ class SessionRouter:
         self.state.record_state(
             session_id, SessionState.SUSPENDED if in_memory else SessionState.ARCHIVED
         )
+        await self._durable(True)  # a suspended session survives a restart, in any mode
         return record.as_dict()
 
     async def set_priority(self, session_id: str, priority: str) -> dict[str, Any]:
-        record = self.state.get(session_id)
-        record.priority = parse_priority(priority)
-        if record.device_id is not None and record.chain:
+        await self._ready()
+        record = self.state.set_priority(session_id, priority)
+        if record.device_id in self._devices and record.chain:
             chain = list(record.chain)
             await self._call(
                 record.device_id,
@@ -332,15 +390,19 @@ class SessionRouter:
         return record.as_dict()
 
     async def delete_session(self, session_id: str) -> None:
+        await self._ready()
         record = self.state.sessions.lookup(session_id)
         if record is None:
             raise UnknownSessionError(f"no session {session_id!r}")
-        if record.device_id is not None and record.chain and not record.lost:
+        if record.device_id in self._devices and record.chain and not record.lost:
             chain, active = list(record.chain), record.active
             await self._call(record.device_id, None, lambda d: d.release.remote(chain, active))
-        await self._collect(self.state.delete(session_id))
+        garbage = self.state.delete(session_id)
+        await self._durable(True)
+        await self._collect(garbage)
 
     async def stats(self) -> dict[str, Any]:
+        await self._ready()
         devices = {d: await h.stats.remote() for d, h in self._devices.items()}
         archives = {a: await h.stats.remote() for a, h in self._archives.items()}
         states = Counter("lost" if r.lost else r.state.value for r in self.state.sessions)
@@ -371,6 +433,116 @@ class SessionRouter:
         return {d: self.state.devices[d].incarnation or "" for d in self._devices}
 
     # -- internals ---------------------------------------------------------------------
+
+    async def _ready(self) -> None:
+        """Once per start: find the journal's devices and archives again by name."""
+        if self._restored:
+            return
+        async with self._restore_lock:
+            if self._restored:
+                return
+            await self._restore()
+            self._restored = True
+
+    async def _restore(self) -> None:
+        """A restarted router: reattach to the actors the journal names, reconcile, collect.
+
+        A device that still answers keeps its blocks: its references are set
+        again from the table (an append the router died before recording
+        leaves none behind). A device that is gone (the machine restarted:
+        new actors, new names) is forgotten; its sessions move to the devices
+        that register next, from the archive (:meth:`_rehome_orphans`).
+        """
+        namespace = ray.get_runtime_context().namespace
+        for name in list(self.state.known_archives):
+            try:
+                handle = ray.get_actor(name, namespace=namespace)
+                await handle.ping.remote()
+            except (ValueError, RayActorError):
+                continue  # a new one registers itself (memkv up); this name is history
+            self._archives[name] = handle
+        for name in list(self.state.known_devices):
+            try:
+                handle = ray.get_actor(name, namespace=namespace)
+                info = await handle.ping.remote()
+            except (ValueError, RayActorError):
+                self.state.forget_device(name)
+                continue
+            self._devices[name] = handle
+            self.state.add_device(name, info["incarnation"])
+            await self._resync(name)
+        logger.warning(
+            "router restored %d sessions from its journal (%d devices reattached)",
+            len(self.state.sessions),
+            len(self._devices),
+        )
+        if self._devices:
+            self._ensure_background()
+
+    async def _resync(self, device_id: str) -> None:
+        """Set a device's block references from the table; sessions it cannot serve are lost."""
+        records = [r for r in self.state.sessions_on(device_id) if r.chain and not r.lost]
+        holders = [
+            Holder(
+                r.layout,
+                list(r.chain),
+                block_token_count(r.layout, r.tokens),
+                r.active,
+                r.priority,
+            )
+            for r in records
+        ]
+        lost = await self._devices[device_id].resync.remote(holders)
+        for i in lost:
+            self.state.mark_lost(
+                records[i].session_id,
+                f"device {device_id} no longer has all of its blocks and the archive lacks some",
+            )
+
+    async def _rehome_orphans(self) -> None:
+        """Sessions whose device is gone for good go to a live one, from the archive."""
+        if not self._devices:
+            return
+        for record in list(self.state.sessions):
+            if record.device_id is None or record.device_id in self._devices or record.lost:
+                continue
+            target = min(self._devices, key=lambda d: (self.state.devices[d].sessions, d))
+            if not record.chain:
+                self.state.move(record.session_id, target)
+                continue
+            counts = block_token_count(record.layout, record.tokens)
+            try:
+                await self._devices[target].adopt.remote(
+                    record.layout, list(record.chain), counts, record.priority.value
+                )
+            except BlockLostError as e:
+                self.state.mark_lost(
+                    record.session_id,
+                    f"its device is gone and the archive lacks some of its blocks ({e})",
+                )
+                continue
+            self.state.move(record.session_id, target)
+            self.state.record_state(record.session_id, SessionState.ARCHIVED)
+        await self._durable(True)
+        await self._collect_unreferenced()
+
+    async def _collect_unreferenced(self) -> None:
+        """Delete archived blocks no session holds (left by appends a crash never recorded)."""
+        for handle in self._archives.values():
+            keys = await handle.keys.remote()
+            garbage = [k for k in keys if not self.state.referenced(k)]
+            if garbage:
+                await handle.delete.remote(garbage)
+                logger.warning("collected %d unreferenced archive blocks", len(garbage))
+
+    async def _durable(self, needed: bool) -> None:
+        """Make the journal's records durable before answering (group commit)."""
+        journal = self.state.journal
+        if journal is None:
+            return
+        if needed:
+            await asyncio.to_thread(journal.sync)
+        self.state.compact_journal(every=JOURNAL_SNAPSHOT_RECORDS)
 
     async def _collect(self, garbage: list[bytes]) -> None:
         if garbage and self._archives:
@@ -498,5 +670,5 @@ class SessionRouter:
 
 
 #: The actor: async, so slow device calls of one session do not block others.
-#: It is not restarted: its session table lives in memory (see the module notes).
-SessionRouterActor = ray.remote(max_restarts=0)(SessionRouter)
+#: Ray restarts it if its process dies; it rebuilds its table from the journal.
+SessionRouterActor = ray.remote(max_restarts=-1, max_task_retries=0)(SessionRouter)

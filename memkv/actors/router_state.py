@@ -18,12 +18,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from memkv.errors import InvalidInputError, MemkvError, UnknownBlockError
+from memkv.errors import CorruptDataError, InvalidInputError, MemkvError, UnknownBlockError
 from memkv.protocol.enums import Priority, SessionState
-from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.hashing import BlockHash, chain_hashes
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ChainUpdate
-from memkv.storage.sessions import SessionRecord, SessionTable
+from memkv.storage.journal import Journal
+from memkv.storage.sessions import SessionRecord, SessionTable, parse_priority
 
 __all__ = ["DeviceLoad", "RouterState", "SessionRecord"]
 
@@ -43,6 +44,9 @@ class RouterState:
         prefix_affinity: place a new session on the device that already holds
             the longest prefix of its chain.
         clock: seconds (injectable for tests).
+        journal: where every change of the table is recorded; the table is
+            rebuilt from it here (a restarted router, or a restarted machine).
+            None keeps the table in memory only.
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class RouterState:
         hotness_half_life_s: float = 300.0,
         prefix_affinity: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        journal: Journal | None = None,
     ) -> None:
         if hotness_half_life_s <= 0:
             raise InvalidInputError(f"hotness_half_life_s must be > 0, got {hotness_half_life_s}")
@@ -65,11 +70,38 @@ class RouterState:
         # block -> the namespace its hash was salted with (by-key reads are
         # served only within the namespaces the caller may read)
         self._block_namespace: dict[bytes, str] = {}
+        # Devices and archives the journal knew (a restarted router finds them by name).
+        self.known_devices: list[str] = []
+        self.known_archives: list[str] = []
+        self.journal = journal
+        if journal is not None:
+            self._replaying = True
+            try:
+                for entry in journal.replay():
+                    self._apply(entry)
+            finally:
+                self._replaying = False
+            self.compact_journal()
 
     # -- devices -------------------------------------------------------------------
 
     def add_device(self, device_id: str, incarnation: str | None = None) -> None:
         self.devices.setdefault(device_id, DeviceLoad()).incarnation = incarnation
+        if device_id not in self.known_devices:
+            self.known_devices.append(device_id)
+            self._log({"op": "device", "name": device_id})
+
+    def add_archive(self, name: str) -> None:
+        if name not in self.known_archives:
+            self.known_archives.append(name)
+            self._log({"op": "archive", "name": name})
+
+    def forget_device(self, device_id: str) -> None:
+        """A journaled device that no longer exists (a machine restarted: new names)."""
+        self.devices.pop(device_id, None)
+        if device_id in self.known_devices:
+            self.known_devices.remove(device_id)
+            self._log({"op": "forget_device", "name": device_id})
 
     def update_load(self, device_id: str, hot_usage: float) -> None:
         self.devices[device_id].hot_usage = hot_usage
@@ -85,11 +117,25 @@ class RouterState:
         layout: KVLayout | dict[str, Any],
         namespace: str,
         priority: Priority | str,
+        durable: bool = False,
     ) -> SessionRecord:
         """A new session (the id rule, layout and priority are checked here, once)."""
         if not isinstance(layout, KVLayout):
             layout = KVLayout.from_dict(layout)
-        return self.sessions.create(session_id, layout, namespace=namespace, priority=priority)
+        record = self.sessions.create(
+            session_id, layout, namespace=namespace, priority=priority, durable=durable
+        )
+        self._log(
+            {
+                "op": "create",
+                "id": session_id,
+                "ns": record.namespace,
+                "layout": layout.to_dict(),
+                "prio": record.priority.value,
+                "durable": record.durable,
+            }
+        )
+        return record
 
     def get(self, session_id: str) -> SessionRecord:
         return self.sessions.get(session_id)
@@ -145,21 +191,161 @@ class RouterState:
             self._block_namespace.setdefault(bytes(key), record.namespace)
         garbage = [key for key in update.drop if self._unref(key, record.device_id)]
         self.sessions.commit_append(session_id, update)
+        self._log(
+            {
+                "op": "put",
+                "id": session_id,
+                "chain": [bytes(k) for k in record.chain],
+                "tokens": record.tokens,
+                "turn": record.turn,
+                "tail": record.tail_rewrites,
+                "device": record.device_id,
+            }
+        )
         self.touch(session_id)
         return garbage
 
     def record_state(self, session_id: str, state: SessionState) -> None:
         self.get(session_id).state = state
+        self._log({"op": "state", "id": session_id, "state": state.value})
+
+    def set_priority(self, session_id: str, priority: Priority | str) -> SessionRecord:
+        record = self.get(session_id)
+        record.priority = parse_priority(priority)
+        self._log({"op": "prio", "id": session_id, "prio": record.priority.value})
+        return record
+
+    def move(self, session_id: str, device_id: str) -> None:
+        """Place a session's (archived) chain on another device (its own is gone)."""
+        record = self.sessions.lookup(session_id)
+        if record is None:
+            return
+        old = record.device_id
+        for key in dict.fromkeys(record.chain):
+            self._unref(key, old, keep=True)
+            self._ref(key, device_id, count=False)
+        if old in self.devices:
+            self.devices[old].sessions -= 1
+        record.device_id = device_id
+        self.devices[device_id].sessions += 1
+        self._log({"op": "move", "id": session_id, "device": device_id})
 
     def delete(self, session_id: str) -> list[bytes]:
         """Forget a session (lost ones too). Returns blocks no session holds any more."""
         record = self.sessions.pop(session_id)
         if record.device_id is not None and record.device_id in self.devices:
             self.devices[record.device_id].sessions -= 1
+        self._log({"op": "delete", "id": session_id})
         return [k for k in dict.fromkeys(record.chain) if self._unref(k, record.device_id)]
 
     def mark_lost(self, session_id: str, reason: str) -> None:
         self.sessions.mark_lost(session_id, reason)
+        self._log({"op": "lost", "id": session_id, "reason": reason})
+
+    def referenced(self, key: bytes) -> bool:
+        """Whether some session holds block ``key`` (the archive keeps only those)."""
+        return self._refcounts[bytes(key)] > 0
+
+    # -- the journal ---------------------------------------------------------------------
+
+    def _log(self, entry: dict[str, Any]) -> None:
+        if self.journal is not None and not self._replaying:
+            self.journal.append(entry)
+
+    def compact_journal(self, every: int = 0) -> None:
+        """Rewrite the journal as a snapshot of the table once it has ``every`` records."""
+        if self.journal is None or self.journal.records_since_snapshot < max(every, 1):
+            return
+        records: list[dict[str, Any]] = [{"op": "device", "name": n} for n in self.known_devices]
+        records += [{"op": "archive", "name": n} for n in self.known_archives]
+        for r in self.sessions:
+            records.append(
+                {
+                    "op": "create",
+                    "id": r.session_id,
+                    "ns": r.namespace,
+                    "layout": r.layout.to_dict(),
+                    "prio": r.priority.value,
+                    "durable": r.durable,
+                }
+            )
+            if r.chain or r.turn:
+                records.append(
+                    {
+                        "op": "put",
+                        "id": r.session_id,
+                        "chain": [bytes(k) for k in r.chain],
+                        "tokens": r.tokens,
+                        "turn": r.turn,
+                        "tail": r.tail_rewrites,
+                        "device": r.device_id,
+                    }
+                )
+            if not r.active:
+                records.append({"op": "state", "id": r.session_id, "state": r.state.value})
+            if r.lost_reason is not None:
+                records.append({"op": "lost", "id": r.session_id, "reason": r.lost_reason})
+        self.journal.snapshot(records)
+
+    def _apply(self, entry: dict[str, Any]) -> None:
+        """Replay one journal record (the journal is the table's history)."""
+        op = entry["op"]
+        if op == "device":
+            if entry["name"] not in self.known_devices:
+                self.known_devices.append(entry["name"])
+        elif op == "forget_device":
+            if entry["name"] in self.known_devices:
+                self.known_devices.remove(entry["name"])
+        elif op == "archive":
+            if entry["name"] not in self.known_archives:
+                self.known_archives.append(entry["name"])
+        elif op == "create":
+            self.create(
+                entry["id"],
+                entry["layout"],
+                entry["ns"],
+                entry["prio"],
+                durable=bool(entry.get("durable", False)),
+            )
+        elif op == "put":
+            record = self.sessions.lookup(entry["id"])
+            if record is None:
+                return
+            old = dict.fromkeys(record.chain)
+            new = dict.fromkeys(BlockHash(bytes(k)) for k in entry["chain"])
+            device = entry.get("device")
+            if record.device_id is None and device is not None:
+                record.device_id = device
+                self.devices.setdefault(device, DeviceLoad()).sessions += 1
+            for key in new:
+                if key not in old:
+                    self._ref(key, record.device_id)
+                    self._block_namespace.setdefault(bytes(key), record.namespace)
+            for key in old:
+                if key not in new:
+                    self._unref(key, record.device_id)
+            record.chain = list(new)
+            record.tokens = int(entry["tokens"])
+            record.turn = int(entry["turn"])
+            record.tail_rewrites = int(entry.get("tail", 0))
+            record.state = SessionState.ACTIVE
+        elif op in ("state", "prio"):
+            found = self.sessions.lookup(entry["id"])
+            if found is not None and op == "state":
+                found.state = SessionState(entry["state"])
+            elif found is not None:
+                found.priority = parse_priority(entry["prio"])
+        elif op == "move":
+            self.devices.setdefault(entry["device"], DeviceLoad())
+            self.move(entry["id"], entry["device"])
+        elif op == "delete":
+            if entry["id"] in self.sessions:
+                self.delete(entry["id"])
+        elif op == "lost":
+            if entry["id"] in self.sessions:
+                self.mark_lost(entry["id"], entry["reason"])
+        else:
+            raise CorruptDataError(f"unknown router journal record {op!r}")
 
     def background_candidates(self, device_id: str, limit: int) -> list[str]:
         """The hottest sessions of a device that are not active (worth prefetching)."""
@@ -212,15 +398,17 @@ class RouterState:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _ref(self, key: bytes, device_id: str | None) -> None:
+    def _ref(self, key: bytes, device_id: str | None, *, count: bool = True) -> None:
         key = bytes(key)
-        self._refcounts[key] += 1
+        if count:
+            self._refcounts[key] += 1
         if device_id is not None:
             self._block_devices.setdefault(key, Counter())[device_id] += 1
 
-    def _unref(self, key: bytes, device_id: str | None) -> bool:
+    def _unref(self, key: bytes, device_id: str | None, *, keep: bool = False) -> bool:
         key = bytes(key)
-        self._refcounts[key] -= 1
+        if not keep:
+            self._refcounts[key] -= 1
         if device_id is not None and key in self._block_devices:
             counts = self._block_devices[key]
             counts[device_id] -= 1

@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 import ray
@@ -117,6 +117,12 @@ class SessionCreate(_Model):
         "or a public namespace its token may publish into (shared prompts).",
     )
     priority: str = "normal"
+    ack: Literal["memory", "archive"] | None = Field(
+        default=None,
+        description="When an append is answered: memory = its blocks are in device memory; "
+        "archive = they are fsynced in the cold tier and survive a crash of every process. "
+        "Default: the deployment's router.default_ack.",
+    )
 
 
 class SuspendIn(_Model):
@@ -170,7 +176,13 @@ def _error_response(exc: BaseException) -> JSONResponse:
     elif isinstance(exc, BodyTimeout):
         status = 408
     name = type(shown).__name__
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = (
+        {"WWW-Authenticate": "Bearer"}
+        if status == 401
+        else {"Retry-After": "1"}
+        if status == 503
+        else None
+    )
     return JSONResponse(
         {"error": {"type": name, "message": str(shown), "status": status}},
         status_code=status,
@@ -299,7 +311,7 @@ def create_app(
         namespace = who.write_namespace(body.namespace)
         layout = KVLayout.from_dict(body.layout.model_dump())
         record = await router.create_session.remote(
-            sid, layout.to_dict(), namespace, body.priority
+            sid, layout.to_dict(), namespace, body.priority, body.ack
         )
         return _session_out(record, body.session_id)
 

@@ -89,10 +89,14 @@ class MemkvCluster:
         *,
         namespace: str = "default",
         priority: str = "normal",
+        ack: str | None = None,
     ) -> dict[str, Any]:
+        """A new session; ``ack`` (``memory`` / ``archive``): see docs/durability.md."""
         return dict(
             ray.get(
-                self.router.create_session.remote(session_id, layout.to_dict(), namespace, priority)
+                self.router.create_session.remote(
+                    session_id, layout.to_dict(), namespace, priority, ack
+                )
             )
         )
 
@@ -405,9 +409,19 @@ def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCl
         background_prefetch_interval_s=cfg.router.background_prefetch_interval_s,
         hot_idle_fraction=cfg.device.prefetch.hot_idle_fraction,
         head_blocks=cfg.device.prefetch.max_prefetch_blocks,
+        journal_dir=str(router_journal_dir(cfg)) if cfg.router.journal else None,
+        journal_fsync=cfg.router.journal_fsync,
+        default_ack=cfg.router.default_ack,
     )
     ray.get([router.register_archive.remote(n, h) for n, h in archives.items()])
     ray.get([router.register_device.remote(n, h) for n, h in devices.items()])
     if embedded:
         owned = [router, *devices.values(), *archives.values()]
     return MemkvCluster(cfg, router, devices, archives, owned=owned, started_ray=started_ray)
+
+
+def router_journal_dir(cfg: MemkvConfig) -> Path:
+    """Where the router keeps its journal: ``router.journal_dir``, else beside the archive."""
+    if cfg.router.journal_dir is not None:
+        return cfg.router.journal_dir.expanduser()
+    return cfg.archive.directory.expanduser() / "router"

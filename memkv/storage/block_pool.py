@@ -64,6 +64,7 @@ from memkv.storage.tiers import ColdBackend, ColdTier, MemoryTier, StoredBlock
 __all__ = [
     "BlockLocation",
     "BlockPool",
+    "Holder",
     "FetchedBlock",
     "PoolStats",
     "PutOutcome",
@@ -98,6 +99,16 @@ class _Block:
     # False once the only copies left went through a lossy step (int8, fp16 of
     # an fp32 block, a lossy cold codec): reads then say so.
     exact: bool = True
+
+
+class Holder(NamedTuple):
+    """One session's hold on a pool's blocks, as its owner records it (see ``resync``)."""
+
+    layout: KVLayout
+    chain: Sequence[bytes]
+    tokens: Sequence[int]
+    active: bool
+    priority: Priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +297,7 @@ class BlockPool:
         blocks: Sequence[torch.Tensor],
         *,
         checksums: Sequence[int] | None = None,
+        durable: bool = False,
     ) -> PutOutcome:
         """Apply one append: store its new blocks and count the references it moves.
 
@@ -296,6 +308,9 @@ class BlockPool:
             checksums: the writer's CRC32 of each block's bytes (verified by the
                 caller), kept and served with the block; computed on first read
                 when absent.
+            durable: return only once every block of the chain has a cold copy
+                forced to disk (the ``archive`` acknowledgement mode), written
+                with the lossless online codec.
 
         Raises:
             LayoutMismatchError: a block's shape/dtype disagrees with the layout
@@ -349,6 +364,9 @@ class BlockPool:
                 tail.rewrites = max(tail.rewrites, update.tail_rewrites)
             if not update.was_active:
                 self._activate(chain)
+            if durable:
+                entries = [self._blocks[k] for k in dict.fromkeys(chain)]
+                self._ensure_cold_many(entries, offline=False, durable=True)
             self._counters["dedup_hits"] += dedup
             self._debug_check()
             return PutOutcome(len(created), dedup, len(update.drop))
@@ -398,6 +416,59 @@ class BlockPool:
                     self._blocks[key] = entry
                 self._hold(entry, priority, False, now)
             self._debug_check()
+
+    def resync(self, holders: Sequence[Holder]) -> list[int]:
+        """Set every block's references from the owner's table, after the owner restarted.
+
+        The owner may have died between this pool applying an append and the
+        owner recording it; its table is the truth. Blocks no holder lists and
+        no reader pins are freed; a holder's block that is only in the cold
+        tier gets a cold-only entry (as :meth:`adopt` does).
+
+        Args:
+            holders: every session the owner places on this pool.
+
+        Returns:
+            Indices of holders with a block in no tier (those hold nothing).
+        """
+        with self._lock:
+            self.ensure_open()
+            wanted = [[BlockHash(bytes(k)) for k in h.chain] for h in holders]
+            unknown = list(
+                dict.fromkeys(k for chain in wanted for k in chain if k not in self._blocks)
+            )
+            missing = set(self._cold.missing(unknown)) if unknown else set()
+            for entry in self._blocks.values():
+                entry.refcount = 0
+                entry.active_refs = 0
+            now = self._clock()
+            lost: list[int] = []
+            for i, (chain, holder) in enumerate(zip(wanted, holders, strict=True)):
+                if any(k in missing for k in chain):
+                    lost.append(i)
+                    continue
+                seen: set[BlockHash] = set()
+                for j, key in enumerate(chain):
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    held = self._blocks.get(key)
+                    if held is None:
+                        held = _Block(
+                            key,
+                            chain[j - 1] if j else None,
+                            holder.layout,
+                            holder.tokens[j],
+                            holder.priority,
+                            last_access=now,
+                            in_cold=True,
+                        )
+                        self._blocks[key] = held
+                    self._hold(held, holder.priority, holder.active, now)
+            for key in [k for k, e in self._blocks.items() if e.refcount == 0 and e.pins == 0]:
+                self._free(self._blocks[key])
+            self._debug_check()
+            return lost
 
     def release(self, keys: Sequence[bytes], *, active: bool) -> int:
         """Drop one reference to each key (a holder went); blocks left unheld are freed.
@@ -1027,17 +1098,25 @@ class BlockPool:
         self._cold.put(entry.key, stored, fingerprint=entry.layout.fingerprint, codec=codec)
         self._mark_cold(entry, stored, codec)
 
-    def _ensure_cold_many(self, entries: Sequence[_Block], *, offline: bool) -> None:
-        """Cold copies of ``entries`` in one batch of the cold backend."""
+    def _ensure_cold_many(
+        self, entries: Sequence[_Block], *, offline: bool, durable: bool = False
+    ) -> None:
+        """Cold copies of ``entries`` in one batch of the cold backend.
+
+        ``durable``: on disk (fsynced) before returning, those already there too.
+        """
         items = []
         for entry in entries:
             if entry.in_cold:
                 continue
             items.append((entry, self._load_stored(entry), self._cold_codec(entry, offline)))
         if not items:
+            if durable:
+                self._cold.sync()  # earlier cold copies may not be forced to disk yet
             return
         self._cold.put_many(
-            [(e.key, stored, e.layout.fingerprint, codec) for e, stored, codec in items]
+            [(e.key, stored, e.layout.fingerprint, codec) for e, stored, codec in items],
+            durable=durable,
         )
         for entry, stored, codec in items:
             self._mark_cold(entry, stored, codec)

@@ -49,6 +49,9 @@ class SessionRecord:
     turn: int = 0
     tail_rewrites: int = 0  # how often the partial last block was replaced
     state: SessionState = SessionState.ACTIVE
+    # Acknowledgement mode: True = an append answers once its blocks are fsynced
+    # in the cold tier ("archive"); False = once they are in device memory ("memory").
+    durable: bool = False
     # Placement and hotness: the router's (a single-process store leaves them be).
     device_id: str | None = None  # placed at the first append (prefix affinity needs tokens)
     hotness: float = 0.0
@@ -74,6 +77,7 @@ class SessionRecord:
             "tokens": self.tokens,
             "turn": self.turn,
             "state": "lost" if self.lost else self.state.value,
+            "ack": "archive" if self.durable else "memory",
             "archived": not self.active,
             "hotness": self.hotness,
             "lost_reason": self.lost_reason,
@@ -89,6 +93,7 @@ class SessionRecord:
             "tokens": self.tokens,
             "turn": self.turn,
             "chain": [bytes(k) for k in self.chain],
+            "durable": self.durable,
         }
 
 
@@ -161,8 +166,13 @@ class SessionTable:
         *,
         namespace: str = "default",
         priority: Priority | str = Priority.NORMAL,
+        durable: bool = False,
     ) -> SessionRecord:
         """Register a new, empty session.
+
+        Args:
+            durable: appends are acknowledged once their blocks are fsynced in
+                the cold tier (``archive`` mode), not once they are in memory.
 
         Raises:
             InvalidInputError: bad id, layout, namespace or priority.
@@ -184,6 +194,7 @@ class SessionTable:
             prio,
             created_at=now,
             last_access=now,
+            durable=bool(durable),
         )
         self._records[session_id] = record
         return record
@@ -202,6 +213,7 @@ class SessionTable:
             KVLayout.from_dict(manifest["layout"]),
             namespace=str(manifest["namespace"]),
             priority=str(manifest["priority"]),
+            durable=bool(manifest.get("durable", False)),
         )
         tokens = int(manifest["tokens"])
         chain = [BlockHash(bytes(k)) for k in manifest["chain"]]

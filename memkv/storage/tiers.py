@@ -276,7 +276,10 @@ class ColdBackend(Protocol):
     def __contains__(self, key: object) -> bool: ...
     def missing(self, keys: Sequence[bytes]) -> list[bytes]: ...
     def put(self, key: bytes, block: StoredBlock, *, fingerprint: bytes, codec: str) -> int: ...
-    def put_many(self, items: Sequence[tuple[bytes, StoredBlock, bytes, str]]) -> list[int]: ...
+    def put_many(
+        self, items: Sequence[tuple[bytes, StoredBlock, bytes, str]], *, durable: bool = False
+    ) -> list[int]: ...
+    def sync(self) -> None: ...
     def load(self, key: bytes) -> torch.Tensor: ...
     def remove(self, key: bytes) -> None: ...
     def block_keys(self) -> Iterator[bytes]: ...
@@ -367,9 +370,21 @@ class ColdTier:
         self.bytes_written += len(frame)
         return len(frame)
 
-    def put_many(self, items: Sequence[tuple[bytes, StoredBlock, bytes, str]]) -> list[int]:
-        """:meth:`put` of ``(key, block, fingerprint, codec)`` items, in order."""
-        return [self.put(k, b, fingerprint=fp, codec=c) for k, b, fp, c in items]
+    def put_many(
+        self, items: Sequence[tuple[bytes, StoredBlock, bytes, str]], *, durable: bool = False
+    ) -> list[int]:
+        """:meth:`put` of ``(key, block, fingerprint, codec)`` items, in order.
+
+        ``durable``: fsync before returning (one fsync for the batch).
+        """
+        sizes = [self.put(k, b, fingerprint=fp, codec=c) for k, b, fp, c in items]
+        if durable:
+            self.sync()
+        return sizes
+
+    def sync(self) -> None:
+        """Force every block written so far to disk."""
+        self.segments.flush()
 
     def load(self, key: bytes) -> torch.Tensor:
         """Read, verify and decode a block (in the dtype it was encoded from)."""

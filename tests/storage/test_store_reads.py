@@ -166,7 +166,7 @@ def test_suspend_writes_the_session_cold_in_one_batch(tmp_path):
     s = make_store(tmp_path)
     calls = []
     real = s.pool._cold.put_many
-    s.pool._cold.put_many = lambda items: calls.append(len(items)) or real(items)
+    s.pool._cold.put_many = lambda items, **kw: calls.append(len(items)) or real(items, **kw)
     s.create_session("s", LAYOUT)
     s.put_kv("s", list(range(16)), *kv(16, LAYOUT))
     s.suspend("s")
