@@ -108,6 +108,7 @@ class SessionRouter:
             raise InvalidInputError(f"default_ack must be one of {list(ACK_MODES)}")
         self._default_ack = default_ack
         self._restore_lock = asyncio.Lock()
+        self._fresh = True  # no append taken since this process started
         self._restored = journal is None or not (
             self.state.known_devices or self.state.known_archives
         )
@@ -141,6 +142,10 @@ class SessionRouter:
         await handle.ping.remote()
         self._archives[archive_id] = handle
         self.state.add_archive(archive_id)
+        if self._fresh and self.state.journal is not None:
+            # A router that has taken no append since it started (from its journal)
+            # may collect: no block of an append in flight can be mistaken for garbage.
+            await self._collect_unreferenced([handle])
 
     async def devices(self) -> dict[str, Any]:
         return dict(self._devices)
@@ -263,6 +268,7 @@ class SessionRouter:
             else [bytes(k) for k in chain_hashes(token_ids, record.layout, record.namespace)]
         )
         update = self.state.sessions.plan_append(session_id, len(token_ids), chain, start_block)
+        self._fresh = False
         device_id = self.state.place(session_id, chain)
         if device_id not in self._devices:
             raise ClosedError(f"session {session_id!r} is being recovered; retry")
@@ -459,7 +465,8 @@ class SessionRouter:
                 handle = ray.get_actor(name, namespace=namespace)
                 await handle.ping.remote()
             except (ValueError, RayActorError):
-                continue  # a new one registers itself (memkv up); this name is history
+                self.state.forget_archive(name)  # a new one registers itself (memkv up)
+                continue
             self._archives[name] = handle
         for name in list(self.state.known_devices):
             try:
@@ -471,6 +478,7 @@ class SessionRouter:
             self._devices[name] = handle
             self.state.add_device(name, info["incarnation"])
             await self._resync(name)
+        await self._collect_unreferenced(list(self._archives.values()))
         logger.warning(
             "router restored %d sessions from its journal (%d devices reattached)",
             len(self.state.sessions),
@@ -524,11 +532,14 @@ class SessionRouter:
             self.state.move(record.session_id, target)
             self.state.record_state(record.session_id, SessionState.ARCHIVED)
         await self._durable(True)
-        await self._collect_unreferenced()
 
-    async def _collect_unreferenced(self) -> None:
-        """Delete archived blocks no session holds (left by appends a crash never recorded)."""
-        for handle in self._archives.values():
+    async def _collect_unreferenced(self, archives: list[Any]) -> None:
+        """Delete archived blocks no session holds (left by appends a crash never recorded).
+
+        Only right while no append is in flight (its blocks reach the archive
+        before the router records them): at start, before the first append.
+        """
+        for handle in archives:
             keys = await handle.keys.remote()
             garbage = [k for k in keys if not self.state.referenced(k)]
             if garbage:

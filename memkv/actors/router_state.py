@@ -96,6 +96,11 @@ class RouterState:
             self.known_archives.append(name)
             self._log({"op": "archive", "name": name})
 
+    def forget_archive(self, name: str) -> None:
+        if name in self.known_archives:
+            self.known_archives.remove(name)
+            self._log({"op": "forget_archive", "name": name})
+
     def forget_device(self, device_id: str) -> None:
         """A journaled device that no longer exists (a machine restarted: new names)."""
         self.devices.pop(device_id, None)
@@ -296,6 +301,9 @@ class RouterState:
         elif op == "forget_device":
             if entry["name"] in self.known_devices:
                 self.known_devices.remove(entry["name"])
+        elif op == "forget_archive":
+            if entry["name"] in self.known_archives:
+                self.known_archives.remove(entry["name"])
         elif op == "archive":
             if entry["name"] not in self.known_archives:
                 self.known_archives.append(entry["name"])

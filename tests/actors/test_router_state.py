@@ -129,3 +129,50 @@ def test_bad_input():
         empty.place("x")
     with pytest.raises(InvalidInputError):
         RouterState(hotness_half_life_s=0)
+
+
+def test_the_journal_rebuilds_the_table_refcounts_and_namespaces(tmp_path):
+    from memkv.storage.journal import Journal
+
+    def fresh():
+        return RouterState(clock=Clock(), journal=Journal(tmp_path / "router"))
+
+    s = fresh()
+    s.add_device("d0", "inc0")
+    s.create("a", LAYOUT, "t", "normal")
+    s.create("b", LAYOUT, "t", "high", durable=True)
+    s.create("gone", LAYOUT, "t", "normal")
+    append(s, "a", [b"p", b"a1"], 8)
+    append(s, "b", [b"p", b"b1"], 8)
+    append(s, "a", [b"p", b"a2"], 8)  # a's tail replaced
+    s.record_state("b", SessionState.SUSPENDED)
+    s.set_priority("a", "background")
+    s.delete("gone")
+    s.mark_lost("a", "disk on fire")
+    s.journal.close()
+
+    t = fresh()  # a restarted router
+    assert t.known_devices == ["d0"]
+    assert t.sessions.ids() == ["a", "b"]
+    b = t.get("b")
+    assert (b.chain, b.tokens, b.turn, b.state, b.durable) == (
+        [b"p", b"b1"],
+        8,
+        1,
+        SessionState.SUSPENDED,
+        True,
+    )
+    a = t.sessions.lookup("a")
+    assert a.lost_reason == "disk on fire" and a.priority.value == "background"
+    assert a.chain == [b"p", b"a2"] and a.turn == 2 and a.device_id == "d0"
+    assert t.refcount(b"p") == 2 and not t.referenced(b"a1") and t.referenced(b"a2")
+    assert t.locate([b"b1"], "t") == {"d0": [b"b1"]}
+    # The restart compacted the history into a snapshot; a third start reads the same.
+    assert t.journal.records_since_snapshot == 0
+    t.forget_device("d0")
+    t.add_device("d1", "inc1")
+    t.move("b", "d1")
+    t.journal.close()
+    u = fresh()
+    assert u.get("b").device_id == "d1" and u.known_devices == ["d1"]
+    assert u.locate([b"b1"]) == {"d1": [b"b1"]}

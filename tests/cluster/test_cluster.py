@@ -21,9 +21,11 @@ def kv(tokens, seed):
     return keys, values
 
 
-def new_session(cluster, tokens, *, seed, prefix=(), priority="normal", namespace="tenant"):
+def new_session(
+    cluster, tokens, *, seed, prefix=(), priority="normal", namespace="tenant", ack=None
+):
     sid = f"s{next(_ids)}"
-    cluster.create_session(sid, LAYOUT, namespace=namespace, priority=priority)
+    cluster.create_session(sid, LAYOUT, namespace=namespace, priority=priority, ack=ack)
     token_ids = list(prefix) + [10_000 + seed * 1000 + i for i in range(tokens - len(prefix))]
     keys, values = kv(tokens, seed)
     cluster.put_kv(sid, token_ids, keys, values)
@@ -104,10 +106,19 @@ def test_killed_device_serves_archived_sessions_again(cluster):
             active = sid
             break
     assert active is not None
+    # An active archive-mode session there too: acknowledged means on disk.
+    durable = None
+    for seed in range(420, 440):
+        sid, _, durable_blocks = new_session(cluster, 8, seed=seed, ack="archive")
+        if cluster.device_of(sid) == device_id:
+            durable = sid
+            break
+    assert durable is not None
     before = ray.get(cluster.devices[device_id].ping.remote())["incarnation"]
     ray.kill(cluster.devices[device_id], no_restart=False)
 
     assert same(read(cluster, archived), blocks)  # the router noticed and re-adopted it
+    assert same(read(cluster, durable), durable_blocks)
     after = ray.get(cluster.devices[device_id].ping.remote())["incarnation"]
     assert after != before
     with pytest.raises(BlockLostError, match="restarted"):

@@ -1,0 +1,107 @@
+"""The block pool on its own, driven the way its owner drives it: durable puts and resync."""
+
+import pytest
+import torch
+
+from memkv.errors import InvalidInputError, UnknownBlockError
+from memkv.protocol.enums import Priority, Tier
+from memkv.protocol.hashing import chain_hashes
+from memkv.storage.block_pool import BlockPool, Holder
+from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
+from memkv.storage.layout import KVLayout, block_token_count, split_kv
+from memkv.storage.sessions import SessionTable
+
+from .test_store import kv
+
+LAYOUT = KVLayout("pool-model", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
+UNIT = 4096
+
+
+def make_pool(tmp_path, fsync="never"):
+    cfg = StoreConfig(
+        hot_capacity_bytes=8 * UNIT,
+        warm_capacity_bytes=8 * UNIT,
+        allocator=AllocatorConfig(min_unit_bytes=UNIT),
+        archive=ArchiveConfig(directory=tmp_path / "cold", fsync=fsync),
+        debug_refcounts=True,
+    )
+    return BlockPool(cfg)
+
+
+def append(pool, owner, sid, tokens, seed=0, durable=False):
+    keys, values = kv(tokens, LAYOUT, seed=seed)
+    chain = [bytes(k) for k in chain_hashes(range(tokens), LAYOUT, owner.get(sid).namespace)]
+    update = owner.plan_append(sid, tokens, chain)
+    outcome = pool.put(update, split_kv(LAYOUT, keys, values), durable=durable)
+    owner.commit_append(sid, update)
+    return chain, outcome
+
+
+def test_a_durable_put_returns_with_every_block_forced_to_the_cold_tier(tmp_path, monkeypatch):
+    pool = make_pool(tmp_path, fsync="batch")
+    owner = SessionTable()
+    owner.create("fast", LAYOUT, namespace="a")
+    owner.create("safe", LAYOUT, namespace="a", durable=True)
+    synced = []
+    real = pool.cold.sync
+    monkeypatch.setattr(pool.cold, "sync", lambda: synced.append(1) or real())
+    fast, _ = append(pool, owner, "fast", 8)
+    assert pool.cold.missing(fast) == fast  # in memory only
+    assert synced == []
+    safe, outcome = append(pool, owner, "safe", 8, durable=True)
+    assert safe == fast and outcome.deduplicated_blocks == 2  # shared, made durable anyway
+    assert pool.cold.missing(safe) == [] and synced
+    assert pool.locate(safe[0]) is Tier.HOT  # still served from memory
+    pool.close()
+
+
+def test_resync_sets_references_from_the_owners_table(tmp_path):
+    pool = make_pool(tmp_path)
+    owner = SessionTable()
+    owner.create("a", LAYOUT, namespace="n")
+    owner.create("b", LAYOUT, namespace="n")
+    chain_a, _ = append(pool, owner, "a", 8)
+    chain_b, _ = append(pool, owner, "b", 12)  # shares a's two blocks
+    pool.deactivate(chain_b)  # b suspended: its blocks go cold
+    # The owner restarted and forgot b's last append: it believes b holds a 1-block chain.
+    counts = block_token_count(LAYOUT, 8)
+    holders = [
+        Holder(LAYOUT, chain_a, counts, True, Priority.NORMAL),
+        Holder(LAYOUT, chain_b[:1], counts[:1], False, Priority.NORMAL),
+        Holder(LAYOUT, [b"\x07" * 16], [4], True, Priority.NORMAL),  # in no tier
+    ]
+    assert pool.resync(holders) == [2]
+    assert pool.refcounts()[chain_a[0]][0] == 2 and pool.refcounts()[chain_a[1]][0] == 1
+    with pytest.raises(UnknownBlockError):
+        pool.get(chain_b[2])  # b's third block: nobody holds it, freed
+    pool.check_invariants({"a": chain_a, "b": chain_b[:1]})
+    pool.close()
+
+
+def test_resync_adopts_blocks_that_are_only_in_the_cold_tier(tmp_path):
+    pool = make_pool(tmp_path)
+    owner = SessionTable()
+    owner.create("a", LAYOUT, namespace="n")
+    chain, _ = append(pool, owner, "a", 8)
+    pool.deactivate(chain)
+    pool.close()
+    fresh = make_pool(tmp_path)  # a new device process: memory empty, cold tier kept
+    counts = block_token_count(LAYOUT, 8)
+    assert fresh.resync([Holder(LAYOUT, chain, counts, False, Priority.HIGH)]) == []
+    expected = split_kv(LAYOUT, *kv(8, LAYOUT))
+    assert all(torch.equal(fresh.get(k), e) for k, e in zip(chain, expected, strict=True))
+    fresh.close()
+
+
+def test_put_refuses_what_does_not_fit_the_update(tmp_path):
+    pool = make_pool(tmp_path)
+    owner = SessionTable()
+    owner.create("a", LAYOUT, namespace="n")
+    chain = [bytes(k) for k in chain_hashes(range(8), LAYOUT, "n")]
+    update = owner.plan_append("a", 8, chain, start_block=1)
+    with pytest.raises(InvalidInputError, match="not sent and is not stored"):
+        pool.put(update, split_kv(LAYOUT, *kv(8, LAYOUT))[1:])
+    with pytest.raises(InvalidInputError, match="expected 1 blocks"):
+        pool.put(update, split_kv(LAYOUT, *kv(8, LAYOUT)))
+    assert pool.stats().blocks == 0
+    pool.close()
