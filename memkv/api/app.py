@@ -10,6 +10,7 @@ memkv's exception hierarchy (only this module maps exceptions to HTTP).
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections import OrderedDict
@@ -64,6 +65,8 @@ from memkv.protocol.wire import (
 from memkv.same_node import SegmentMaps
 
 __all__ = ["FRAMES_MEDIA_TYPE", "create_app"]
+
+logger = logging.getLogger(__name__)
 
 
 # Most specific first: the first isinstance match decides the status.
@@ -262,6 +265,17 @@ def create_app(
     async def _actor_unavailable(request: Request, exc: RayActorError) -> JSONResponse:
         # An actor is restarting: the router recovers it; the client may retry.
         return _unavailable(exc)
+
+    @app.exception_handler(RayError)
+    async def _ray_error(request: Request, exc: RayError) -> JSONResponse:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, MemkvError):
+            return _error_response(cause)
+        return _internal(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return _internal(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -696,8 +710,13 @@ class BlockReadFastPath:
             fastapi_app = scope["app"]
             who = scope["state"]["principal"]
             response = await fastapi_app.state.session_blocks(who, match.group(1), *params)
-        except (MemkvError, RayActorError) as e:
-            response = _error_response(e) if isinstance(e, MemkvError) else _unavailable(e)
+        except MemkvError as e:
+            response = _error_response(e)
+        except RayActorError as e:
+            response = _unavailable(e)
+        except RayError as e:
+            cause = getattr(e, "cause", None)
+            response = _error_response(cause) if isinstance(cause, MemkvError) else _internal(e)
         await response(scope, receive, send)
 
 
@@ -713,10 +732,28 @@ def _read_params(query: bytes) -> tuple[int, int | None, int | None] | None:
 
 
 def _unavailable(exc: BaseException) -> JSONResponse:
+    # Ray's message names actor ids, pids and addresses: the log gets it, the client not.
+    logger.warning("a memkv actor is unavailable: %s", exc)
     return JSONResponse(
-        {"error": {"type": "ClosedError", "message": str(exc)[:500], "status": 503}},
+        {
+            "error": {
+                "type": "ClosedError",
+                "message": "a memkv service is restarting; retry shortly",
+                "status": 503,
+            }
+        },
         status_code=503,
         headers={"Retry-After": "1"},
+    )
+
+
+def _internal(exc: BaseException) -> JSONResponse:
+    # A bug, or an error of a library under us: logged with its traceback, never
+    # shown (it may carry paths, pids, actor ids).
+    logger.error("unexpected error in the gateway", exc_info=exc)
+    return JSONResponse(
+        {"error": {"type": "InternalError", "message": "internal error", "status": 500}},
+        status_code=500,
     )
 
 

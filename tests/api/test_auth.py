@@ -271,7 +271,14 @@ def _raw_post(url, path, head: bytes, body: bytes, *, timeout=10.0) -> bytes:
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
         sock.sendall(head + body)
-        return sock.recv(65536)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        head_part, _, rest = answer.partition(b"\r\n\r\n")
+        length = int(head_part.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(rest) < length:
+            rest += sock.recv(65536)
+        return head_part + b"\r\n\r\n" + rest
 
 
 def test_lying_frame_headers_and_stalled_bodies_are_refused(gateway):

@@ -132,3 +132,41 @@ def test_a_stale_view_of_a_recreated_session_never_stores_blocks_under_it(gatewa
         with pytest.raises((ConflictError, InvalidInputError)):
             a.append_turn("s2", list(range(8)), *kv(8), turn=2)
         assert a.session("s2").layout == other and a.session("s2").chain == []
+
+
+class _BrokenRouter:
+    """A router whose calls fail the ways a cluster's can."""
+
+    async def ping(self):
+        return "ok"
+
+    async def session(self, session_id):
+        raise RuntimeError("boom at /srv/secret/path, pid 4242, actor 5f3a")
+
+    async def read_route(self, session_id, start, end):
+        from ray.exceptions import RayActorError
+
+        raise RayActorError(error_msg="The actor 5f3a died, pid 4242 at 10.0.0.7")
+
+
+def test_errors_keep_one_envelope_and_show_no_internals():
+    import httpx
+
+    server = _Server(create_app(FakeHandle(_BrokenRouter()), same_node_reads=False))
+    try:
+        r = httpx.get(server.url + "/v1/sessions/s")
+        assert r.status_code == 500
+        assert r.json() == {
+            "error": {"type": "InternalError", "message": "internal error", "status": 500}
+        }
+        r = httpx.get(server.url + "/v1/sessions/s/blocks")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert "4242" not in r.text and "5f3a" not in r.text
+        r = httpx.post(
+            server.url + "/v1/sessions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 422 and r.json()["error"]["type"] == "InvalidInputError"
+    finally:
+        server.stop()
