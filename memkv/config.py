@@ -456,6 +456,18 @@ class AuthSettings(_Frozen):
     open_docs: bool = Field(
         default=True, description="Serve /docs, /redoc and /openapi.json without a token."
     )
+    max_sessions_per_tenant: int | None = Field(
+        default=None,
+        ge=0,
+        description="Sessions a tenant may hold (507 beyond); the token document's "
+        "'tenants' section sets it per tenant. None: no limit.",
+    )
+    max_bytes_per_tenant: int | None = Field(
+        default=None,
+        ge=0,
+        description="KV bytes (model dtype) a tenant's sessions may hold together (507 "
+        "beyond, nothing stored). None: no limit.",
+    )
 
 
 class GatewaySettings(_Frozen):

@@ -162,13 +162,21 @@ class SessionRouter:
         namespace: str = "default",
         priority: str = "normal",
         ack: str | None = None,
+        quota: tuple[int | None, int | None] | None = None,
     ) -> dict[str, Any]:
-        """A new session; ``ack``: ``memory`` or ``archive`` (docs/durability.md), None:
-        the deployment's default."""
+        """A new session.
+
+        Args:
+            ack: ``memory`` or ``archive`` (docs/durability.md); None: the
+                deployment's default.
+            quota: the tenant's ``(max sessions, max bytes)`` (None: no limit).
+        """
         await self._ready()
         ack = self._default_ack if ack is None else ack
         if ack not in ACK_MODES:
             raise InvalidInputError(f"ack must be one of {list(ACK_MODES)}, got {ack!r}")
+        if quota is not None:
+            self.state.check_quota(session_id, max_sessions=quota[0], new_session=True)
         record = self.state.create(
             session_id, layout, namespace, priority, durable=ack == "archive"
         )
@@ -203,6 +211,7 @@ class SessionRouter:
         turn: int | None = None,
         checksums: list[int] | None = None,
         expect: tuple[dict[str, Any], str] | None = None,
+        quota: tuple[int | None, int | None] | None = None,
     ) -> dict[str, Any]:
         """Store a turn's blocks on the session's device (blocks: payloads or refs).
 
@@ -212,6 +221,8 @@ class SessionRouter:
                 (a gateway's cached view): a session that differs (deleted and
                 created again) is a ConflictError, so no block lands under a
                 chain hashed for another layout.
+            quota: the tenant's ``(max sessions, max bytes)``: an append that
+                would take its sessions' KV over the bytes is refused (507).
             turn: the turn index this append creates (the session's turn + 1).
                 A retry of the last applied turn with the same tokens answers as
                 before without storing anything (idempotent); any other
@@ -233,7 +244,7 @@ class SessionRouter:
                         f"{record.namespace!r}, the request was made for {expect}"
                     )
                 return await self._put_blocks(
-                    session_id, token_ids, blocks, start_block, chain_hint, turn, checksums
+                    session_id, token_ids, blocks, start_block, chain_hint, turn, checksums, quota
                 )
         finally:
             entry.users -= 1
@@ -249,6 +260,7 @@ class SessionRouter:
         chain_hint: list[bytes] | None,
         turn: int | None,
         checksums: list[int] | None = None,
+        quota: tuple[int | None, int | None] | None = None,
     ) -> dict[str, Any]:
         record = self.state.get(session_id)
         if turn is not None and self.state.sessions.check_turn(
@@ -268,6 +280,8 @@ class SessionRouter:
             else [bytes(k) for k in chain_hashes(token_ids, record.layout, record.namespace)]
         )
         update = self.state.sessions.plan_append(session_id, len(token_ids), chain, start_block)
+        if quota is not None:
+            self.state.check_quota(session_id, max_bytes=quota[1], update=update)
         self._fresh = False
         device_id = self.state.place(session_id, chain)
         if device_id not in self._devices:

@@ -18,9 +18,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from memkv.errors import CorruptDataError, InvalidInputError, MemkvError, UnknownBlockError
+from memkv.errors import (
+    CapacityError,
+    CorruptDataError,
+    InvalidInputError,
+    MemkvError,
+    UnknownBlockError,
+)
 from memkv.protocol.enums import Priority, SessionState
 from memkv.protocol.hashing import BlockHash, chain_hashes
+from memkv.protocol.ids import TENANT_SEPARATOR
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ChainUpdate
 from memkv.storage.journal import Journal
@@ -70,6 +77,10 @@ class RouterState:
         # block -> the namespace its hash was salted with (by-key reads are
         # served only within the namespaces the caller may read)
         self._block_namespace: dict[bytes, str] = {}
+        # Per tenant (the part of a session id before '/'): sessions and the bytes
+        # of their chains in the model dtype, checked against quotas.
+        self.tenant_sessions: Counter[str] = Counter()
+        self.tenant_bytes: Counter[str] = Counter()
         # Devices and archives the journal knew (a restarted router finds them by name).
         self.known_devices: list[str] = []
         self.known_archives: list[str] = []
@@ -130,6 +141,7 @@ class RouterState:
         record = self.sessions.create(
             session_id, layout, namespace=namespace, priority=priority, durable=durable
         )
+        self.tenant_sessions[tenant_of(session_id)] += 1
         self._log(
             {
                 "op": "create",
@@ -195,7 +207,9 @@ class RouterState:
             self._ref(key, record.device_id)
             self._block_namespace.setdefault(bytes(key), record.namespace)
         garbage = [key for key in update.drop if self._unref(key, record.device_id)]
+        before = chain_bytes(record)
         self.sessions.commit_append(session_id, update)
+        self.tenant_bytes[tenant_of(session_id)] += chain_bytes(record) - before
         self._log(
             {
                 "op": "put",
@@ -240,12 +254,46 @@ class RouterState:
         record = self.sessions.pop(session_id)
         if record.device_id is not None and record.device_id in self.devices:
             self.devices[record.device_id].sessions -= 1
+        tenant = tenant_of(session_id)
+        self.tenant_sessions[tenant] -= 1
+        self.tenant_bytes[tenant] -= chain_bytes(record)
         self._log({"op": "delete", "id": session_id})
         return [k for k in dict.fromkeys(record.chain) if self._unref(k, record.device_id)]
 
     def mark_lost(self, session_id: str, reason: str) -> None:
         self.sessions.mark_lost(session_id, reason)
         self._log({"op": "lost", "id": session_id, "reason": reason})
+
+    def check_quota(
+        self,
+        session_id: str,
+        *,
+        max_sessions: int | None = None,
+        max_bytes: int | None = None,
+        new_session: bool = False,
+        update: ChainUpdate | None = None,
+    ) -> None:
+        """Refuse a create or an append that would take a tenant over its quota.
+
+        Raises:
+            CapacityError: naming the tenant's use and its quota (HTTP 507).
+        """
+        tenant = tenant_of(session_id)
+        if new_session and max_sessions is not None:
+            if self.tenant_sessions[tenant] >= max_sessions:
+                raise CapacityError(
+                    f"tenant {tenant!r} has {self.tenant_sessions[tenant]} sessions, its quota "
+                    f"is {max_sessions}: delete some first"
+                )
+        if update is not None and max_bytes is not None:
+            record = self.get(session_id)
+            after = sum(update.layout.block_nbytes(n) for n in update.tokens)
+            total = self.tenant_bytes[tenant] - chain_bytes(record) + after
+            if total > max_bytes:
+                raise CapacityError(
+                    f"tenant {tenant!r} would hold {total} bytes of KV, its quota is "
+                    f"{max_bytes}: nothing was stored"
+                )
 
     def referenced(self, key: bytes) -> bool:
         """Whether some session holds block ``key`` (the archive keeps only those)."""
@@ -332,8 +380,10 @@ class RouterState:
             for key in old:
                 if key not in new:
                     self._unref(key, record.device_id)
+            before = chain_bytes(record)
             record.chain = list(new)
             record.tokens = int(entry["tokens"])
+            self.tenant_bytes[tenant_of(record.session_id)] += chain_bytes(record) - before
             record.turn = int(entry["turn"])
             record.tail_rewrites = int(entry.get("tail", 0))
             record.state = SessionState.ACTIVE
@@ -429,3 +479,17 @@ class RouterState:
             self._block_namespace.pop(key, None)
             return True
         return False
+
+
+def tenant_of(session_id: str) -> str:
+    """The tenant part of a router id (``""`` for unscoped ids)."""
+    tenant, sep, _ = session_id.partition(TENANT_SEPARATOR)
+    return tenant if sep else ""
+
+
+def chain_bytes(record: SessionRecord) -> int:
+    """Bytes of a session's chain in the model dtype."""
+    if not record.tokens:
+        return 0
+    counts = block_token_count(record.layout, record.tokens)
+    return sum(record.layout.block_nbytes(n) for n in counts)

@@ -325,7 +325,7 @@ def create_app(
         namespace = who.write_namespace(body.namespace)
         layout = KVLayout.from_dict(body.layout.model_dump())
         record = await router.create_session.remote(
-            sid, layout.to_dict(), namespace, body.priority, body.ack
+            sid, layout.to_dict(), namespace, body.priority, body.ack, who.quota
         )
         return _session_out(record, body.session_id)
 
@@ -447,6 +447,7 @@ def create_app(
                 turn,
                 checksums,
                 (layout.to_dict(), namespace),
+                who.quota,
             )
         except (NotFoundError, ConflictError):
             sessions.drop(sid)  # the session went, or was created again

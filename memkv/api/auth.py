@@ -27,6 +27,8 @@ lists::
         roles: [write]
         publish: [shared-prompts]   # public namespaces it writes (and reads)
         read: [docs-corpus]         # public namespaces it reads
+    tenants:                        # quotas (507 when exceeded); default: config
+      acme: {max_sessions: 1000, max_bytes: 68719476736}
 
 ``memkv token new --tenant acme --role write`` prints a fresh token and its
 entry. A presented token is hashed, looked up by digest, and the digests
@@ -55,6 +57,7 @@ __all__ = [
     "TOKENS_ENV",
     "Authenticator",
     "Principal",
+    "Quota",
     "TokenEntry",
     "hash_token",
     "new_token",
@@ -96,6 +99,15 @@ class Principal:
     publish: frozenset[str] = frozenset()
     read: frozenset[str] = frozenset()
     any_namespace: bool = False
+    max_sessions: int | None = None  # the tenant's quota (None: no limit)
+    max_bytes: int | None = None  # of KV over all its sessions, in the model dtype
+
+    @property
+    def quota(self) -> tuple[int | None, int | None] | None:
+        """``(max sessions, max bytes)`` for the router, or None when unlimited."""
+        if self.max_sessions is None and self.max_bytes is None:
+            return None
+        return self.max_sessions, self.max_bytes
 
     @classmethod
     def trusted(cls) -> Principal:
@@ -193,8 +205,38 @@ class TokenEntry:
             raise ConfigError(f"{where}: a tenant's own namespace is not a public one")
         return cls(digest.lower(), tenant, roles, publish, read)
 
-    def principal(self) -> Principal:
-        return Principal(self.tenant, self.roles, self.publish, self.read)
+    def principal(self, quota: Quota | None = None) -> Principal:
+        limits = quota if quota is not None else Quota()
+        return Principal(
+            self.tenant,
+            self.roles,
+            self.publish,
+            self.read,
+            max_sessions=limits.max_sessions,
+            max_bytes=limits.max_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """What one tenant may hold (None: no limit)."""
+
+    max_sessions: int | None = None
+    max_bytes: int | None = None
+
+    @classmethod
+    def parse(cls, raw: Any, where: str) -> Quota:
+        if not isinstance(raw, Mapping) or set(raw) - {"max_sessions", "max_bytes"}:
+            raise ConfigError(f"{where}: expected a mapping of max_sessions and max_bytes")
+        values = {}
+        for name in ("max_sessions", "max_bytes"):
+            value = raw.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{where}: {name} must be an int or null, got {value!r}")
+            if value is not None and value < 0:
+                raise ConfigError(f"{where}: {name} must be >= 0, got {value}")
+            values[name] = value
+        return cls(**values)
 
 
 def _names(value: Any, what: str) -> frozenset[str]:
@@ -218,6 +260,8 @@ class Authenticator:
     enabled: bool = True
     open_metrics: bool = True
     open_docs: bool = True
+    quotas: Mapping[str, Quota] = field(default_factory=dict)
+    default_quota: Quota = field(default_factory=Quota)
     _by_digest: dict[bytes, TokenEntry] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -232,7 +276,7 @@ class Authenticator:
         return cls(enabled=False)
 
     @classmethod
-    def from_document(cls, text: str, where: str, **options: bool) -> Authenticator:
+    def from_document(cls, text: str, where: str, **options: Any) -> Authenticator:
         """An authenticator from a token document (YAML or JSON, see the module notes).
 
         Raises:
@@ -247,7 +291,17 @@ class Authenticator:
         entries = [
             TokenEntry.parse(raw, f"{where}: tokens[{i}]") for i, raw in enumerate(doc["tokens"])
         ]
-        return cls(entries, **options)
+        unknown = set(doc) - {"tokens", "tenants"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+        tenants = doc.get("tenants") or {}
+        if not isinstance(tenants, Mapping):
+            raise ConfigError(f"{where}: 'tenants' must map tenant names to quotas")
+        quotas = {
+            check_name(name, "tenant"): Quota.parse(raw, f"{where}: tenants.{name}")
+            for name, raw in tenants.items()
+        }
+        return cls(entries, quotas=quotas, **options)
 
     @classmethod
     def load(
@@ -255,7 +309,7 @@ class Authenticator:
         tokens_file: Path | None,
         *,
         environ: Mapping[str, str] | None = None,
-        **options: bool,
+        **options: Any,
     ) -> Authenticator:
         """Tokens from ``tokens_file`` (a mounted Secret, say), else ``$MEMKV_TOKENS``.
 
@@ -306,7 +360,7 @@ class Authenticator:
         # final comparison is constant-time all the same.
         if entry is None or not hmac.compare_digest(digest, bytes.fromhex(entry.sha256)):
             raise UnauthorizedError("the bearer token is not valid")
-        return entry.principal()
+        return entry.principal(self.quotas.get(entry.tenant, self.default_quota))
 
 
 def token_document(entries: Iterable[Mapping[str, Any]]) -> str:
@@ -332,7 +386,11 @@ def deployment_authenticator(
     Returns:
         The authenticator, and the dev token's file when one is in use.
     """
-    options = {"open_metrics": settings.open_metrics, "open_docs": settings.open_docs}
+    options: dict[str, Any] = {
+        "open_metrics": settings.open_metrics,
+        "open_docs": settings.open_docs,
+        "default_quota": Quota(settings.max_sessions_per_tenant, settings.max_bytes_per_tenant),
+    }
     if not settings.enabled:
         return Authenticator(enabled=False, **options), None
     env = os.environ if environ is None else environ

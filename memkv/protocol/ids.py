@@ -15,6 +15,7 @@ __all__ = [
     "MAX_SESSION_ID_LEN",
     "NAME_PATTERN",
     "SESSION_ID_PATTERN",
+    "TENANT_SEPARATOR",
     "check_name",
     "check_session_id",
     "check_stored_session_id",

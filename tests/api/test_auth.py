@@ -16,6 +16,7 @@ from memkv.api.app import create_app
 from memkv.api.auth import (
     Authenticator,
     Principal,
+    Quota,
     TokenEntry,
     deployment_authenticator,
     hash_token,
@@ -23,6 +24,7 @@ from memkv.api.auth import (
 from memkv.client import Client
 from memkv.config import AuthSettings
 from memkv.errors import (
+    CapacityError,
     ConfigError,
     ForbiddenError,
     UnauthorizedError,
@@ -69,7 +71,11 @@ def gateway(tmp_path):
     router = SessionRouter(background_prefetch_interval_s=3600)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(router.register_device("dev-0", FakeHandle(device)))
-    auth = Authenticator([entry for _, entry in TOKENS.values()], open_metrics=False)
+    auth = Authenticator(
+        [entry for _, entry in TOKENS.values()],
+        open_metrics=False,
+        quotas={"evil": Quota(max_sessions=3, max_bytes=3 * LAYOUT.block_nbytes())},
+    )
     app = create_app(
         FakeHandle(router),
         max_body_bytes=1 << 20,
@@ -216,7 +222,16 @@ def test_token_documents_are_checked_and_dev_tokens_are_private(tmp_path):
         "doc",
     )
     assert ok.authenticate("Bearer x") == Principal("t1", frozenset({"read"}))
+    quotas = Authenticator.from_document(
+        '{"tokens": [{"sha256": "%s", "tenant": "t1"}], "tenants": {"t1": {"max_sessions": 5}}}'
+        % hash_token("q"),
+        "doc",
+    )
+    assert quotas.authenticate("Bearer q").quota == (5, None)
     for bad, message in [
+        ("tokens: []\ntenants: {t1: {max_sessions: -1}}", ">= 0"),
+        ("tokens: []\ntenants: {t1: {sessions: 1}}", "max_sessions and max_bytes"),
+        ("tokens: []\nextra: 1", "unknown keys"),
         ("tokens: 3", "'tokens' list"),
         ("tokens: [{sha256: abc, tenant: t}]", "64-hex-digit"),
         ('tokens: [{sha256: "%s", tenant: "a/b"}]' % ("0" * 64), "tenant"),
@@ -303,3 +318,26 @@ def test_lying_frame_headers_and_stalled_bodies_are_refused(gateway):
     assert answer.startswith(b"HTTP/1.1 408") and b"stalled" in answer
     with client(gateway, "alice") as alice:
         assert alice.session("lie").turn == 0  # nothing was stored
+
+
+def test_tenant_quotas_refuse_with_507_and_store_nothing(gateway):
+    with client(gateway, "mallory") as mallory, client(gateway, "alice") as alice:
+        for i in range(3):
+            mallory.create_session(f"q{i}", LAYOUT)
+        with pytest.raises(CapacityError, match="quota is 3"):
+            mallory.create_session("q3", LAYOUT)
+        alice.create_session("q3", LAYOUT)  # another tenant's quota is its own
+        keys, values = kv(8, seed=4)  # two blocks
+        mallory.append_turn("q0", list(range(8)), keys, values)
+        with pytest.raises(CapacityError, match="quota"):
+            mallory.append_turn("q1", list(range(100, 108)), keys, values)  # 4 > 3 blocks
+        assert mallory.session("q1").turn == 0
+        r = httpx.post(
+            gateway.url + "/v1/sessions",
+            json={"session_id": "q9", "layout": LAYOUT.to_dict()},
+            headers={"authorization": "Bearer tok-mallory"},
+        )
+        assert r.status_code == 507 and r.json()["error"]["type"] == "CapacityError"
+        mallory.delete_session("q0")  # frees both its sessions and its bytes
+        mallory.append_turn("q1", list(range(100, 108)), keys, values)
+        mallory.create_session("q4", LAYOUT)
