@@ -301,7 +301,13 @@ class SessionRouter:
         """Where to read a session's blocks ``start .. end``: the device and the keys in order.
 
         Block reads then go to the device directly, never through the router.
+        A session with no blocks yet has an empty route (its read is an empty stream).
         """
+        await self._ready()
+        record = self.state.get(session_id)
+        if record.device_id is None or not record.chain:
+            self.state.touch(session_id)
+            return ReadRoute("", None, 0, (), (), record.layout.to_dict(), record.turn)
         device_id, device = await self.device_of(session_id)
         self.state.touch(session_id)
         record = self.state.get(session_id)

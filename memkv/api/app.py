@@ -16,11 +16,11 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import numpy as np
 import ray
-from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import (
@@ -30,7 +30,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from ray.exceptions import RayActorError, RayError
 
 from memkv.actors.payload import BlockPayload
@@ -51,7 +51,12 @@ from memkv.errors import (
 )
 from memkv.protocol.dtypes import DTYPES
 from memkv.protocol.hashing import chain_hashes, token_array
-from memkv.protocol.ids import NAME_PATTERN, SESSION_ID_PATTERN, scoped_session_id
+from memkv.protocol.ids import (
+    MAX_SESSION_ID_LEN,
+    NAME_PATTERN,
+    SESSION_ID_PATTERN,
+    scoped_session_id,
+)
 from memkv.protocol.layout import LAYOUT_LIMITS, MAX_MODEL_ID_CHARS, KVLayout
 from memkv.protocol.messages import ReadRoute
 from memkv.protocol.wire import (
@@ -95,16 +100,28 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _json_int(value: Any) -> Any:
+    """JSON's integers (``4``, and ``4.0``, which JSON Schema calls an integer), not ``"4"``."""
+    if isinstance(value, bool) or isinstance(value, str):
+        raise ValueError(f"expected an integer, got {value!r:.40}")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_int)]
+
+
 class LayoutIn(_Model):
-    # Strict: "4" is not 4. Bounds are KVLayout's own (LAYOUT_LIMITS).
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # "4" is not 4. Bounds are KVLayout's own (LAYOUT_LIMITS).
+    model_config = ConfigDict(extra="forbid", strict=False)
 
     model_id: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
-    num_layers: int = Field(ge=1, le=LAYOUT_LIMITS["num_layers"])
-    num_kv_heads: int = Field(ge=1, le=LAYOUT_LIMITS["num_kv_heads"])
-    head_dim: int = Field(ge=1, le=LAYOUT_LIMITS["head_dim"])
+    num_layers: JsonInt = Field(ge=1, le=LAYOUT_LIMITS["num_layers"])
+    num_kv_heads: JsonInt = Field(ge=1, le=LAYOUT_LIMITS["num_kv_heads"])
+    head_dim: JsonInt = Field(ge=1, le=LAYOUT_LIMITS["head_dim"])
     dtype: str = Field(default="float16", pattern="^(" + "|".join(DTYPES) + ")$")
-    block_tokens: int = Field(default=256, ge=1, le=LAYOUT_LIMITS["block_tokens"])
+    block_tokens: JsonInt = Field(default=256, ge=1, le=LAYOUT_LIMITS["block_tokens"])
 
 
 class SessionCreate(_Model):
@@ -151,7 +168,9 @@ class BlocksByKeyIn(_Model):
         description="Whose blocks: the caller's tenant by default, or a public namespace "
         "its token may read. Keys of any other namespace answer 404, like missing ones.",
     )
-    keys: list[str] = Field(description="Block keys, hex.", max_length=MAX_KEYS_PER_READ)
+    keys: list[Annotated[str, Field(pattern=r"^[0-9a-fA-F]{32}$")]] = Field(
+        description="Block keys: 16 bytes as 32 hex digits.", max_length=MAX_KEYS_PER_READ
+    )
 
 
 def _session_out(record: dict[str, Any], session_id: str) -> dict[str, Any]:
@@ -160,6 +179,10 @@ def _session_out(record: dict[str, Any], session_id: str) -> dict[str, Any]:
     out["session_id"] = session_id
     out["chain"] = [bytes(k).hex() for k in record.get("chain", [])]
     return out
+
+
+#: A session id in a path: the one id rule, in the schema too.
+SessionIdPath = Annotated[str, Path(pattern=SESSION_ID_PATTERN, max_length=MAX_SESSION_ID_LEN)]
 
 
 def caller(request: Request) -> Principal:
@@ -330,12 +353,12 @@ def create_app(
         return _session_out(record, body.session_id)
 
     @app.get("/v1/sessions/{session_id}", tags=["sessions"])
-    async def get_session(session_id: str, who: Principal = Reader) -> dict[str, Any]:
+    async def get_session(session_id: SessionIdPath, who: Principal = Reader) -> dict[str, Any]:
         sid = scoped(who, session_id, "read")
         return _session_out(await router.session.remote(sid), session_id)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"])
-    async def delete_session(session_id: str, who: Principal = Reader) -> Response:
+    async def delete_session(session_id: SessionIdPath, who: Principal = Reader) -> Response:
         sid = scoped(who, session_id, "write")
         await _let_go_of(sid)
         sessions.drop(sid)
@@ -345,7 +368,7 @@ def create_app(
 
     @app.post("/v1/sessions/{session_id}/suspend", tags=["sessions"])
     async def suspend(
-        session_id: str, body: SuspendIn | None = None, who: Principal = Reader
+        session_id: SessionIdPath, body: SuspendIn | None = None, who: Principal = Reader
     ) -> dict[str, Any]:
         sid = scoped(who, session_id, "write")
         offline = body.offline if body is not None else False
@@ -353,7 +376,7 @@ def create_app(
         return _session_out(await router.suspend.remote(sid, offline), session_id)
 
     @app.post("/v1/sessions/{session_id}/resume", tags=["sessions"])
-    async def resume(session_id: str, who: Principal = Reader) -> dict[str, Any]:
+    async def resume(session_id: SessionIdPath, who: Principal = Reader) -> dict[str, Any]:
         handle = await router.resume.remote(scoped(who, session_id, "write"))
         return {
             "session_id": session_id,
@@ -366,7 +389,7 @@ def create_app(
         }
 
     @app.post("/v1/sessions/{session_id}/input-end", tags=["sessions"])
-    async def input_end(session_id: str, who: Principal = Reader) -> dict[str, int]:
+    async def input_end(session_id: SessionIdPath, who: Principal = Reader) -> dict[str, int]:
         """A turn's input is complete: prefetch the session's cache now."""
         sid = scoped(who, session_id, "read")
         return {"prefetched": int(await router.notify_input_end.remote(sid))}
@@ -384,7 +407,7 @@ def create_app(
         },
     )
     async def append_turn(
-        session_id: str, request: Request, who: Principal = Reader
+        session_id: SessionIdPath, request: Request, who: Principal = Reader
     ) -> dict[str, Any]:
         """Append a turn: a ``turn`` frame then its ``block`` frames (docs/wire-format.md).
 
@@ -465,7 +488,7 @@ def create_app(
         responses={200: {"content": {FRAMES_MEDIA_TYPE: {"schema": _BINARY}}}},
     )
     async def read_blocks(
-        session_id: str,
+        session_id: SessionIdPath,
         start: int = Query(default=0, ge=0),
         end: int | None = Query(default=None, ge=0),
         who: Principal = Reader,
@@ -531,6 +554,7 @@ def create_app(
         return await opened(whole)
 
     app.state.session_blocks = session_blocks
+    app.openapi = lambda: _openapi_with_errors(app)  # type: ignore[method-assign]
 
     @app.post(
         "/v1/blocks/read",
@@ -594,6 +618,83 @@ def create_app(
         return out
 
     return app
+
+
+#: What each status of the error envelope means, for the OpenAPI document.
+_ERROR_DOCS = {
+    401: "No valid bearer token.",
+    403: "The token may not do this (role or namespace).",
+    404: "No such session or block (another tenant's answers the same).",
+    408: "The request body stalled.",
+    409: "Conflict: the id is taken, a turn is out of order, the layout differs.",
+    410: "The session's blocks are lost (its device restarted before they were archived).",
+    413: "The body is larger than the gateway accepts.",
+    422: "Invalid input (the message names what was expected).",
+    500: "Internal error (logged by the gateway, never detailed here).",
+    503: "A memkv service is restarting or recovering: retry after Retry-After seconds.",
+    507: "Over a tenant's quota or a tier's capacity: nothing was stored.",
+}
+#: Errors every authenticated route may answer, and those of particular routes.
+_COMMON_ERRORS = (401, 403, 422, 500, 503)
+_ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
+    ("post", "/v1/sessions"): (409, 507),
+    ("get", "/v1/sessions/{session_id}"): (404, 410),
+    ("delete", "/v1/sessions/{session_id}"): (404,),
+    ("post", "/v1/sessions/{session_id}/suspend"): (404, 410),
+    ("post", "/v1/sessions/{session_id}/resume"): (404, 410),
+    ("post", "/v1/sessions/{session_id}/input-end"): (404, 410),
+    ("post", "/v1/sessions/{session_id}/turns"): (404, 408, 409, 410, 413, 507),
+    ("get", "/v1/sessions/{session_id}/blocks"): (404, 410),
+    ("post", "/v1/blocks/read"): (404, 410),
+    ("post", "/v1/match"): (),
+    ("get", "/v1/stats"): (),
+}
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["type", "message", "status"],
+            "properties": {
+                "type": {"type": "string"},
+                "message": {"type": "string"},
+                "status": {"type": "integer"},
+            },
+        }
+    },
+}
+
+
+def _openapi_with_errors(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, with every status a route may answer and its media types."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
+    schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = _ERROR_SCHEMA
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    for (method, path), extra in _ROUTE_ERRORS.items():
+        responses = schema["paths"][path][method]["responses"]
+        for code in (*_COMMON_ERRORS, *extra):
+            responses[str(code)] = {"description": _ERROR_DOCS[code], "content": error}
+    health = schema["paths"]
+    health["/metrics"]["get"]["responses"]["200"]["content"] = {
+        CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}
+    }
+    health["/metrics"]["get"]["responses"]["401"] = {
+        "description": _ERROR_DOCS[401],
+        "content": error,
+    }
+    health["/readyz"]["get"]["responses"]["503"] = {
+        "description": "The router does not answer.",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    }
+    app.openapi_schema = schema
+    return schema
 
 
 #: How long the gateway's held read plans pin their blocks, how long before the
