@@ -15,7 +15,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv test lint typecheck unit demo bench bench-eviction bench-codecs clean
+.PHONY: venv test lint typecheck unit demo bench bench-eviction bench-codecs clean soak
 
 venv: $(STAMP)
 
@@ -41,6 +41,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m memkv.cli bench all
+
+# The load and fault tests at full size (tests/reliability; figures in benchmarks/results/soak.json).
+soak: $(STAMP)
+	MEMKV_SOAK=1 $(PY) -m pytest -q -s tests/reliability
 
 bench-eviction: $(STAMP)
 	$(PY) -m memkv.cli bench eviction --trace $(TRACE)

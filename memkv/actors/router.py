@@ -228,6 +228,7 @@ class SessionRouter:
                 before without storing anything (idempotent); any other
                 mismatch is a ConflictError. None skips the check.
         """
+        await self._ready()
         # One lock per session while appends are in flight; idle sessions keep
         # none (thousands of them would each hold one).
         entry = self._session_locks.setdefault(session_id, _SessionLock())
@@ -287,9 +288,26 @@ class SessionRouter:
         if device_id not in self._devices:
             raise ClosedError(f"session {session_id!r} is being recovered; retry")
         durable = record.durable
-        result = await self._call(
-            device_id, session_id, lambda d: d.put.remote(update, blocks, checksums, durable)
-        )
+        planned_on = self.state.devices[device_id].incarnation
+        try:
+            result = await self._call(
+                device_id, session_id, lambda d: d.put.remote(update, blocks, checksums, durable)
+            )
+        except InvalidInputError:
+            # Blocks the append builds on missing: the device may have restarted
+            # since it was last asked. Then the session was recovered (adopted
+            # from the archive, or lost: BlockLostError) and the append is planned
+            # again; otherwise the request itself was wrong.
+            await self._check_incarnation(device_id, force=True)
+            if self.state.devices[device_id].incarnation == planned_on:
+                raise  # the same process as planned on: the request was wrong
+            record = self.state.get(session_id)
+            update = self.state.sessions.plan_append(
+                session_id, len(token_ids), chain, start_block
+            )
+            result = await self._call(
+                device_id, session_id, lambda d: d.put.remote(update, blocks, checksums, durable)
+            )
         garbage = self.state.record_put(session_id, update)
         await self._durable(durable)
         await self._collect(garbage)
@@ -491,13 +509,18 @@ class SessionRouter:
         for name in list(self.state.known_devices):
             try:
                 handle = ray.get_actor(name, namespace=namespace)
-                info = await handle.ping.remote()
-            except (ValueError, RayActorError):
-                self.state.forget_device(name)
+            except ValueError:
+                self.state.forget_device(name)  # no such actor any more (a new cluster)
                 continue
             self._devices[name] = handle
+            try:
+                info = await handle.ping.remote()
+            except RayActorError:
+                info = await self._wait_for_restart(name)  # it exists, and is restarting
             self.state.add_device(name, info["incarnation"])
+            self._checked[name] = time.monotonic()
             await self._resync(name)
+        await self._rehome_orphans()
         await self._collect_unreferenced(list(self._archives.values()))
         logger.warning(
             "router restored %d sessions from its journal (%d devices reattached)",

@@ -550,8 +550,18 @@ def create_app(
                 touches.add(sid)  # hotness, told to the router in batches
                 return response
         whole = await router.read_route.remote(sid, 0, None)
+        try:
+            response = await opened(whole)
+        except NotFoundError:
+            if not whole.keys:
+                raise
+            # Blocks of the route missing on its device: it may have restarted
+            # since the router last looked. Have it check, then ask again.
+            await router.device_failed.remote(whole.device_id)
+            whole = await router.read_route.remote(sid, 0, None)
+            response = await opened(whole)
         routes.put(sid, whole)
-        return await opened(whole)
+        return response
 
     app.state.session_blocks = session_blocks
     app.openapi = lambda: _openapi_with_errors(app)  # type: ignore[method-assign]
