@@ -10,11 +10,12 @@ memkv's exception hierarchy (only this module maps exceptions to HTTP).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import SimpleNamespace
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
@@ -32,6 +33,7 @@ from prometheus_client import (
 )
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from ray.exceptions import RayActorError, RayError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memkv.actors.payload import BlockPayload
 from memkv.api.auth import Authenticator, Principal
@@ -226,6 +228,8 @@ def create_app(
     node_id: str | None = None,
     auth: Authenticator | None = None,
     body_timeout_s: float = 30.0,
+    max_json_bytes: int = 16 << 20,
+    max_inflight_body_bytes: int | None = None,
 ) -> FastAPI:
     """The gateway app for a router actor handle.
 
@@ -235,6 +239,11 @@ def create_app(
             (``memkv up`` always passes the deployment's authenticator).
         body_timeout_s: an append body that sends nothing for this long is
             answered 408 and its buffers let go.
+        max_json_bytes: the body limit of every route but appends (413 beyond).
+        max_inflight_body_bytes: append bodies being received at once, by their
+            declared lengths (default: twice ``max_body_bytes``); beyond it an
+            append is answered 503 with Retry-After before its body is read.
+        A by-key block read answers at most ``max_body_bytes`` of blocks (413).
         max_body_bytes: larger append bodies are refused with 413.
         same_node_reads: serve blocks of devices on the gateway's node straight
             from their shared-memory arenas (the gateway process maps them).
@@ -262,6 +271,9 @@ def create_app(
     payload_bytes = Counter(
         "memkv_payload_bytes", "KV payload bytes", ["direction"], registry=registry
     )
+    inflight = _BodyBudget(
+        max_inflight_body_bytes if max_inflight_body_bytes is not None else 2 * max_body_bytes
+    )
     sessions: _LRU[tuple[KVLayout, str]] = _LRU(SESSION_CACHE_ENTRIES)
     routes = _RouteCache(SESSION_CACHE_ENTRIES)
     touches = _Touches(router, TOUCH_FLUSH_S)
@@ -277,6 +289,7 @@ def create_app(
     # Outermost first: metrics see every request; block reads skip FastAPI's
     # dependency machinery (their hot path), every other request goes on to it.
     app.add_middleware(BlockReadFastPath)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_json_bytes)
     app.add_middleware(AuthMiddleware, auth=auth if auth is not None else Authenticator.disabled())
     app.add_middleware(MetricsMiddleware, requests=requests, latency=latency)
 
@@ -299,6 +312,16 @@ def create_app(
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         return _internal(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own (404 unknown route, 405, 400 unreadable body): one envelope too.
+        kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(exc.status_code, "HTTPError")
+        return JSONResponse(
+            {"error": {"type": kind, "message": str(exc.detail), "status": exc.status_code}},
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -415,7 +438,8 @@ def create_app(
         tokens answers as before (``replayed``) and stores nothing.
         """
         sid = scoped(who, session_id, "write")
-        frames = await _read_frames(request, max_body_bytes, body_timeout_s)
+        with inflight.hold(request.headers.get("content-length"), max_body_bytes):
+            frames = await _read_frames(request, max_body_bytes, body_timeout_s)
         if not frames or frames[0].kind != "turn":
             raise WireError("an append body starts with a 'turn' frame")
         head = frames[0].header
@@ -588,9 +612,15 @@ def create_app(
             raise InvalidInputError(f"keys must be hex strings: {e}") from e
         groups = await router.locate_blocks.remote(keys, namespace)
         found: dict[bytes, BlockPayload] = {}
+        total = 0
         for _, device, group in groups:
             for payload in await device.get_blocks.remote(group):
                 found[payload.key] = payload
+                total += payload.nbytes
+            if total > max_body_bytes:
+                raise PayloadTooLarge(
+                    f"these blocks are over {max_body_bytes} bytes: ask for fewer at a time"
+                )
 
         async def stream() -> AsyncIterator[bytes | memoryview]:
             for i, key in enumerate(keys):
@@ -869,6 +899,67 @@ def _internal(exc: BaseException) -> JSONResponse:
     )
 
 
+class BodyLimitMiddleware:
+    """Caps the body of every request but appends (which have their own limit): pure ASGI.
+
+    A declared Content-Length over the cap is answered 413 before a byte is
+    read; a body streamed without one is cut off with 413 once it passes the cap.
+    """
+
+    def __init__(self, app: Any, *, max_bytes: int) -> None:
+        self._app = app
+        self._max = max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"].endswith("/turns"):
+            await self._app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self._max:
+                too_big = PayloadTooLarge(
+                    f"body of {int(value)} bytes exceeds the limit of {self._max} for this route"
+                )
+                await _error_response(too_big)(scope, receive, send)
+                return
+        # JSON bodies are small: take the whole body first (so one over the cap
+        # is answered 413 by us, not half-parsed by the route), then replay it.
+        chunks: list[bytes] = []
+        seen = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self._app(scope, _replay([], message), send)
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self._max:
+                too_big = PayloadTooLarge(f"body exceeds the limit of {self._max} for this route")
+                await _error_response(too_big)(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self._app(scope, _replay(chunks, None), send)
+
+
+def _replay(chunks: list[bytes], then: Any) -> Callable[[], Any]:
+    """An ASGI ``receive`` that hands over a body already read, then waits as the real one."""
+    body = b"".join(chunks)
+    sent = False
+
+    async def receive() -> Any:
+        nonlocal sent
+        if then is not None:
+            return then
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # nothing more will come; the app stops asking
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
 class AuthMiddleware:
     """Resolves the bearer token of every request but the open ones: pure ASGI.
 
@@ -964,6 +1055,28 @@ def _block_chunks(index: int, payload: BlockPayload) -> list[bytes | memoryview]
         exact=payload.exact,
     )
     return [prefix, data]
+
+
+class _BodyBudget:
+    """Bytes of append bodies being received at once (by declared length), and a cap."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+        self.used = 0
+
+    @contextlib.contextmanager
+    def hold(self, declared: str | None, max_body_bytes: int) -> Iterator[None]:
+        size = int(declared) if declared is not None and declared.isdigit() else max_body_bytes
+        size = min(size, max_body_bytes)
+        if self.used + size > self._max:
+            raise ClosedError(
+                f"the gateway is receiving {self.used} bytes of other appends; retry shortly"
+            )
+        self.used += size
+        try:
+            yield
+        finally:
+            self.used -= size
 
 
 class BodyTimeout(InvalidInputError):

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from ray.exceptions import RayError
 from starlette.responses import Response
 
 from memkv.actors.payload import READ_BATCH_BLOCKS, READ_WINDOW_BATCHES, BlockPayload
-from memkv.errors import CorruptDataError
+from memkv.errors import CorruptDataError, MemkvError
 from memkv.protocol.checksum import crc32
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.messages import PlanEntry, ReadPlan, ReadRoute
@@ -275,7 +276,13 @@ class BlockFetcher:
 
     async def _settle(self, releases: list[Any]) -> None:
         for done in releases:
-            if not await done:
+            try:
+                released = await done
+            except (MemkvError, RayError):
+                # A plan that failed (its device restarted, a block went) pins
+                # nothing, so there is nothing to give back.
+                continue
+            if not released:
                 # The lease ran out while its bytes were written: they may have
                 # changed under the socket. The client's checksum check stops
                 # them; this counts how often it happens.

@@ -19,6 +19,7 @@ socket into the buffer the block is then read from).
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ MAGIC = b"MKVF"
 _PREFIX = struct.Struct("<4sI")
 #: Headers are small (keys, shapes, token ids); anything bigger is malformed.
 MAX_HEADER_BYTES = 16 << 20
+#: Axes of a block: [layers, 2 (K, V), kv_heads, tokens, head_dim].
+BLOCK_RANK = 5
 
 _ITEMSIZE = {name: info.itemsize for name, info in DTYPES.items()}
 
@@ -175,13 +178,20 @@ def block_payload(frame: Frame) -> tuple[bytes, str, np.ndarray]:
     key, dtype, shape, crc = h.get("key"), h.get("dtype"), h.get("shape"), h.get("crc32")
     if not isinstance(key, bytes) or len(key) != 16:
         raise WireError(f"block {h.get('index')}: 'key' must be 16 bytes, got {key!r:.40}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise WireError(f"block {h.get('index')}: 'shape' must be a list of ints, got {shape!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) != BLOCK_RANK
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise WireError(
+            f"block {h.get('index')}: 'shape' must be {BLOCK_RANK} non-negative ints "
+            f"[layers, 2, kv_heads, tokens, head_dim], got {shape!r:.80}"
+        )
     if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
         raise WireError(
             f"block {h.get('index')}: 'dtype' must be one of {sorted(_ITEMSIZE)}, got {dtype!r}"
         )
-    expected = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
+    expected = math.prod(shape) * _ITEMSIZE[dtype]  # exact: no int64 wrap-around
     if expected != len(frame.payload):
         raise WireError(
             f"block {h.get('index')}: header says shape {shape} of {dtype} ({expected} bytes), "

@@ -5,6 +5,7 @@ real client; every request goes over 127.0.0.1.
 """
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -82,7 +83,9 @@ def gateway(tmp_path):
         same_node_reads=False,
         put_object=lambda payload: payload,
         auth=auth,
-        body_timeout_s=0.5,
+        body_timeout_s=1.0,
+        max_json_bytes=64 << 10,
+        max_inflight_body_bytes=1_500_000,
     )
     server = _Server(app)
     yield server
@@ -313,9 +316,41 @@ def test_lying_frame_headers_and_stalled_bodies_are_refused(gateway):
     answer = _raw_post(gateway.url, "/v1/sessions/lie/turns", head, body)
     assert answer.startswith(b"HTTP/1.1 422") and b"exceeds" in answer
     # A body that promises 1 MiB and stops after 10 bytes: 408 once it stalls.
+    # While it stalls, the gateway holds its 1 MB against the bodies it takes at
+    # once (1.5 MB here): a second such upload waits its turn (503, Retry-After).
+    import socket
+    import threading
+
     stalled = head.replace(f"Content-Length: {len(body)}".encode(), b"Content-Length: 1000000")
-    answer = _raw_post(gateway.url, "/v1/sessions/lie/turns", stalled, body[:10])
-    assert answer.startswith(b"HTTP/1.1 408") and b"stalled" in answer
+    answers = []
+    first = threading.Thread(
+        target=lambda: answers.append(_raw_post(gateway.url, "", stalled, body[:10]))
+    )
+    first.start()
+    time.sleep(0.2)  # the first upload is being received
+    host, port = gateway.url.removeprefix("http://").split(":")
+    second = stalled  # another 1 MB
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(second)
+        busy = sock.recv(65536)
+    assert busy.startswith(b"HTTP/1.1 503") and b"retry-after" in busy.lower()
+    first.join(timeout=10)
+    assert answers and answers[0].startswith(b"HTTP/1.1 408") and b"stalled" in answers[0]
+    # A block whose shape's product overflows int64 is a 422, never a 500.
+    huge = encode_frame(
+        {
+            "kind": "block",
+            "index": 0,
+            "key": b"k" * 16,
+            "dtype": "float16",
+            "shape": [2**32, 2**32, 1, 1, 1],
+            "crc32": 0,
+        }
+    )
+    body = b"".join(bytes(c) for c in (*turn, *huge))
+    head = head.split(b"Content-Length:")[0] + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    answer = _raw_post(gateway.url, "", head, body)
+    assert answer.startswith(b"HTTP/1.1 422") and b"shape" in answer
     with client(gateway, "alice") as alice:
         assert alice.session("lie").turn == 0  # nothing was stored
 
@@ -341,3 +376,13 @@ def test_tenant_quotas_refuse_with_507_and_store_nothing(gateway):
         mallory.delete_session("q0")  # frees both its sessions and its bytes
         mallory.append_turn("q1", list(range(100, 108)), keys, values)
         mallory.create_session("q4", LAYOUT)
+
+
+def test_json_bodies_are_capped(gateway):
+    headers = {"authorization": "Bearer tok-alice"}
+    big = {"layout": LAYOUT.to_dict(), "token_ids": list(range(40_000))}  # ~250 KB of JSON
+    r = httpx.post(gateway.url + "/v1/match", json=big, headers=headers)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "PayloadTooLarge"
+    chunks = (b"x" * 1024 for _ in range(100))  # no Content-Length: cut off as it streams
+    r = httpx.post(gateway.url + "/v1/match", content=chunks, headers=headers)
+    assert r.status_code == 413

@@ -98,7 +98,10 @@ def _client_loop(url: str, index: int, tally: Tally, progress: threading.Semapho
     with Client(url, retries=0) as client:
         sids = [f"load-{index}-{j}" for j in range(SESSIONS_PER_CLIENT)]
         modes = {sid: ("archive" if j % 2 == 0 else "memory") for j, sid in enumerate(sids)}
-        full = {sid: _kv(hash(sid) % 10_000, TOKENS_PER_TURN * TURNS) for sid in sids}
+        # Each session its own tokens and its own KV (the same tokens with other KV
+        # would be two truths for one block hash: memkv trusts the hash).
+        full = {sid: _kv(index * 100 + j, TOKENS_PER_TURN * TURNS) for j, sid in enumerate(sids)}
+        token_base = {sid: index * 1_000_000 + j * 10_000 for j, sid in enumerate(sids)}
         stop = time.monotonic() + RETRY_FOR_S
         for sid in sids:
             _retry(tally, lambda sid=sid: client.create_session(sid, LAYOUT, ack=modes[sid]), stop)
@@ -108,7 +111,7 @@ def _client_loop(url: str, index: int, tally: Tally, progress: threading.Semapho
                 if sid in tally.lost_memory_sessions:
                     continue
                 keys, values = full[sid]
-                tokens = [index * 1_000_000 + hash(sid) % 1000 * 1000 + i for i in range(n)]
+                tokens = [token_base[sid] + i for i in range(n)]
                 sent_k = [k[:, :n] for k in keys]
                 sent_v = [v[:, :n] for v in values]
                 expected = [b.numpy().tobytes() for b in split_kv(LAYOUT, sent_k, sent_v)]
