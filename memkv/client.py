@@ -624,6 +624,7 @@ class Client:
         namespace: str | None = None,
         priority: str = "normal",
         ack: str | None = None,
+        exact_only: bool = False,
     ) -> SessionView:
         body = {
             "session_id": session_id,
@@ -631,6 +632,7 @@ class Client:
             "namespace": namespace,
             "priority": priority,
             "ack": ack,
+            "exact_only": exact_only,
         }
         view = _session(self._request("POST", "/v1/sessions", json=body, idempotent=False).json())
         self._known[session_id] = view
@@ -853,6 +855,7 @@ class AsyncClient:
         namespace: str | None = None,
         priority: str = "normal",
         ack: str | None = None,
+        exact_only: bool = False,
     ) -> SessionView:
         body = {
             "session_id": session_id,
@@ -860,6 +863,7 @@ class AsyncClient:
             "namespace": namespace,
             "priority": priority,
             "ack": ack,
+            "exact_only": exact_only,
         }
         r = await self._request("POST", "/v1/sessions", json=body, idempotent=False)
         return _session(r.json())

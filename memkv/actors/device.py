@@ -245,14 +245,19 @@ class DeviceCache:
         }
 
     def adopt(
-        self, layout: KVLayout, chain: Sequence[bytes], tokens: Sequence[int], priority: str
+        self,
+        layout: KVLayout,
+        chain: Sequence[bytes],
+        tokens: Sequence[int],
+        priority: str,
+        exact_only: bool = False,
     ) -> None:
         """Hold an archived chain again (after this device restarted, or moved here).
 
         Raises:
             BlockLostError: some block is in no tier (nothing is held).
         """
-        self.pool.adopt(layout, chain, tokens, Priority(priority))
+        self.pool.adopt(layout, chain, tokens, Priority(priority), exact_only)
 
     def resync(self, holders: Sequence[Holder]) -> list[int]:
         """Set every block's references from the router's table (a restarted router).

@@ -163,10 +163,12 @@ class SessionRouter:
         priority: str = "normal",
         ack: str | None = None,
         quota: tuple[int | None, int | None] | None = None,
+        exact_only: bool = False,
     ) -> dict[str, Any]:
         """A new session.
 
         Args:
+            exact_only: its blocks never take a lossy step (docs/durability.md).
             ack: ``memory`` or ``archive`` (docs/durability.md); None: the
                 deployment's default.
             quota: the tenant's ``(max sessions, max bytes)`` (None: no limit).
@@ -178,7 +180,12 @@ class SessionRouter:
         if quota is not None:
             self.state.check_quota(session_id, max_sessions=quota[0], new_session=True)
         record = self.state.create(
-            session_id, layout, namespace, priority, durable=ack == "archive"
+            session_id,
+            layout,
+            namespace,
+            priority,
+            durable=ack == "archive",
+            exact_only=exact_only,
         )
         await self._durable(record.durable)
         return record.as_dict()
@@ -540,6 +547,7 @@ class SessionRouter:
                 block_token_count(r.layout, r.tokens),
                 r.active,
                 r.priority,
+                r.exact_only,
             )
             for r in records
         ]
@@ -564,7 +572,11 @@ class SessionRouter:
             counts = block_token_count(record.layout, record.tokens)
             try:
                 await self._devices[target].adopt.remote(
-                    record.layout, list(record.chain), counts, record.priority.value
+                    record.layout,
+                    list(record.chain),
+                    counts,
+                    record.priority.value,
+                    record.exact_only,
                 )
             except BlockLostError as e:
                 self.state.mark_lost(
@@ -676,7 +688,11 @@ class SessionRouter:
             counts = block_token_count(record.layout, record.tokens)
             try:
                 await device.adopt.remote(
-                    record.layout, list(record.chain), counts, record.priority.value
+                    record.layout,
+                    list(record.chain),
+                    counts,
+                    record.priority.value,
+                    record.exact_only,
                 )
             except BlockLostError as e:
                 reason = (

@@ -134,12 +134,18 @@ class RouterState:
         namespace: str,
         priority: Priority | str,
         durable: bool = False,
+        exact_only: bool = False,
     ) -> SessionRecord:
         """A new session (the id rule, layout and priority are checked here, once)."""
         if not isinstance(layout, KVLayout):
             layout = KVLayout.from_dict(layout)
         record = self.sessions.create(
-            session_id, layout, namespace=namespace, priority=priority, durable=durable
+            session_id,
+            layout,
+            namespace=namespace,
+            priority=priority,
+            durable=durable,
+            exact_only=exact_only,
         )
         self.tenant_sessions[tenant_of(session_id)] += 1
         self._log(
@@ -150,6 +156,7 @@ class RouterState:
                 "layout": layout.to_dict(),
                 "prio": record.priority.value,
                 "durable": record.durable,
+                "exact_only": record.exact_only,
             }
         )
         return record
@@ -320,6 +327,7 @@ class RouterState:
                     "layout": r.layout.to_dict(),
                     "prio": r.priority.value,
                     "durable": r.durable,
+                    "exact_only": r.exact_only,
                 }
             )
             if r.chain or r.turn:
@@ -362,6 +370,7 @@ class RouterState:
                 entry["ns"],
                 entry["prio"],
                 durable=bool(entry.get("durable", False)),
+                exact_only=bool(entry.get("exact_only", False)),
             )
         elif op == "put":
             record = self.sessions.lookup(entry["id"])

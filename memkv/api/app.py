@@ -145,6 +145,12 @@ class SessionCreate(_Model):
         "archive = they are fsynced in the cold tier and survive a crash of every process. "
         "Default: the deployment's router.default_ack.",
     )
+    exact_only: bool = Field(
+        default=False,
+        description="Its blocks never take a lossy step (fp16 of fp32, int8, lossy cold codec). "
+        "Blocks shared with sessions that allowed one before may still read as inexact: "
+        "every block read says whether it is exact.",
+    )
 
 
 class SuspendIn(_Model):
@@ -371,7 +377,7 @@ def create_app(
         namespace = who.write_namespace(body.namespace)
         layout = KVLayout.from_dict(body.layout.model_dump())
         record = await router.create_session.remote(
-            sid, layout.to_dict(), namespace, body.priority, body.ack, who.quota
+            sid, layout.to_dict(), namespace, body.priority, body.ack, who.quota, body.exact_only
         )
         return _session_out(record, body.session_id)
 

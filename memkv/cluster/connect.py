@@ -90,12 +90,14 @@ class MemkvCluster:
         namespace: str = "default",
         priority: str = "normal",
         ack: str | None = None,
+        exact_only: bool = False,
     ) -> dict[str, Any]:
-        """A new session; ``ack`` (``memory`` / ``archive``): see docs/durability.md."""
+        """A new session; ``ack`` (``memory`` / ``archive``) and ``exact_only``:
+        see docs/durability.md."""
         return dict(
             ray.get(
                 self.router.create_session.remote(
-                    session_id, layout.to_dict(), namespace, priority, ack
+                    session_id, layout.to_dict(), namespace, priority, ack, None, exact_only
                 )
             )
         )

@@ -126,6 +126,8 @@ class ChainUpdate:
         kept: keys it held before and still holds (one more round of use: precision).
         tail_rewrites: how often the session's partial last block has been
             replaced (the codec policy stores often rewritten tails uncompressed).
+        exact_only: the session's blocks never take a lossy step (no fp16 of an
+            fp32 block, no int8, no lossy cold codec) while it holds them.
     """
 
     layout: KVLayout
@@ -138,3 +140,4 @@ class ChainUpdate:
     drop: tuple[bytes, ...]
     kept: tuple[bytes, ...]
     tail_rewrites: int = 0
+    exact_only: bool = False

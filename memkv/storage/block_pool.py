@@ -99,6 +99,8 @@ class _Block:
     # False once the only copies left went through a lossy step (int8, fp16 of
     # an fp32 block, a lossy cold codec): reads then say so.
     exact: bool = True
+    # Some holder forbids lossy steps: none is taken from then on.
+    exact_only: bool = False
 
 
 class Holder(NamedTuple):
@@ -109,6 +111,7 @@ class Holder(NamedTuple):
     tokens: Sequence[int]
     active: bool
     priority: Priority
+    exact_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,7 +357,7 @@ class BlockPool:
                     )
             for held_key in update.hold:
                 entry = self._blocks[BlockHash(held_key)]
-                self._hold(entry, update.priority, update.was_active, now)
+                self._hold(entry, update.priority, update.was_active, now, update.exact_only)
             for kept_key in update.kept:
                 self._blocks[BlockHash(kept_key)].rounds += 1
             for dropped_key in update.drop:
@@ -377,6 +380,7 @@ class BlockPool:
         chain: Sequence[bytes],
         tokens: Sequence[int],
         priority: Priority,
+        exact_only: bool = False,
     ) -> None:
         """Hold, for an inactive holder, a chain whose blocks are all in the cold tier.
 
@@ -414,7 +418,7 @@ class BlockPool:
                         in_cold=True,
                     )
                     self._blocks[key] = entry
-                self._hold(entry, priority, False, now)
+                self._hold(entry, priority, False, now, exact_only)
             self._debug_check()
 
     def resync(self, holders: Sequence[Holder]) -> list[int]:
@@ -464,7 +468,7 @@ class BlockPool:
                             in_cold=True,
                         )
                         self._blocks[key] = held
-                    self._hold(held, holder.priority, holder.active, now)
+                    self._hold(held, holder.priority, holder.active, now, holder.exact_only)
             for key in [k for k, e in self._blocks.items() if e.refcount == 0 and e.pins == 0]:
                 self._free(self._blocks[key])
             self._debug_check()
@@ -935,8 +939,11 @@ class BlockPool:
             self._precision[layout.dtype] = policy
         return policy
 
-    def _hold(self, entry: _Block, priority: Priority, active: bool, now: float) -> None:
+    def _hold(
+        self, entry: _Block, priority: Priority, active: bool, now: float, exact_only: bool = False
+    ) -> None:
         entry.refcount += 1
+        entry.exact_only = entry.exact_only or exact_only
         if active:
             entry.active_refs += 1
         self._raise_priority(entry, priority, now)
@@ -1073,8 +1080,8 @@ class BlockPool:
         return True
 
     def _to_warm_precision(self, entry: _Block, block: StoredBlock, now: float) -> StoredBlock:
-        if isinstance(block, QuantizedBlock):
-            return block
+        if isinstance(block, QuantizedBlock) or entry.exact_only:
+            return block  # already int8 (nothing more to lose), or no lossy step allowed
         choice = self._precision_for(entry.layout).choose(
             turn=entry.rounds,
             refcount=entry.refcount,
@@ -1127,7 +1134,7 @@ class BlockPool:
         return self._codec_policy.choose(
             "cold",
             update_count=entry.rewrites,
-            offline=offline and entry.refcount <= 1,
+            offline=offline and entry.refcount <= 1 and not entry.exact_only,
             turns_old=entry.rounds,
         )
 

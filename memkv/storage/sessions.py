@@ -52,6 +52,8 @@ class SessionRecord:
     # Acknowledgement mode: True = an append answers once its blocks are fsynced
     # in the cold tier ("archive"); False = once they are in device memory ("memory").
     durable: bool = False
+    # Never a lossy step for this session's blocks (precision, codecs).
+    exact_only: bool = False
     # Placement and hotness: the router's (a single-process store leaves them be).
     device_id: str | None = None  # placed at the first append (prefix affinity needs tokens)
     hotness: float = 0.0
@@ -78,6 +80,7 @@ class SessionRecord:
             "turn": self.turn,
             "state": "lost" if self.lost else self.state.value,
             "ack": "archive" if self.durable else "memory",
+            "exact_only": self.exact_only,
             "archived": not self.active,
             "hotness": self.hotness,
             "lost_reason": self.lost_reason,
@@ -94,6 +97,7 @@ class SessionRecord:
             "turn": self.turn,
             "chain": [bytes(k) for k in self.chain],
             "durable": self.durable,
+            "exact_only": self.exact_only,
         }
 
 
@@ -167,12 +171,14 @@ class SessionTable:
         namespace: str = "default",
         priority: Priority | str = Priority.NORMAL,
         durable: bool = False,
+        exact_only: bool = False,
     ) -> SessionRecord:
         """Register a new, empty session.
 
         Args:
             durable: appends are acknowledged once their blocks are fsynced in
                 the cold tier (``archive`` mode), not once they are in memory.
+            exact_only: its blocks never take a lossy step while it holds them.
 
         Raises:
             InvalidInputError: bad id, layout, namespace or priority.
@@ -195,6 +201,7 @@ class SessionTable:
             created_at=now,
             last_access=now,
             durable=bool(durable),
+            exact_only=bool(exact_only),
         )
         self._records[session_id] = record
         return record
@@ -214,6 +221,7 @@ class SessionTable:
             namespace=str(manifest["namespace"]),
             priority=str(manifest["priority"]),
             durable=bool(manifest.get("durable", False)),
+            exact_only=bool(manifest.get("exact_only", False)),
         )
         tokens = int(manifest["tokens"])
         chain = [BlockHash(bytes(k)) for k in manifest["chain"]]
@@ -309,6 +317,7 @@ class SessionTable:
             drop=tuple(k for k in old if k not in unique),
             kept=tuple(k for k in unique if k in old),
             tail_rewrites=tail_rewrites,
+            exact_only=record.exact_only,
         )
 
     def commit_append(self, session_id: str, update: ChainUpdate) -> SessionRecord:

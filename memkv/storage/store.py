@@ -232,8 +232,12 @@ class TieredStore:
         *,
         namespace: str = "default",
         priority: Priority | str = Priority.NORMAL,
+        exact_only: bool = False,
     ) -> SessionInfo:
         """Register a new, empty session.
+
+        Args:
+            exact_only: its blocks never take a lossy step (precision, codecs).
 
         Raises:
             InvalidInputError: bad id, namespace or priority; ConflictError: the id exists.
@@ -241,7 +245,7 @@ class TieredStore:
         with self._lock:
             self.pool.ensure_open()
             record = self.sessions_table.create(
-                session_id, layout, namespace=namespace, priority=priority
+                session_id, layout, namespace=namespace, priority=priority, exact_only=exact_only
             )
             return SessionInfo.of(record)
 

@@ -172,3 +172,33 @@ def test_suspend_writes_the_session_cold_in_one_batch(tmp_path):
     s.suspend("s")
     assert calls == [4]
     s.close()
+
+
+def test_an_exact_only_session_never_takes_a_lossy_step(tmp_path):
+    clock = FakeClock()
+    layout = KVLayout(
+        "exact-model", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4, dtype="float32"
+    )
+    s = make_store(
+        tmp_path,
+        clock=clock,
+        hot_capacity_bytes=UNIT,
+        warm_capacity_bytes=4 * UNIT,
+        precision=PrecisionConfig(int8_idle_seconds=60),
+    )
+    for sid, exact_only in (("lossy", False), ("exact", True)):
+        s.create_session(sid, layout, namespace=sid, exact_only=exact_only)
+        keys, values = kv(8, layout, seed=len(sid))
+        s.put_kv(sid, list(range(8)), keys, values)
+        s.put_kv(sid, list(range(8)), keys, values)  # a later round: fp16 allowed
+    clock.t += 3600  # long idle: int8 allowed
+    s.create_session("push", layout, namespace="o")
+    s.put_kv("push", list(range(16)), *kv(16, layout, seed=5))  # both go warm
+    lossy, exact = list(s.session("lossy").chain), list(s.session("exact").chain)
+    assert {s.pool._warm.stored_dtype(k) for k in lossy} == {torch.int8}
+    assert {s.pool._warm.stored_dtype(k) for k in exact} == {torch.float32}
+    s.suspend("exact", offline=True)  # offline would pick the lossy cold codec
+    expected = split_kv(layout, *kv(8, layout, seed=len("exact")))
+    for fetched, block in zip(s.iter_session("exact"), expected, strict=True):
+        assert fetched.exact and torch.equal(fetched.block, block)
+    s.close()
