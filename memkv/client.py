@@ -37,6 +37,7 @@ from memkv import errors
 from memkv.errors import MemkvError
 from memkv.protocol.checksum import crc32
 from memkv.protocol.dtypes import numpy_view_dtype
+from memkv.protocol.exactness import LOSSY_STEPS, lossy_name
 from memkv.protocol.hashing import BlockHash, chain_hashes, token_array
 from memkv.protocol.layout import KV_AXIS_SIZE, KVLayout
 from memkv.protocol.wire import (
@@ -115,7 +116,8 @@ class Block:
 
     ``array`` is float32/float16, or uint16 holding bfloat16 bits (numpy has
     no bfloat16); ``tensor`` gives the torch view (no copy). ``exact`` is False
-    when memkv kept the block lossily (int8, fp16 of fp32, a lossy cold codec).
+    when memkv kept the block lossily; ``lossy`` names the step (``int8``,
+    ``float16`` of fp32, ``delta_rl``) and ``bound`` the error it can make.
     """
 
     index: int
@@ -124,6 +126,15 @@ class Block:
     dtype: str
     tier: str | None  # where the block was found (hot, warm, cold)
     exact: bool = True
+    lossy: str = ""
+
+    @property
+    def bound(self) -> str:
+        """The error the block's lossy step can make (memkv.protocol.exactness)."""
+        step = LOSSY_STEPS.get(self.lossy)
+        if step is None or (not self.lossy and not self.exact):
+            return "lossy: by a step this client does not know of"
+        return step.bound
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -333,6 +344,7 @@ def _make_block(
         dtype,
         _tier_name(header.get("tier")),
         bool(header.get("exact", True)),
+        lossy_name(header.get("lossy")),
     )
 
 
@@ -363,6 +375,7 @@ class _BlockStream:
                 dtype,
                 _tier_name(frame.header.get("tier")),
                 bool(frame.header.get("exact", True)),
+                lossy_name(frame.header.get("lossy")),
             )
 
     def close(self) -> None:

@@ -52,6 +52,7 @@ class CopiedBlock:
     dtype: str
     found: str
     exact: bool
+    lossy: str = ""
 
 
 class SegmentMaps:
@@ -220,7 +221,9 @@ class SameNodeReader:
         result: list[CopiedBlock | None] = [None] * len(keys)
         for (i, entry), copy in zip(planned, copies, strict=True):
             array = copy.view(numpy_view_dtype(entry.dtype)).reshape(entry.shape)
-            result[i] = CopiedBlock(entry.key, array, entry.dtype, entry.found, entry.exact)
+            result[i] = CopiedBlock(
+                entry.key, array, entry.dtype, entry.found, entry.exact, entry.lossy
+            )
         missing = [i for i, r in enumerate(result) if r is None]
         if missing:
             for i, payload in zip(
@@ -234,6 +237,7 @@ class SameNodeReader:
                     payload.dtype,
                     payload.tier or "",
                     payload.exact,
+                    payload.lossy,
                 )
         return [r for r in result if r is not None]
 

@@ -299,7 +299,9 @@ class DeviceCache:
         out = []
         for k in keys:
             fetched = self.pool.fetch(BlockHash(bytes(k)), stream=stream)
-            out.append(to_payload(k, fetched.block, fetched.tier.value, fetched.exact))
+            out.append(
+                to_payload(k, fetched.block, fetched.tier.value, fetched.exact, fetched.lossy)
+            )
         return out
 
     def fetch_blocks(self, keys: Sequence[bytes], stream: str | None = None) -> ray.ObjectRef:
@@ -313,7 +315,9 @@ class DeviceCache:
         """
         hashes = [BlockHash(bytes(k)) for k in keys]
         with self.pool.pinned_reads(hashes, stream=stream) as fetched:
-            return ray.put([to_payload(f.key, f.block, f.tier.value, f.exact) for f in fetched])
+            return ray.put(
+                [to_payload(f.key, f.block, f.tier.value, f.exact, f.lossy) for f in fetched]
+            )
 
     def read_plan(
         self,

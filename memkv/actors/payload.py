@@ -49,6 +49,7 @@ class BlockPayload:
     data: np.ndarray
     tier: str | None = None  # where the block was found when read (hot, warm, cold)
     exact: bool = True  # False: the bytes went through a lossy step (int8, fp16 of fp32, ...)
+    lossy: str = ""  # which one (memkv.protocol.exactness)
 
     @property
     def nbytes(self) -> int:
@@ -56,7 +57,11 @@ class BlockPayload:
 
 
 def to_payload(
-    key: bytes, block: torch.Tensor, tier: str | None = None, exact: bool = True
+    key: bytes,
+    block: torch.Tensor,
+    tier: str | None = None,
+    exact: bool = True,
+    lossy: str = "",
 ) -> BlockPayload:
     """Wrap a CPU block for transfer (no copy when it is already contiguous)."""
     if block.dtype not in _WIRE_DTYPES:
@@ -67,7 +72,7 @@ def to_payload(
     t = block.detach().cpu().contiguous()
     if block.dtype is torch.bfloat16:
         t = t.view(torch.int16)
-    return BlockPayload(bytes(key), name, t.numpy().view(np_dtype), tier, exact)
+    return BlockPayload(bytes(key), name, t.numpy().view(np_dtype), tier, exact, lossy)
 
 
 def from_payload(payload: BlockPayload, *, copy: bool = False) -> torch.Tensor:

@@ -594,6 +594,7 @@ def create_app(
         return response
 
     app.state.session_blocks = session_blocks
+    app.state.release_plans = fetcher.release_all
     app.openapi = lambda: _openapi_with_errors(app)  # type: ignore[method-assign]
 
     @app.post(
@@ -1059,6 +1060,7 @@ def _block_chunks(index: int, payload: BlockPayload) -> list[bytes | memoryview]
         data=data,
         tier=payload.tier or "hot",
         exact=payload.exact,
+        lossy=payload.lossy,
     )
     return [prefix, data]
 

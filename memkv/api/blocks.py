@@ -50,6 +50,7 @@ class FetchedBytes:
     tier: str
     exact: bool
     crc: int
+    lossy: str = ""
 
 
 @dataclass(slots=True)
@@ -64,6 +65,10 @@ class _HeldLease:
     in_use: int = 0
 
 
+#: The share of one shared-memory segment a gateway's held plans may pin.
+MAX_SEGMENT_SHARE = 0.25
+
+
 class PlanCache:
     """Read plans the gateway holds on to, so repeated and sequential reads skip the device.
 
@@ -73,6 +78,10 @@ class PlanCache:
     follow in the session), so a reader walking a session block by block
     costs one device call per ``read_ahead`` blocks. Bounded by
     ``max_bytes`` of pinned blocks: the oldest plans are released first.
+
+    Nor may it starve a device: the plans held on one shared-memory segment pin
+    at most ``MAX_SEGMENT_SHARE`` of it, so new blocks always find room in the
+    hot tier that readers' pins do not hold.
 
     Why it is safe: pinned blocks never move or change, and a plan is dropped
     well before its lease ends (``margin_s``, longer than a response takes);
@@ -88,6 +97,9 @@ class PlanCache:
         self._held: OrderedDict[str, _HeldLease] = OrderedDict()  # by lease id, oldest first
         self._by_key: dict[tuple[str, bytes], tuple[_HeldLease, PlanEntry]] = {}
         self._bytes = 0
+        # Pinned bytes per (device, segment), against a share of the segment.
+        self._segment_bytes: dict[tuple[str, str], int] = {}
+        self._segment_caps: dict[tuple[str, str], int] = {}
         self.hits = 0
         self.misses = 0
 
@@ -112,18 +124,29 @@ class PlanCache:
             if entry is not None:
                 # A newer plan of the same block replaces the older one's entry.
                 self._by_key[(plan.device_id, entry.key)] = (held, entry)
+                where = (plan.device_id, entry.segment)
+                self._segment_bytes[where] = self._segment_bytes.get(where, 0) + entry.nbytes
+                self._segment_caps[where] = int(entry.segment_bytes * MAX_SEGMENT_SHARE)
         self._bytes += nbytes
         return held
+
+    def _over(self, held: _HeldLease) -> bool:
+        """Whether the cache pins too much overall or on one of ``held``'s segments."""
+        if self._bytes > self._max_bytes:
+            return True
+        return any(
+            self._segment_bytes.get((held.plan.device_id, e.segment), 0)
+            > self._segment_caps.get((held.plan.device_id, e.segment), 0)
+            for e in held.plan.entries
+            if e is not None
+        )
 
     def sweep(self) -> list[_HeldLease]:
         """Drop plans past their use time or over the byte bound; return them for release."""
         now = time.monotonic()
         gone: list[_HeldLease] = []
-        for held in list(self._held.values()):
-            over = self._bytes > self._max_bytes
-            if held.in_use or not (over or now >= held.use_until):
-                if not over:
-                    break  # oldest first: the rest are younger
+        for held in list(self._held.values()):  # oldest first
+            if held.in_use or not (now >= held.use_until or self._over(held)):
                 continue
             self._forget(held)
             gone.append(held)
@@ -150,6 +173,8 @@ class PlanCache:
         self._bytes -= held.nbytes
         for entry in held.plan.entries:
             if entry is not None:
+                where = (held.plan.device_id, entry.segment)
+                self._segment_bytes[where] -= entry.nbytes
                 k = (held.plan.device_id, entry.key)
                 if k in self._by_key and self._by_key[k][0] is held:
                     del self._by_key[k]
@@ -368,6 +393,19 @@ class BlockFetcher:
             "held_bytes": self._plans.held_bytes,
         }
 
+    async def release_all(self) -> None:
+        """Give back every plan this gateway holds (it is shutting down)."""
+        if self._plans is None:
+            return
+        for held in list(self._plans._held.values()):
+            held.use_until = 0.0
+            held.in_use = 0
+        gone = self._plans.sweep_all_expired()
+        await asyncio.gather(
+            *(h.device.release_lease.remote(h.plan.lease_id) for h in gone),
+            return_exceptions=True,  # a device gone meanwhile holds nothing any more
+        )
+
     async def release_session(self, route: ReadRoute) -> None:
         """Give back the plans held on a session's blocks (before it is suspended or deleted)."""
         if self._plans is None:
@@ -389,7 +427,7 @@ def _entry_bytes(segment: np.ndarray, entry: PlanEntry) -> FetchedBytes:
     if entry.offset < 0 or entry.offset + entry.nbytes > segment.size:
         raise CorruptDataError(f"block {entry.key.hex()} lies outside its segment")
     data = segment[entry.offset : entry.offset + entry.nbytes].data
-    return FetchedBytes(entry.key, data, entry.found, entry.exact, entry.crc32)
+    return FetchedBytes(entry.key, data, entry.found, entry.exact, entry.crc32, entry.lossy)
 
 
 async def _release_later(device: Any, plan_ref: Any) -> bool:
@@ -399,7 +437,9 @@ async def _release_later(device: Any, plan_ref: Any) -> bool:
 
 def _from_payload(payload: BlockPayload) -> FetchedBytes:
     data = np.ascontiguousarray(payload.data).data.cast("B")
-    return FetchedBytes(payload.key, data, payload.tier or "hot", payload.exact, crc32(data))
+    return FetchedBytes(
+        payload.key, data, payload.tier or "hot", payload.exact, crc32(data), payload.lossy
+    )
 
 
 class BlockFramesResponse(Response):
@@ -472,7 +512,11 @@ class BlockFramesResponse(Response):
                         f"block {i}: got {block.data.nbytes} bytes of {block.key.hex()}, "
                         f"expected {template.nbytes}"
                     )
-                prefix = bytes(template.fill(tier=block.tier, exact=block.exact, crc=block.crc))
+                prefix = bytes(
+                    template.fill(
+                        tier=block.tier, exact=block.exact, crc=block.crc, lossy=block.lossy
+                    )
+                )
                 await send({"type": "http.response.body", "body": prefix, "more_body": True})
                 await send({"type": "http.response.body", "body": block.data, "more_body": True})
                 self._on_block(template.nbytes)

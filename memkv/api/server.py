@@ -29,10 +29,19 @@ class GatewayServer:
         ...     print(gw.url)
     """
 
-    def __init__(self, server: uvicorn.Server, sock: socket.socket, thread: threading.Thread):
+    def __init__(
+        self,
+        server: uvicorn.Server,
+        sock: socket.socket,
+        thread: threading.Thread,
+        app: Any = None,
+        loops: list[asyncio.AbstractEventLoop] | None = None,
+    ):
         self._server = server
         self._sock = sock
         self._thread = thread
+        self._app = app
+        self._loops = loops if loops is not None else []  # the serving loop, once it runs
         host, port = sock.getsockname()[:2]
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}"
@@ -75,10 +84,16 @@ class GatewayServer:
         )
         server = uvicorn.Server(config)
 
+        loops: list[asyncio.AbstractEventLoop] = []
+
+        async def serve_and_note_loop() -> None:
+            loops.append(asyncio.get_running_loop())
+            await server.serve(sockets=[sock])
+
         def serve() -> None:
             # uvloop for the gateway's event loop, as uvicorn's own run() would set up.
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                runner.run(server.serve(sockets=[sock]))
+                runner.run(serve_and_note_loop())
 
         thread = threading.Thread(
             target=serve,
@@ -86,7 +101,7 @@ class GatewayServer:
             daemon=True,
         )
         thread.start()
-        gateway = cls(server, sock, thread)
+        gateway = cls(server, sock, thread, app, loops)
         gateway._wait_started()
         return gateway
 
@@ -100,7 +115,15 @@ class GatewayServer:
             time.sleep(_POLL_S)
 
     def stop(self) -> None:
-        """Stop serving and join the thread."""
+        """Give back the read plans the gateway holds, stop serving and join the thread."""
+        if self._loops and self._app is not None and self._thread.is_alive():
+            release = asyncio.run_coroutine_threadsafe(
+                self._app.state.release_plans(), self._loops[0]
+            )
+            try:
+                release.result(timeout=_STARTUP_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - leases run out by themselves anyway
+                pass
         self._server.should_exit = True
         self._thread.join(timeout=_STARTUP_TIMEOUT_S)
         self._sock.close()

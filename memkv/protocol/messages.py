@@ -31,6 +31,7 @@ class PlanEntry:
         dtype: ``float32``, ``float16`` or ``bfloat16``.
         crc32: CRC32 of the bytes (the writer's while the block is exact).
         exact: False when the bytes went through a lossy step (int8, fp16 of fp32, …).
+        lossy: which step ("" when exact; see :mod:`memkv.protocol.exactness`).
     """
 
     key: bytes
@@ -43,6 +44,7 @@ class PlanEntry:
     dtype: str
     crc32: int
     exact: bool
+    lossy: str = ""
 
 
 @dataclass(frozen=True, slots=True)

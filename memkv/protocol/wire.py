@@ -31,6 +31,7 @@ import numpy as np
 from memkv.errors import InvalidInputError, LayoutMismatchError
 from memkv.protocol.checksum import crc32
 from memkv.protocol.dtypes import DTYPES
+from memkv.protocol.exactness import LOSSY_STEPS
 
 __all__ = [
     "MAGIC",
@@ -104,14 +105,16 @@ _CRC_PLACEHOLDER = 0xFFFFFFFF  # packs as msgpack uint32 (0xce + 4 bytes) whatev
 _CRC_BYTES = 4
 _EXACT_AT = -(_CRC_BYTES + 1 + len(msgpack.packb("crc32")) + 1)  # the bool before "crc32"
 _TIER_AT = _EXACT_AT - len(msgpack.packb("exact")) - 1  # the fixint before "exact"
+_LOSSY_AT = _TIER_AT - len(msgpack.packb("tier")) - 1  # the fixint before "tier"
 
 
 class BlockFrameTemplate:
     """The prefix of a block frame whose tier, exactness and checksum are filled in later.
 
-    The header ends with ``tier`` (a positive fixint), ``exact`` (a bool) and
-    ``crc32`` (a uint32 packed at full width), so those three patch in place
-    and the prefix's length is fixed before the block is read.
+    The header ends with ``lossy`` (a positive fixint: the lossy step's code,
+    :mod:`memkv.protocol.exactness`), ``tier`` (a positive fixint), ``exact``
+    (a bool) and ``crc32`` (a uint32 packed at full width), so those patch in
+    place and the prefix's length is fixed before the block is read.
     """
 
     __slots__ = ("key", "nbytes", "prefix")
@@ -126,6 +129,7 @@ class BlockFrameTemplate:
             "dtype": dtype,
             "shape": list(shape),
             "nbytes": nbytes,
+            "lossy": 0,
             "tier": 0,
             "exact": True,
             "crc32": _CRC_PLACEHOLDER,
@@ -135,8 +139,9 @@ class BlockFrameTemplate:
         self.key = bytes(key)
         self.nbytes = nbytes
 
-    def fill(self, *, tier: str, exact: bool, crc: int) -> bytearray:
-        """The prefix with the block's tier, exactness and checksum."""
+    def fill(self, *, tier: str, exact: bool, crc: int, lossy: str = "") -> bytearray:
+        """The prefix with the block's tier, exactness (and lossy step) and checksum."""
+        self.prefix[_LOSSY_AT] = LOSSY_STEPS[lossy].code
         self.prefix[_TIER_AT] = TIER_CODES[tier]
         self.prefix[_EXACT_AT] = 0xC3 if exact else 0xC2
         self.prefix[-_CRC_BYTES:] = crc.to_bytes(_CRC_BYTES, "big")
@@ -152,12 +157,13 @@ def block_frame_prefix(
     data: memoryview,
     tier: str = "hot",
     exact: bool = True,
+    lossy: str = "",
 ) -> bytes:
     """The prefix (magic, length, header) of a block frame whose payload is ``data``."""
     template = BlockFrameTemplate(
         index=index, key=key, dtype=dtype, shape=tuple(shape), nbytes=data.nbytes
     )
-    return bytes(template.fill(tier=tier, exact=exact, crc=crc32(data)))
+    return bytes(template.fill(tier=tier, exact=exact, crc=crc32(data), lossy=lossy))
 
 
 def end_frame(count: int) -> bytes:

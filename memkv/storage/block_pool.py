@@ -50,6 +50,7 @@ from memkv.errors import (
 )
 from memkv.protocol.checksum import crc32
 from memkv.protocol.enums import PRIORITY_RANK, Priority, Tier
+from memkv.protocol.exactness import worse
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.messages import ChainUpdate, PlanEntry
 from memkv.storage.arena import DeviceArena, SharedHostArena
@@ -96,11 +97,15 @@ class _Block:
     # CRC32 of the block's bytes in the model dtype: the writer's own checksum
     # while the block is exact; None until computed (or after a lossy step).
     crc32: int | None = None
-    # False once the only copies left went through a lossy step (int8, fp16 of
-    # an fp32 block, a lossy cold codec): reads then say so.
-    exact: bool = True
+    # The worst lossy step the only copies left went through ("" = exact bytes):
+    # int8, fp16 of an fp32 block, a lossy cold codec. Reads say so.
+    lossy: str = ""
     # Some holder forbids lossy steps: none is taken from then on.
     exact_only: bool = False
+
+    @property
+    def exact(self) -> bool:
+        return not self.lossy
 
 
 class Holder(NamedTuple):
@@ -130,6 +135,7 @@ class FetchedBlock(NamedTuple):
     block: torch.Tensor
     tier: Tier
     exact: bool = True  # False: the copy read went through a lossy step
+    lossy: str = ""  # which one (memkv.protocol.exactness)
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,7 +529,7 @@ class BlockPool:
                     entry.tier = None
                     self._counters["demotions"] += 1
                     # The cold copy is the one left: a lossy codec makes reads inexact.
-                    self._note_demoted(entry, lossy=not CODECS[entry.cold_codec or "none"].lossless)
+                    self._note_demoted(entry, lossy=_codec_step(entry.cold_codec))
             self._debug_check()
             return any(self._blocks[k].tier is not None for k in unique)
 
@@ -649,7 +655,7 @@ class BlockPool:
             elif entry.pins == 0 and self._promote(entry, block, now):
                 self._note_materialized(entry, block)
             self._prefetcher.observe(key, stream)
-            return FetchedBlock(key, block, found, entry.exact)
+            return FetchedBlock(key, block, found, entry.exact, entry.lossy)
 
     @contextlib.contextmanager
     def pinned_reads(
@@ -670,7 +676,9 @@ class BlockPool:
                     entry = self._blocks[key]
                     self._pin(entry)
                     taken.append(entry)
-                    out.append(FetchedBlock(key, self._view(entry), found, entry.exact))
+                    out.append(
+                        FetchedBlock(key, self._view(entry), found, entry.exact, entry.lossy)
+                    )
             yield out
         finally:
             with self._lock:
@@ -772,10 +780,11 @@ class BlockPool:
         entry.last_access = now
         return entry, found, now
 
-    def _note_demoted(self, entry: _Block, *, lossy: bool) -> None:
-        """The copy that remains went through a lossy step: reads are no longer exact."""
+    def _note_demoted(self, entry: _Block, *, lossy: str | None) -> None:
+        """The copy that remains went through ``lossy`` (a step's name; None: none):
+        reads are no longer exact, and say which step."""
         if lossy:
-            entry.exact = False
+            entry.lossy = worse(entry.lossy, lossy)
             entry.crc32 = None
 
     def _note_materialized(self, entry: _Block, block: torch.Tensor) -> None:
@@ -811,6 +820,7 @@ class BlockPool:
             entry.layout.dtype,
             entry.crc32,
             entry.exact,
+            entry.lossy,
         )
 
     def prefetch(self, keys: Sequence[BlockHash]) -> int:
@@ -1024,11 +1034,11 @@ class BlockPool:
         warm = self._to_warm_precision(entry, block, now)
         if self._put_memory(self._warm, entry, warm, now):
             entry.tier = Tier.WARM
-            self._note_demoted(entry, lossy=warm is not block)
+            self._note_demoted(entry, lossy=_precision_step(warm, block))
             return
         self._ensure_cold(entry, block)
         entry.tier = None
-        self._note_demoted(entry, lossy=not CODECS[entry.cold_codec or "none"].lossless)
+        self._note_demoted(entry, lossy=_codec_step(entry.cold_codec))
 
     def _put_memory(
         self, tier: MemoryTier, entry: _Block, block: StoredBlock, now: float, evict: bool = True
@@ -1062,7 +1072,7 @@ class BlockPool:
                 warm = self._to_warm_precision(entry, stored, now)
                 if self._put_memory(self._warm, entry, warm, now):
                     entry.tier = Tier.WARM
-                    self._note_demoted(entry, lossy=warm is not stored)
+                    self._note_demoted(entry, lossy=_precision_step(warm, stored))
                 else:
                     self._ensure_cold(entry, stored)
                     entry.tier = None
@@ -1070,8 +1080,7 @@ class BlockPool:
                 self._ensure_cold(entry, stored)
                 entry.tier = None
             if entry.tier is None:
-                lossless = CODECS[entry.cold_codec or "none"].lossless
-                self._note_demoted(entry, lossy=not lossless)
+                self._note_demoted(entry, lossy=_codec_step(entry.cold_codec))
         except CapacityError:
             tier.restore(key, now)
             raise
@@ -1178,6 +1187,23 @@ def _crc32(block: torch.Tensor) -> int:
     """CRC32 of a contiguous CPU tensor's bytes (no copy)."""
     raw = block.view(torch.int16) if block.dtype is torch.bfloat16 else block
     return crc32(raw.numpy().data.cast("B"))
+
+
+def _precision_step(converted: StoredBlock, original: StoredBlock) -> str | None:
+    """The lossy step a warm-tier conversion took (None: the block was kept as it was)."""
+    if converted is original:
+        return None
+    if isinstance(converted, QuantizedBlock):
+        return "int8"
+    return "float16"
+
+
+def _codec_step(codec: str | None) -> str | None:
+    """The lossy step a cold codec is (None for a lossless one; int8 frames carry
+    blocks that were int8 already)."""
+    if codec is None or CODECS[codec].lossless or codec == "int8":
+        return None
+    return "delta_rl"
 
 
 def hot_segment_name(warm_name: str | None) -> str | None:

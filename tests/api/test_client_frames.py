@@ -20,7 +20,7 @@ def _body(blocks, *, bad_crc=False, cut=0, count=None):
             index=i, key=bytes([i]) * 16, dtype="float16", shape=arr.shape, nbytes=arr.nbytes
         )
         crc = crc32(arr.tobytes()) ^ (1 if bad_crc else 0)
-        parts += [bytes(t.fill(tier="warm", exact=False, crc=crc)), arr.tobytes()]
+        parts += [bytes(t.fill(tier="warm", exact=False, crc=crc, lossy="int8")), arr.tobytes()]
     parts.append(end_frame(len(blocks) if count is None else count))
     body = b"".join(parts)
     return body[: len(body) - cut] if cut else body
@@ -64,6 +64,7 @@ def test_a_whole_stream_reads_back_with_tier_and_exactness():
     got = _read(_body(blocks))
     assert [g.array.tobytes() for g in got] == [b.tobytes() for b in blocks]
     assert {g.tier for g in got} == {"warm"} and not any(g.exact for g in got)
+    assert {g.lossy for g in got} == {"int8"} and "max|x| / 254" in got[0].bound
 
 
 def test_a_cut_stream_is_an_error_not_a_short_read():
@@ -87,12 +88,14 @@ def test_headers_patch_in_place():
         index=7, key=b"k" * 16, dtype="bfloat16", shape=(1, 2, 1, 4, 8), nbytes=128
     )
     for tier in ("hot", "warm", "cold"):
-        for exact in (True, False):
+        for exact, lossy in ((True, ""), (False, "float16"), (False, "delta_rl")):
             for crc in (0, 1, 2**32 - 1):
-                h = msgpack.unpackb(bytes(t.fill(tier=tier, exact=exact, crc=crc)[8:]))
-                assert (h["tier"], h["exact"], h["crc32"], h["index"]) == (
+                prefix = t.fill(tier=tier, exact=exact, crc=crc, lossy=lossy)
+                h = msgpack.unpackb(bytes(prefix[8:]))
+                assert (h["tier"], h["exact"], h["crc32"], h["index"], h["lossy"]) == (
                     {"hot": 0, "warm": 1, "cold": 2}[tier],
                     exact,
                     crc,
                     7,
+                    {"": 0, "float16": 1, "delta_rl": 3}[lossy],
                 )

@@ -122,6 +122,7 @@ def test_lossy_blocks_are_reported_inexact_with_a_checksum_of_what_is_served(tmp
     plans = s.plan_reads(chain)
     for plan in plans:
         assert plan is not None and plan.found is Tier.WARM and not plan.exact
+        assert plan.lossy == "int8"
         block = s.pool._hot.load(plan.key)
         assert plan.crc32 == zlib.crc32(_bytes_of(block))
     s.unpin_blocks(chain)
