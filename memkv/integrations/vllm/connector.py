@@ -1,0 +1,371 @@
+"""MemkvConnector: vLLM's v1 KV connector over the memkv gateway.
+
+Before a request's prefill, the scheduler side asks memkv how much of the
+prompt is cached (``/v1/match``: whole blocks, the last prompt token always
+recomputed) and tells vLLM; the worker side then reads those blocks by key and
+writes them into the blocks vLLM allocated. After the prefill, the prompt's
+full blocks are copied out of the paged cache layer by layer and stored in
+memkv, by a background thread, so decoding does not wait for the upload.
+
+Agent sessions: ``kv_transfer_params={"session_id": ..., "priority": ...}``
+(vLLM's ``SamplingParams.extra_args``, or the OpenAI API's ``extra_body``) makes
+each turn an append to that memkv session. Requests without one still share
+prefixes by content: their blocks go to a session named after the prompt's last
+full block.
+
+memkv blocks are vLLM blocks: ``block_tokens`` is the engine's block size, and
+each block is stored in memkv's layout ``[layers, 2 (K, V), kv_heads, tokens,
+head_dim]``, so a session saved by vLLM restores in transformers too.
+
+Anything that goes wrong on the way (memkv down, a block gone, a checksum)
+ends in recompute: a failed lookup reports no hit, a failed load reports its
+blocks to vLLM as not loaded (``get_block_ids_with_load_errors``), a failed
+save is logged and counted. Never an error to the request.
+
+Configuration (``kv_connector_extra_config``)::
+
+    {"url": "http://127.0.0.1:8080",   # the memkv gateway
+     "token": "...",                    # or $MEMKV_TOKEN
+     "model_id": "my-llama",            # part of every block hash (default: the model path)
+     "namespace": null}                 # a public namespace to read and write, if any
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from memkv.client import Client
+from memkv.errors import ConflictError, MemkvError
+from memkv.protocol.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["MemkvConnector"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: What memkv being down, slow or wrong looks like from here: each ends in recompute.
+_FAILURES = (MemkvError, OSError, httpx.HTTPError, ValueError, RuntimeError)
+
+
+@dataclass
+class _Load:
+    req_id: str
+    keys: list[bytes]  # memkv block keys, in chain order
+    block_ids: list[int]  # vLLM blocks to fill, one per key
+
+
+@dataclass
+class _Save:
+    req_id: str
+    token_ids: list[int]  # the prompt's full blocks' tokens
+    block_ids: list[int]  # one vLLM block per memkv block
+    start_block: int  # blocks before it are in memkv already
+    session_id: str | None
+    priority: str
+
+
+@dataclass
+class MemkvConnectorMetadata(KVConnectorMetadata):
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+
+
+class MemkvConnector(KVConnectorBase_V1):
+    """Loads the longest cached prefix from memkv before prefill; saves new blocks after."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        model = vllm_config.model_config
+        self._block_size = vllm_config.cache_config.block_size
+        self.layout = KVLayout(
+            str(extra.get("model_id") or model.model),
+            num_layers=model.get_num_layers(vllm_config.parallel_config),
+            num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
+            head_dim=model.get_head_size(),
+            dtype=_DTYPES[model.dtype],
+            block_tokens=self._block_size,
+        )
+        self._url = str(extra.get("url", "http://127.0.0.1:8080"))
+        self._token = extra.get("token")
+        self._namespace = extra.get("namespace")
+        self._client: Client | None = None
+        # Scheduler side: what get_num_new_matched_tokens found, per request.
+        self._matched: dict[str, list[bytes]] = {}
+        self._pending_loads: dict[str, _Load] = {}
+        self._hits: dict[str, int] = {}  # memkv blocks of each request's prompt
+        self._params: dict[str, dict[str, Any]] = {}
+        # Worker side.
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        self._staged: dict[str, torch.Tensor] = {}  # req id -> [blocks, L, 2, H, N, D]
+        self._load_errors: set[int] = set()
+        self._outbox: queue.Queue[tuple[_Save, torch.Tensor] | None] = queue.Queue()
+        self._sender: threading.Thread | None = None
+        self.stats = {
+            "lookups": 0,
+            "hit_tokens": 0,
+            "load_bytes": 0,
+            "load_s": 0.0,
+            "load_failures": 0,
+            "save_bytes": 0,
+            "save_s": 0.0,
+            "save_failures": 0,
+        }
+
+    # -- shared ------------------------------------------------------------------------
+
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client(self._url, token=self._token, timeout=30.0, retries=1)
+        return self._client
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` that memkv holds (whole blocks).
+
+        The last prompt token is always left to compute (vLLM needs its logits).
+        Any failure answers 0: the engine computes everything itself.
+        """
+        tokens = list(request.prompt_token_ids or [])
+        params = dict(getattr(request, "kv_transfer_params", None) or {})
+        self._params[request.request_id] = params
+        usable = (len(tokens) - 1) // self._block_size * self._block_size
+        if usable <= num_computed_tokens:
+            return 0, False
+        self.stats["lookups"] += 1
+        try:
+            match = self.client().match(self.layout, self._namespace, tokens[:usable])
+        except _FAILURES as e:
+            logger.warning("memkv lookup failed, computing instead: %s", e)
+            return 0, False
+        hit = match.tokens // self._block_size * self._block_size
+        if hit <= num_computed_tokens:
+            return 0, False
+        self._matched[request.request_id] = list(match.blocks[: hit // self._block_size])
+        self._hits[request.request_id] = hit // self._block_size
+        return hit - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        keys = self._matched.pop(request.request_id, None)
+        if num_external_tokens <= 0 or not keys:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        first = (request.num_computed_tokens or 0) // self._block_size
+        wanted = keys[first:]
+        self._pending_loads[request.request_id] = _Load(
+            request.request_id, wanted, block_ids[first : first + len(wanted)]
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads (requests with a memkv hit) and saves (prompts prefilled now)."""
+        meta = MemkvConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            load = self._pending_loads.pop(new.req_id, None)
+            if load is not None:
+                meta.loads.append(load)
+            tokens = list(new.prompt_token_ids or [])
+            full = len(tokens) // self._block_size
+            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            if full == 0 or new.num_computed_tokens + scheduled < len(tokens):
+                continue  # a chunked prefill: its blocks are not all written in this step
+            params = self._params.get(new.req_id, {})
+            # Blocks memkv already has (the hit) are not sent again.
+            start = min(self._hits.pop(new.req_id, 0), full)
+            if start == full:
+                continue
+            meta.saves.append(
+                _Save(
+                    new.req_id,
+                    tokens[: full * self._block_size],
+                    list(new.block_ids[0][start:full]),
+                    start,
+                    params.get("session_id"),
+                    str(params.get("priority", "normal")),
+                )
+            )
+        self._pending_loads.clear()
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        for table in (self._params, self._matched, self._hits):
+            table.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side -------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Read each request's cached blocks from memkv into the blocks vLLM allocated.
+
+        Loads are synchronous (before the forward pass): a block that cannot be
+        read, or fails its checksum, is reported as a load error and vLLM
+        recomputes it.
+        """
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, MemkvConnectorMetadata)
+        for load in metadata.loads:
+            start = time.perf_counter()
+            try:
+                blocks = self.client().read_blocks_by_key(self._namespace, load.keys)
+                if len(blocks) != len(load.keys):
+                    raise MemkvError(f"asked for {len(load.keys)} blocks, got {len(blocks)}")
+                for block, block_id in zip(blocks, load.block_ids, strict=True):
+                    self._write_block(block.tensor, block_id)
+                    self.stats["load_bytes"] += block.array.nbytes
+            except _FAILURES as e:
+                logger.warning("memkv load of %s failed, recomputing: %s", load.req_id, e)
+                self.stats["load_failures"] += 1
+                self._load_errors.update(load.block_ids)
+                continue
+            self.stats["hit_tokens"] += len(load.keys) * self._block_size
+            self.stats["load_s"] += time.perf_counter() - start
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Copy this layer's KV of the blocks to save (the upload happens off this thread)."""
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, MemkvConnectorMetadata)
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for save in metadata.saves:
+            staged = self._staged.get(save.req_id)
+            if staged is None:
+                shape = (len(save.block_ids), *self.layout.block_shape())
+                staged = torch.empty(shape, dtype=self.layout.torch_dtype)
+                self._staged[save.req_id] = staged
+            for i, block_id in enumerate(save.block_ids):
+                k, v = _block_kv(kv_layer, block_id, self._block_size)
+                staged[i, layer, 0].copy_(k)
+                staged[i, layer, 1].copy_(v)
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, MemkvConnectorMetadata)
+        for save in metadata.saves:
+            staged = self._staged.pop(save.req_id, None)
+            if staged is not None:
+                self._ensure_sender()
+                self._outbox.put((save, staged))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            self._outbox.put(None)
+            self._sender.join(timeout=30)
+        if self._client is not None:
+            self._client.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _write_block(self, block: torch.Tensor, block_id: int) -> None:
+        """One memkv block ``[L, 2, H, N, D]`` into vLLM block ``block_id`` of every layer."""
+        for name, kv_layer in self._kv_caches.items():
+            layer = self._layer_index[name]
+            k, v = _block_kv(kv_layer, block_id, self._block_size)
+            k.copy_(block[layer, 0])
+            v.copy_(block[layer, 1])
+
+    def _ensure_sender(self) -> None:
+        if self._sender is None or not self._sender.is_alive():
+            self._sender = threading.Thread(
+                target=self._send_loop, name="memkv-saver", daemon=True
+            )
+            self._sender.start()
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            save, staged = item
+            start = time.perf_counter()
+            try:
+                self._store(save, staged)
+            except _FAILURES as e:
+                logger.warning("memkv save of %s failed (a later miss): %s", save.req_id, e)
+                self.stats["save_failures"] += 1
+                continue
+            self.stats["save_bytes"] += staged.numel() * staged.element_size()
+            self.stats["save_s"] += time.perf_counter() - start
+
+    def _store(self, save: _Save, staged: torch.Tensor) -> None:
+        client = self.client()
+        session_id = save.session_id or _content_session_id(self.layout, save.token_ids)
+        try:
+            client.create_session(
+                session_id, self.layout, namespace=self._namespace, priority=save.priority
+            )
+        except ConflictError:
+            pass  # it exists: this turn appends to it
+        blocks = [staged[i] for i in range(staged.shape[0])]
+        client.append_turn(session_id, save.token_ids, blocks=blocks, start_block=save.start_block)
+
+
+def _block_kv(kv_layer: torch.Tensor, block_id: int, block_size: int) -> tuple[Any, Any]:
+    """Views ``[H, N, D]`` of K and V of one block of a layer's paged cache.
+
+    Layouts: the CPU backend's ``[blocks, H, N, 2 * D]`` (per head, the block's
+    K rows then its V rows), and the flash-attention one ``[2, blocks, N, H, D]``.
+    """
+    if kv_layer.dim() == 4:
+        blocks, heads, tokens, twice = kv_layer.shape
+        rows = kv_layer[block_id].view(heads, 2 * tokens, twice // 2)
+        return rows[:, :tokens], rows[:, tokens:]
+    if kv_layer.dim() == 5 and kv_layer.shape[0] == 2:
+        return kv_layer[0, block_id].transpose(0, 1), kv_layer[1, block_id].transpose(0, 1)
+    raise ValueError(f"memkv does not know vLLM's KV cache layout {tuple(kv_layer.shape)}")
+
+
+def _content_session_id(layout: KVLayout, token_ids: list[int]) -> str:
+    """The session a request without one stores its prompt under: named by its content."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(layout.fingerprint)
+    digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return f"vllm-{digest.hexdigest()}"

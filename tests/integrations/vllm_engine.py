@@ -1,0 +1,91 @@
+"""One vLLM engine run for tests/integrations/test_vllm.py (runs in the vLLM venv).
+
+    python vllm_engine.py MODE MODEL_DIR OUT_JSON [URL]
+
+MODE: ``baseline`` (no connector), ``memkv`` (MemkvConnector against URL) or
+``outage`` (MemkvConnector against a URL where nothing listens). vLLM's own
+prefix cache is off, so every reused prefix comes from memkv. Writes the greedy
+outputs of one prompt and of a three-turn agent session, and what vLLM says it
+had cached for each request.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+PROMPT = [(7 * i + 3) % 500 + 1 for i in range(150)]
+TURN_INPUTS = [
+    [(11 * i + 5) % 500 + 1 for i in range(90)],
+    [(13 * i + 2) % 500 + 1 for i in range(40)],
+    [(17 * i + 9) % 500 + 1 for i in range(40)],
+]
+NEW_TOKENS = 12
+
+
+def main(mode: str, model: str, out_path: str, url: str | None) -> None:
+    from vllm import LLM, SamplingParams
+
+    kwargs = {}
+    if mode != "baseline":
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="MemkvConnector",
+            kv_connector_module_path="memkv.integrations.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"url": url, "model_id": "vllm-test-llama"},
+        )
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=1024,
+        block_size=32,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_seqs=2,
+        seed=0,
+        **kwargs,
+    )
+
+    def run(tokens, session_id=None):
+        extra = {"kv_transfer_params": {"session_id": session_id}} if session_id else None
+        params = SamplingParams(
+            max_tokens=NEW_TOKENS, temperature=0, detokenize=False, extra_args=extra
+        )
+        out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
+        return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+    def settled(turn: int) -> None:
+        """Saves run behind the engine: wait for this turn's, as an agent's next turn would."""
+        if mode != "memkv":
+            return
+        from memkv.client import Client
+
+        deadline = time.monotonic() + 60
+        with Client(url) as client:
+            while time.monotonic() < deadline:
+                try:
+                    if client.session("agent-1").turn >= turn:
+                        return
+                except Exception:  # noqa: BLE001 - not created yet
+                    pass
+                time.sleep(0.1)
+
+    result = {"mode": mode, "prompt": None, "turns": []}
+    result["prompt"] = run(PROMPT)
+    history: list[int] = []
+    for i, user in enumerate(TURN_INPUTS, start=1):
+        history = history + user
+        generated, cached = run(history, session_id="agent-1")
+        result["turns"].append([generated, cached])
+        history = history + generated
+        settled(i)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
