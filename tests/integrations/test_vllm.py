@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,23 @@ def _engine(mode: str, out: Path, url: str | None = None) -> dict:
     # memkv cluster that guess got the worker killed. 1 GiB is plenty here.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     args = [str(VLLM_PY), str(ENGINE), mode, str(_model()), str(out)] + ([url] if url else [])
-    done = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
+    # Its own process group: the engine spawns its core and workers, and a run that
+    # overstays is stopped with all of them (killing only the parent orphans them).
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, stderr[-4000:]
     return json.loads(out.read_text())
 
 
