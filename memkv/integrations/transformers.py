@@ -198,6 +198,13 @@ def layout_for(
 ) -> KVLayout:
     """The :class:`KVLayout` of a Llama-family model's cache.
 
+    Precision (the deployment's ``device.precision``, by default): blocks of a
+    session's first turn stay in the model's dtype wherever they go; blocks of
+    later turns are stored as float16 once demoted from the hot tier
+    (``later_dtype``), and long-idle unshared blocks as int8. An fp32 session
+    that must stay exact is created with ``exact_only=True``; every restored
+    block says whether it is exact (``Block.exact``, ``Block.lossy``).
+
     Args:
         model_or_config: a transformers model (``AutoModelForCausalLM``) or its config.
         model_id: the name blocks are fingerprinted with: use one per set of
@@ -385,6 +392,13 @@ def save_turn(
     Only blocks the server does not hold yet travel (the client skips the
     stored part of the chain), and a retried turn is a no-op.
 
+    Precision (the deployment's ``device.precision``, by default): blocks of a
+    session's first turn stay in the model's dtype wherever they go; blocks of
+    later turns are stored as float16 once demoted from the hot tier
+    (``later_dtype``), and long-idle unshared blocks as int8. An fp32 session
+    that must stay exact is created with ``exact_only=True``; every restored
+    block says whether it is exact (``Block.exact``, ``Block.lossy``).
+
     Args:
         client: a memkv client.
         session_id: an existing session.
@@ -466,6 +480,13 @@ def restore(
     a longer prefix stored by other sessions (e.g. a shared system prompt for
     a new session). The cache is cropped so that at least one input token is
     left to prefill.
+
+    Precision (the deployment's ``device.precision``, by default): blocks of a
+    session's first turn stay in the model's dtype wherever they go; blocks of
+    later turns are stored as float16 once demoted from the hot tier
+    (``later_dtype``), and long-idle unshared blocks as int8. An fp32 session
+    that must stay exact is created with ``exact_only=True``; every restored
+    block says whether it is exact (``Block.exact``, ``Block.lossy``).
 
     Args:
         client: a memkv client.

@@ -130,6 +130,9 @@ class ChainUpdate:
             replaced (the codec policy stores often rewritten tails uncompressed).
         exact_only: the session's blocks never take a lossy step (no fp16 of an
             fp32 block, no int8, no lossy cold codec) while it holds them.
+        turn: the index of the turn this append creates (0 = the session's
+            first): blocks it creates keep it (the precision policy keeps
+            first-round blocks in the model's dtype).
     """
 
     layout: KVLayout
@@ -143,3 +146,4 @@ class ChainUpdate:
     kept: tuple[bytes, ...]
     tail_rewrites: int = 0
     exact_only: bool = False
+    turn: int = 0

@@ -90,6 +90,7 @@ class _Block:
     in_cold: bool = False
     cold_codec: str | None = None
     rounds: int = 0  # turns (puts) that included the block after the one that created it
+    turn_created: int = 0  # the turn of its session that produced it (0 = first round)
     prefetched: bool = False  # brought to hot by prefetch and not read since
     # For a partial tail: how often its session's tail had been rewritten when
     # it was written (partial tails are replaced every turn; see _ensure_cold).
@@ -602,6 +603,7 @@ class BlockPool:
                     priority=update.priority,
                     last_access=now,
                     crc32=None if checksums is None else checksums[i - start_block],
+                    turn_created=update.turn,
                 )
                 self._blocks[key] = entry
                 created.append(key)
@@ -1094,7 +1096,7 @@ class BlockPool:
         if isinstance(block, QuantizedBlock) or entry.exact_only:
             return block  # already int8 (nothing more to lose), or no lossy step allowed
         choice = self._precision_for(entry.layout).choose(
-            turn=entry.rounds,
+            turn=entry.turn_created,
             refcount=entry.refcount,
             idle_seconds=max(0.0, now - entry.last_access),
         )

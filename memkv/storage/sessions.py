@@ -318,6 +318,7 @@ class SessionTable:
             kept=tuple(k for k in unique if k in old),
             tail_rewrites=tail_rewrites,
             exact_only=record.exact_only,
+            turn=record.turn,
         )
 
     def commit_append(self, session_id: str, update: ChainUpdate) -> SessionRecord:

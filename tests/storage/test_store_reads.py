@@ -203,3 +203,22 @@ def test_an_exact_only_session_never_takes_a_lossy_step(tmp_path):
     for fetched, block in zip(s.iter_session("exact"), expected, strict=True):
         assert fetched.exact and torch.equal(fetched.block, block)
     s.close()
+
+
+def test_first_round_blocks_keep_the_model_dtype_when_demoted_later(tmp_path):
+    layout = KVLayout("rounds-model", 2, 2, 8, dtype="float32", block_tokens=4)
+    s = make_store(tmp_path, hot_capacity_bytes=UNIT, warm_capacity_bytes=4 * UNIT)
+    s.create_session("s", layout)
+    keys, values = kv(8, layout)
+    s.put_kv("s", list(range(4)), [k[:, :4] for k in keys], [v[:, :4] for v in values])
+    s.put_kv("s", list(range(8)), keys, values)  # turn 2: block 0 kept, block 1 new
+    first, second = s.session("s").chain
+    s.create_session("push", layout, namespace="o")
+    s.put_kv("push", list(range(16)), *kv(16, layout, seed=5))  # both go warm
+    assert s.pool._warm.stored_dtype(first) == torch.float32  # turn 0: the model's dtype
+    assert s.pool._warm.stored_dtype(second) == torch.float16  # a later round: fp16
+    blocks = split_kv(layout, keys, values)
+    got = list(s.iter_session("s"))
+    assert got[0].exact and torch.equal(got[0].block, blocks[0])
+    assert not got[1].exact and got[1].lossy == "float16"
+    s.close()
