@@ -214,9 +214,38 @@ class KVLayout:
     def from_model_config(
         cls, config: Any, *, model_id: str, dtype: StorageDType = "float16", block_tokens: int = 256
     ) -> KVLayout:
-        """The layout of a transformers Llama-family model config."""
+        """The layout of a transformers model config (Llama-family attention and its kin).
+
+        KV heads: ``num_key_value_heads``; Falcon's ``num_kv_heads``, and one
+        head for multi-query models (Falcon without its new decoder
+        architecture, GPT-BigCode); else one per attention head.
+
+        Raises:
+            LayoutMismatchError: a cache whose K and V have different widths
+                (DeepSeek-style multi-head latent attention): memkv's blocks
+                hold K and V of one width.
+        """
         heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        k_width = (getattr(config, "qk_nope_head_dim", None) or 0) + (
+            getattr(config, "qk_rope_head_dim", None) or 0
+        )
+        v_width = getattr(config, "v_head_dim", None)
+        if v_width is not None and k_width and k_width != v_width:
+            raise LayoutMismatchError(
+                f"{type(config).__name__}: its cache's keys are {k_width} wide and its values "
+                f"{v_width} (multi-head latent attention); memkv's blocks hold keys and values "
+                f"of one width, so this model's KV cannot be stored"
+            )
+        multi_query = bool(getattr(config, "multi_query", False)) and not bool(
+            getattr(config, "new_decoder_architecture", False)
+        )
+        kv_heads = (
+            1
+            if multi_query
+            else getattr(config, "num_key_value_heads", None)
+            or getattr(config, "num_kv_heads", None)
+            or heads
+        )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
             model_id=model_id,

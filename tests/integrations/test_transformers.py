@@ -422,3 +422,23 @@ def test_kv_to_cache_adopts_fresh_tensors_only_when_asked(model):
     adopted.update(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8), 0)
     assert adopted.get_seq_length() == 8
     assert all(torch.equal(k, b) for k, b in zip(keys, before, strict=True))
+
+
+def test_layouts_of_multi_query_and_latent_attention_models():
+    from transformers import DeepseekV3Config, FalconConfig, GPTBigCodeConfig
+
+    from memkv.errors import LayoutMismatchError
+    from memkv.integrations.transformers import layout_for
+
+    mqa = layout_for(FalconConfig(multi_query=True), model_id="f", dtype="float32")
+    assert mqa.num_kv_heads == 1 and mqa.head_dim == 64
+    gqa = layout_for(
+        FalconConfig(new_decoder_architecture=True, num_kv_heads=4), model_id="f", dtype="float32"
+    )
+    assert gqa.num_kv_heads == 4
+    assert (
+        layout_for(GPTBigCodeConfig(multi_query=True), model_id="g", dtype="float32").num_kv_heads
+        == 1
+    )
+    with pytest.raises(LayoutMismatchError, match="keys are 192 wide and its values 128"):
+        layout_for(DeepseekV3Config(), model_id="d", dtype="bfloat16")
