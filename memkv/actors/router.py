@@ -42,6 +42,7 @@ from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ReadRoute
 from memkv.storage.block_pool import Holder
 from memkv.storage.journal import Journal
+from memkv.storage.sessions import SessionRecord
 
 __all__ = ["RouterState", "SessionRouter", "SessionRouterActor"]
 
@@ -569,15 +570,8 @@ class SessionRouter:
             if not record.chain:
                 self.state.move(record.session_id, target)
                 continue
-            counts = block_token_count(record.layout, record.tokens)
             try:
-                await self._devices[target].adopt.remote(
-                    record.layout,
-                    list(record.chain),
-                    counts,
-                    record.priority.value,
-                    record.exact_only,
-                )
+                await _adopt(self._devices[target], record)
             except BlockLostError as e:
                 self.state.mark_lost(
                     record.session_id,
@@ -685,15 +679,8 @@ class SessionRouter:
         for record in self.state.sessions_on(device_id):
             if record.lost or not record.chain:
                 continue
-            counts = block_token_count(record.layout, record.tokens)
             try:
-                await device.adopt.remote(
-                    record.layout,
-                    list(record.chain),
-                    counts,
-                    record.priority.value,
-                    record.exact_only,
-                )
+                await _adopt(device, record)
             except BlockLostError as e:
                 reason = (
                     f"device {device_id} restarted before all of the session's blocks reached "
@@ -737,6 +724,17 @@ class SessionRouter:
                 logger.info("background prefetch skipped %s: %s", device_id, e)
         self.background_prefetched += moved
         return moved
+
+
+async def _adopt(device: Any, record: SessionRecord) -> None:
+    """Have ``device`` hold ``record``'s archived chain (BlockLostError: not all archived)."""
+    await device.adopt.remote(
+        record.layout,
+        list(record.chain),
+        block_token_count(record.layout, record.tokens),
+        record.priority.value,
+        record.exact_only,
+    )
 
 
 #: The actor: async, so slow device calls of one session do not block others.

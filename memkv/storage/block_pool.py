@@ -407,25 +407,7 @@ class BlockPool:
                     f"{len(missing)} of {len(keys)} blocks are in no tier "
                     f"(first missing {bytes(missing[0]).hex()})"
                 )
-            now = self._clock()
-            seen: set[BlockHash] = set()
-            for i, key in enumerate(keys):
-                if key in seen:
-                    continue
-                seen.add(key)
-                entry = self._blocks.get(key)
-                if entry is None:
-                    entry = _Block(
-                        key,
-                        keys[i - 1] if i else None,
-                        layout,
-                        tokens[i],
-                        priority,
-                        last_access=now,
-                        in_cold=True,
-                    )
-                    self._blocks[key] = entry
-                self._hold(entry, priority, False, now, exact_only)
+            self._hold_chain(layout, keys, tokens, priority, False, exact_only, self._clock())
             self._debug_check()
 
     def resync(self, holders: Sequence[Holder]) -> list[int]:
@@ -458,24 +440,15 @@ class BlockPool:
                 if any(k in missing for k in chain):
                     lost.append(i)
                     continue
-                seen: set[BlockHash] = set()
-                for j, key in enumerate(chain):
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    held = self._blocks.get(key)
-                    if held is None:
-                        held = _Block(
-                            key,
-                            chain[j - 1] if j else None,
-                            holder.layout,
-                            holder.tokens[j],
-                            holder.priority,
-                            last_access=now,
-                            in_cold=True,
-                        )
-                        self._blocks[key] = held
-                    self._hold(held, holder.priority, holder.active, now, holder.exact_only)
+                self._hold_chain(
+                    holder.layout,
+                    chain,
+                    holder.tokens,
+                    holder.priority,
+                    holder.active,
+                    holder.exact_only,
+                    now,
+                )
             for key in [k for k, e in self._blocks.items() if e.refcount == 0 and e.pins == 0]:
                 self._free(self._blocks[key])
             self._debug_check()
@@ -950,6 +923,37 @@ class BlockPool:
             policy = PrecisionPolicy(self.config.precision, layout.dtype)
             self._precision[layout.dtype] = policy
         return policy
+
+    def _hold_chain(
+        self,
+        layout: KVLayout,
+        chain: Sequence[BlockHash],
+        tokens: Sequence[int],
+        priority: Priority,
+        active: bool,
+        exact_only: bool,
+        now: float,
+    ) -> None:
+        """One holder's reference to each block of ``chain``; blocks not in memory get
+        cold-only entries (the caller made sure the cold tier has them)."""
+        seen: set[BlockHash] = set()
+        for i, key in enumerate(chain):
+            if key in seen:
+                continue
+            seen.add(key)
+            entry = self._blocks.get(key)
+            if entry is None:
+                entry = _Block(
+                    key,
+                    chain[i - 1] if i else None,
+                    layout,
+                    tokens[i],
+                    priority,
+                    last_access=now,
+                    in_cold=True,
+                )
+                self._blocks[key] = entry
+            self._hold(entry, priority, active, now, exact_only)
 
     def _hold(
         self, entry: _Block, priority: Priority, active: bool, now: float, exact_only: bool = False

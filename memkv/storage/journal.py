@@ -30,6 +30,7 @@ import msgpack
 
 from memkv.errors import CorruptDataError
 from memkv.protocol.checksum import crc32
+from memkv.storage.segments import fsync_dir
 
 __all__ = ["Journal"]
 
@@ -99,7 +100,7 @@ class Journal:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._snapshot_path)
-        _fsync_dir(self._dir)
+        fsync_dir(self._dir)
         with self._lock:
             os.ftruncate(self._fd, 0)
             os.fsync(self._fd)
@@ -159,10 +160,3 @@ def _decode(data: bytes) -> tuple[list[dict[str, Any]], int]:
         pos = end
     return out, pos
 
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -357,7 +357,7 @@ def _pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> None:
             pending[0] = pending[0][written:]
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     # A new or removed file name is durable only once its directory is fsynced.
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -755,7 +755,7 @@ class SegmentStore:
 
     def _sync_dir_if_dirty(self) -> None:
         if self._dir_dirty:
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
             self._dir_dirty = False
 
     # ------------------------------------------------------------------ public API
@@ -949,7 +949,7 @@ class SegmentStore:
             for seg in alone:
                 self._remove_segments([seg])
             if alone:
-                _fsync_dir(self._dir)
+                fsync_dir(self._dir)
             copied = dropped = corrupt = 0
             groups = self._group(rewrite)
             for group in groups:
@@ -1024,7 +1024,7 @@ class SegmentStore:
             os.close(fd)
             temp.unlink(missing_ok=True)
             raise
-        _fsync_dir(self._dir)
+        fsync_dir(self._dir)
         # The output is durable: switch the index over, then remove the inputs.
         out = _Segment(number=number, path=final, fd=fd, size=pos)
         out.dead_bytes = len(manifest) + len(manifest_payload)
@@ -1040,7 +1040,7 @@ class SegmentStore:
             (self._index if old.kind is RecordKind.PUT else self._tombs).pop(key)
             self._apply(key, new)
         self._remove_segments(group)
-        _fsync_dir(self._dir)
+        fsync_dir(self._dir)
         return len(placed), len(dropped), corrupt
 
     def _copy_record(self, fd: int, number: int, pos: int, key: bytes, old: _Entry) -> _Entry:

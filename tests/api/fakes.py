@@ -48,3 +48,29 @@ class FakeHandle:
 
 class FakeDevice(FakeHandle):
     """A DeviceCache behind a handle face (its ``ray.put``-returning method mapped)."""
+
+
+def device_and_router(directory: Any, name: str, *, unit: int = 4096, blocks: int = 8) -> Any:
+    """A real DeviceCache (tiers of ``blocks`` units) registered with a real SessionRouter.
+
+    Returns ``(device, router, loop)``: the router behind a FakeHandle goes to
+    ``create_app``; close the device and the loop when done.
+    """
+    import asyncio
+
+    from memkv.actors.device import DeviceCache
+    from memkv.actors.router import SessionRouter
+    from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
+
+    cfg = StoreConfig(
+        hot_capacity_bytes=blocks * unit,
+        warm_capacity_bytes=blocks * unit,
+        allocator=AllocatorConfig(min_unit_bytes=unit),
+        archive=ArchiveConfig(directory=directory, fsync="never"),
+        debug_refcounts=True,
+    )
+    device = DeviceCache(name, cfg)
+    router = SessionRouter(background_prefetch_interval_s=3600)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(router.register_device("dev-0", FakeHandle(device)))
+    return device, router, loop

@@ -4,15 +4,12 @@ The real router and device classes behind fake handles, a real uvicorn and the
 real client; every request goes over 127.0.0.1.
 """
 
-import asyncio
 import time
 
 import httpx
 import pytest
 import torch
 
-from memkv.actors.device import DeviceCache
-from memkv.actors.router import SessionRouter
 from memkv.api.app import create_app
 from memkv.api.auth import (
     Authenticator,
@@ -32,10 +29,9 @@ from memkv.errors import (
     UnknownBlockError,
     UnknownSessionError,
 )
-from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
 
-from .fakes import FakeHandle
+from .fakes import FakeHandle, device_and_router
 from .test_gateway_fakes import _Server
 
 LAYOUT = KVLayout("auth-model", 2, 2, 8, block_tokens=4)
@@ -61,17 +57,9 @@ TOKENS = {
 
 @pytest.fixture
 def gateway(tmp_path):
-    cfg = StoreConfig(
-        hot_capacity_bytes=8 * UNIT,
-        warm_capacity_bytes=8 * UNIT,
-        allocator=AllocatorConfig(min_unit_bytes=UNIT),
-        archive=ArchiveConfig(directory=tmp_path / "cold", fsync="never"),
-        debug_refcounts=True,
+    device, router, loop = device_and_router(
+        tmp_path / "cold", f"auth-dev-{tmp_path.name[-10:]}", unit=UNIT
     )
-    device = DeviceCache(f"auth-dev-{tmp_path.name[-10:]}", cfg)
-    router = SessionRouter(background_prefetch_interval_s=3600)
-    loop = asyncio.new_event_loop()
-    loop.run_until_complete(router.register_device("dev-0", FakeHandle(device)))
     auth = Authenticator(
         [entry for _, entry in TOKENS.values()],
         open_metrics=False,

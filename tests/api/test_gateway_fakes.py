@@ -11,15 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from memkv.actors.device import DeviceCache
-from memkv.actors.router import SessionRouter
 from memkv.api.app import create_app
 from memkv.client import Client
 from memkv.errors import ConflictError, InvalidInputError, UnknownSessionError
-from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
 
-from .fakes import FakeHandle
+from .fakes import FakeHandle, device_and_router
 
 LAYOUT = KVLayout("fake-model", 2, 2, 8, block_tokens=4)
 UNIT = 4096
@@ -61,17 +58,9 @@ class _Server:
 
 @pytest.fixture(params=[False, True], ids=["in-cluster", "same-node"])
 def gateway(request, tmp_path):
-    cfg = StoreConfig(
-        hot_capacity_bytes=4 * UNIT,
-        warm_capacity_bytes=4 * UNIT,
-        allocator=AllocatorConfig(min_unit_bytes=UNIT),
-        archive=ArchiveConfig(directory=tmp_path / "cold", fsync="never"),
-        debug_refcounts=True,
+    device, router, loop = device_and_router(
+        tmp_path / "cold", f"fake-dev-{request.node.name[-12:]}", unit=UNIT, blocks=4
     )
-    device = DeviceCache(f"fake-dev-{request.node.name[-12:]}", cfg)
-    router = SessionRouter(background_prefetch_interval_s=3600)
-    loop = asyncio.new_event_loop()
-    loop.run_until_complete(router.register_device("dev-0", FakeHandle(device)))
     app = create_app(
         FakeHandle(router),
         max_body_bytes=1 << 20,

@@ -15,20 +15,16 @@ still checked for status and form. tests/reliability/test_fuzz.py fuzzes the
 frames themselves.
 """
 
-import asyncio
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from memkv.actors.device import DeviceCache
-from memkv.actors.router import SessionRouter
 from memkv.api.app import create_app
 from memkv.api.auth import Authenticator, TokenEntry, hash_token
-from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 
-from .fakes import FakeHandle
+from .fakes import FakeHandle, device_and_router
 
 SCHEMA_CANNOT_SAY = {
     ("POST", "/v1/sessions"),
@@ -46,17 +42,7 @@ def _frames(ctx, value):  # binary bodies go as they were generated
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openapi")
-    cfg = StoreConfig(
-        hot_capacity_bytes=8 * 4096,
-        warm_capacity_bytes=8 * 4096,
-        allocator=AllocatorConfig(min_unit_bytes=4096),
-        archive=ArchiveConfig(directory=tmp / "cold", fsync="never"),
-    )
-    device = DeviceCache(f"openapi-{tmp.name[-8:]}", cfg)
-    router = SessionRouter(background_prefetch_interval_s=3600)
-    asyncio.new_event_loop().run_until_complete(
-        router.register_device("dev-0", FakeHandle(device))
-    )
+    device, router, loop = device_and_router(tmp / "cold", f"openapi-{tmp.name[-8:]}")
     auth = Authenticator([TokenEntry(hash_token("t"), "acme", frozenset({"write", "admin"}))])
     app = create_app(
         FakeHandle(router),
@@ -68,6 +54,7 @@ def api(tmp_path_factory):
     )
     yield schemathesis.openapi.from_asgi("/openapi.json", app)
     device.close()
+    loop.close()
 
 
 def _fuzz(op):
