@@ -13,9 +13,12 @@ that other sessions of the namespace stored (a shared system prompt) — and how
 many tokens it covers. It always leaves at least one input token to prefill,
 since the model needs that token's logits to produce the next one.
 
-Works for any Llama-family causal LM (one full-attention KV per layer, as
-``LlamaForCausalLM``, Mistral without a sliding window, Qwen2 …): sizes come
-from the model's config, never from constants here.
+Works for causal LMs with one K and one V of equal width per layer and token
+(Llama, Qwen2, Mistral, Phi3, Gemma2/3, GPT-NeoX, OPT, Falcon and GPT-BigCode
+multi-query …; tested in ``tests/integrations/test_model_matrix.py``): sizes
+come from the model's config, never from constants here. Sliding-window layers
+are kept whole (every token's KV), since KV is only ever stored under the
+tokens it was computed from; the model's attention mask applies the window.
 
 The client is anything with the methods of :class:`KVClient` (the HTTP
 :class:`memkv.client.Client` has them), so this module needs no server to test.
@@ -256,9 +259,10 @@ def cache_to_kv(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Ten
 
     Raises:
         InvalidInputError: the cache has no layers, or a layer is still empty.
-        LayoutMismatchError: a batch size other than 1, or layers that hold
-            different token counts (e.g. a sliding-window layer that dropped
-            old tokens: memkv stores every token's KV).
+        LayoutMismatchError: a batch size other than 1, a sliding-window
+            layer that dropped its oldest tokens (memkv stores every token's
+            KV: the message says how to keep them), or layers that hold
+            different token counts.
     """
     layers = list(getattr(cache, "layers", ()))
     if not layers:
@@ -276,6 +280,7 @@ def cache_to_kv(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Ten
                 f"cache layer {i}: expected K and V of shape [1, kv_heads, tokens, head_dim] "
                 f"(one sequence), got {tuple(k.shape)} and {tuple(v.shape)}"
             )
+        _check_kept_every_token(layer, i, int(k.shape[_TOKEN_AXIS]))
         keys.append(k[0])
         values.append(v[0])
     tokens = {int(k.shape[_TOKEN_AXIS]) for k in keys}
@@ -285,6 +290,28 @@ def cache_to_kv(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Ten
             f"whose every layer keeps every token (no sliding-window layers)"
         )
     return keys, values
+
+
+def _check_kept_every_token(layer: Any, index: int, kept: int) -> None:
+    """Refuse a layer that dropped its oldest tokens (a sliding-window cache layer).
+
+    What such a layer holds is the KV of the *last* tokens; storing it under
+    the hashes of the first ones would serve wrong KV later. The remedy is a
+    cache that keeps every token, which gives the same output: the attention
+    mask, not the cache, applies the window.
+    """
+    seen = getattr(layer, "cumulative_length", None)
+    if isinstance(seen, torch.Tensor):
+        seen = int(seen)
+    if isinstance(seen, int) and seen > kept:
+        raise LayoutMismatchError(
+            f"cache layer {index} ({type(layer).__name__}) kept the KV of only its last {kept} "
+            f"of {seen} tokens (a sliding window); memkv stores a token's KV only under that "
+            f"token, so it needs a cache that keeps every token: give the model a "
+            f"DynamicCache() with no config as its cache (every layer then keeps every token, "
+            f"and the attention mask still applies the window, so the output is the same), "
+            f"or decode with memkv's greedy_decode, which does that"
+        )
 
 
 def kv_to_cache(
@@ -298,15 +325,21 @@ def kv_to_cache(
 ) -> DynamicCache:
     """A ``DynamicCache`` holding per-layer K and V (a copy of them, unless ``adopt``).
 
+    Every layer of the cache is a full-attention ``DynamicLayer``, whatever the
+    model's layer types: a sliding-window layer built from the config would
+    drop the oldest tokens at the next step, and the session's next
+    :func:`save_turn` needs every token's KV. The model's output is the same
+    (its attention mask applies the window), at the memory cost of keeping
+    the whole context in those layers.
+
     Args:
         keys: one ``[kv_heads, tokens, head_dim]`` (or ``[1, ...]``) tensor per layer.
         values: likewise.
-        config: the model's config, so the cache gets the model's layer types;
-            its layer count must match.
+        config: the model's config; its layer count must match.
         dtype: convert to this dtype (the model's), refusing values it cannot hold.
         device: move to this device (the model's).
-        adopt: the cache may keep the given tensors themselves (full-attention
-            layers; the caller hands them over and does not change them after).
+        adopt: the cache may keep the given tensors themselves (the caller
+            hands them over and does not change them after).
 
     Returns:
         The cache, of batch size 1.
@@ -327,7 +360,7 @@ def kv_to_cache(
             raise LayoutMismatchError(
                 f"the config has {layers} layers, got KV for {len(keys)} layers"
             )
-    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    cache = DynamicCache()
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
         k4, v4 = _batched(k, "keys", i), _batched(v, "values", i)
         if k4.shape != v4.shape:
@@ -338,28 +371,16 @@ def kv_to_cache(
             k4, v4 = convert(k4, dtype), convert(v4, dtype)
         if device is not None:
             k4, v4 = k4.to(device), v4.to(device)
-        if not (adopt and _adopt_layer(cache, i, k4, v4)):
+        if adopt:
+            # ``update`` would concatenate onto an empty tensor: a copy of the
+            # whole cache for nothing.
+            layer = DynamicLayer()
+            layer.lazy_initialization(k4, v4)
+            layer.keys, layer.values = k4, v4
+            cache.layers.append(layer)
+        else:
             cache.update(k4, v4, i)
     return cache
-
-
-def _adopt_layer(cache: DynamicCache, i: int, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Make ``keys``/``values`` layer ``i``'s tensors without a copy, where that is safe.
-
-    Only a plain, empty full-attention layer qualifies (its ``update``
-    concatenates onto an empty tensor: a copy of the whole cache for nothing);
-    sliding-window and other layer kinds go through ``update``. False when
-    the layer is not adopted.
-    """
-    layers = getattr(cache, "layers", None)
-    if layers is None or i >= len(layers) or type(layers[i]) is not DynamicLayer:
-        return False
-    layer = layers[i]
-    if getattr(layer, "is_initialized", True):
-        return False
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
-    return True
 
 
 def _batched(t: torch.Tensor, what: str, layer: int) -> torch.Tensor:
