@@ -33,14 +33,15 @@ $(STAMP): pyproject.toml
 
 vllm-venv: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml
+# memkv goes in with its own dependencies (none pins transformers); its Ray must be the
+# very version of memkv's venv, since the in-cluster connector joins that venv's clusters.
+$(VLLM_STAMP): pyproject.toml $(STAMP)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check '$(VLLM_SPEC)' 'transformers<5.20'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# memkv's client side only (the connector speaks HTTP to a gateway)
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check msgpack isal httpx
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -e . \
+		"ray[default]==$$($(PY) -c 'import ray; print(ray.__version__)')"
 	touch $(VLLM_STAMP)
 
 lint: $(STAMP)

@@ -3,8 +3,9 @@
 >>> import memkv.cluster
 >>> cluster = memkv.cluster.connect()          # doctest: +SKIP  (embedded local Ray)
 >>> cluster = memkv.cluster.connect("auto")    # doctest: +SKIP  (join a running cluster)
+>>> cluster = memkv.cluster.attach("auto")     # doctest: +SKIP  (a client: creates nothing)
 """
 
-from memkv.cluster.connect import LOOPBACK_ENV, MemkvCluster, connect
+from memkv.cluster.connect import LOOPBACK_ENV, MemkvCluster, attach, connect
 
-__all__ = ["LOOPBACK_ENV", "MemkvCluster", "connect"]
+__all__ = ["LOOPBACK_ENV", "MemkvCluster", "attach", "connect"]

@@ -34,11 +34,12 @@ from memkv.actors.payload import (
 )
 from memkv.actors.router import SessionRouterActor
 from memkv.config import MemkvConfig, load_config
-from memkv.errors import ConfigError, InvalidInputError
+from memkv.errors import ConfigError, InvalidInputError, UnknownBlockError, WrongNodeError
 from memkv.protocol.hashing import chain_hashes
+from memkv.same_node import SameNodeReader
 from memkv.storage.layout import KVLayout, split_kv
 
-__all__ = ["LOOPBACK_ENV", "MemkvCluster", "connect"]
+__all__ = ["LOOPBACK_ENV", "MemkvCluster", "attach", "connect"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class MemkvCluster:
         self._owned = owned
         self._started_ray = started_ray
         self._closed = False
+        self._readers: dict[str, SameNodeReader] = {}
+        self._remote_devices: set[str] = set()  # devices of other nodes: no same-node reads
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -213,6 +216,57 @@ class MemkvCluster:
                 attempt += 1
                 ray.get(self.router.device_failed.remote(device_id))
 
+    def match_prefix(
+        self, layout: KVLayout, namespace: str, token_ids: Sequence[int]
+    ) -> tuple[int, list[bytes]]:
+        """Leading tokens of ``token_ids`` that sessions of ``namespace`` cached, and their keys."""
+        tokens = [int(t) for t in token_ids]
+        result = ray.get(self.router.match_prefix.remote(layout.to_dict(), namespace, tokens))
+        return int(result["tokens"]), [bytes(k) for k in result["blocks"]]
+
+    def blocks_by_key(
+        self, keys: Sequence[bytes], namespace: str, *, same_node: bool = False
+    ) -> list[BlockPayload]:
+        """Blocks of ``namespace`` by key, in the order asked, from whichever devices hold them.
+
+        ``same_node``: blocks on a device of this node are copied out of its
+        shared memory under a lease (checksum checked) instead of through the
+        object store; the device must allow it (``device.same_node_reads``),
+        else it plans nothing and the blocks come in-cluster.
+
+        Raises:
+            UnknownBlockError: a key that no device of the namespace holds.
+        """
+        wanted = [bytes(k) for k in keys]
+        groups = ray.get(self.router.locate_blocks.remote(wanted, namespace))
+        found: dict[bytes, BlockPayload] = {}
+        for device_id, device, group in groups:
+            if same_node and device_id not in self._remote_devices:
+                try:
+                    copies = self._reader(device_id, device).read(group)
+                except WrongNodeError:
+                    self._remote_devices.add(device_id)
+                    copies = []
+                for c in copies:
+                    found[c.key] = BlockPayload(c.key, c.dtype, c.array, c.found, c.exact, c.lossy)
+            for payload in ray.get(device.get_blocks.remote([k for k in group if k not in found])):
+                found[payload.key] = payload
+        missing = [k for k in wanted if k not in found]
+        if missing:
+            raise UnknownBlockError(
+                f"{len(missing)} of {len(wanted)} blocks are not held in namespace "
+                f"{namespace!r} (first {missing[0].hex()})"
+            )
+        return [found[k] for k in wanted]
+
+    def _reader(self, device_id: str, device: Any) -> SameNodeReader:
+        """One reader per device: its segment mappings are kept between reads."""
+        reader = self._readers.get(device_id)
+        if reader is None:
+            node_id = ray.get_runtime_context().get_node_id()
+            reader = self._readers[device_id] = SameNodeReader(device, node_id=node_id)
+        return reader
+
     def suspend(self, session_id: str, *, offline: bool = False) -> dict[str, Any]:
         return dict(ray.get(self.router.suspend.remote(session_id, offline)))
 
@@ -236,6 +290,7 @@ class MemkvCluster:
         if self._closed:
             return
         self._closed = True
+        self._close_readers()
         if ray.is_initialized():
             ray.shutdown()
 
@@ -248,6 +303,7 @@ class MemkvCluster:
         if self._closed:
             return
         self._closed = True
+        self._close_readers()
         # Close first: devices unlink their shared-memory warm pools and the
         # archive flushes; ray.kill alone would leave both behind.
         closing = [h.close.remote() for h in self._owned if h is not self.router]
@@ -262,6 +318,11 @@ class MemkvCluster:
                 pass
         if self._started_ray:
             ray.shutdown()
+
+    def _close_readers(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
 
     def __enter__(self) -> MemkvCluster:
         return self
@@ -284,6 +345,38 @@ def _pipelined(device: Any, keys: list[bytes], stream: str) -> Iterator[BlockPay
             yield from ray.get(ray.get(in_flight.popleft()))
     while in_flight:
         yield from ray.get(ray.get(in_flight.popleft()))
+
+
+def attach(address: str, *, namespace: str | None = None) -> MemkvCluster:
+    """Join a running memkv cluster as a client: find its actors, create none.
+
+    For processes that use a cluster someone else runs (an inference engine's
+    connector, tools): unlike :func:`connect`, nothing is started or
+    registered, and ``shutdown()`` only disconnects.
+
+    Args:
+        address: the Ray address (``"auto"``, ``"host:6379"``, ``"ray://host:10001"``).
+        namespace: the Ray namespace memkv's actors live in (default: the
+            config's ``cluster.namespace``).
+
+    Raises:
+        ConfigError: no memkv router runs in that namespace.
+    """
+    cfg = load_config()
+    ns = namespace or cfg.cluster.namespace
+    if not ray.is_initialized():
+        for name, value in LOOPBACK_ENV.items():
+            os.environ.setdefault(name, value)
+        ray.init(address=address, namespace=ns, logging_level=logging.WARNING)
+    try:
+        router = ray.get_actor(cfg.cluster.router_name, namespace=ns)
+    except ValueError as e:
+        raise ConfigError(
+            f"no memkv router {cfg.cluster.router_name!r} in Ray namespace {ns!r} at {address}: "
+            f"start memkv there first (memkv up), or name its namespace"
+        ) from e
+    devices = dict(ray.get(router.devices.remote()))
+    return MemkvCluster(cfg, router, devices, {}, owned=[], started_ray=False)
 
 
 def connect(

@@ -166,3 +166,36 @@ def test_background_prefetch_brings_back_idle_sessions_while_hot_is_underused(cl
         assert moved >= 4 and tiers == ["hot"] * 4
     else:  # busy: background prefetch must not compete with foreground work
         assert tiers == ["cold"] * 4
+
+
+def test_prefix_match_and_reads_by_key_in_cluster_and_from_shared_memory(cluster):
+    """What an engine inside the cluster uses (the vLLM connector's cluster transport)."""
+    from memkv.actors.payload import from_payload
+    from memkv.errors import UnknownBlockError
+
+    sid, tokens, blocks = new_session(cluster, 12, seed=300, namespace="by-key")
+    matched, keys = cluster.match_prefix(LAYOUT, "by-key", tokens + [1, 2, 3])
+    assert matched == 12 and len(keys) == 3
+    assert cluster.match_prefix(LAYOUT, "other", tokens) == (0, [])
+    device = cluster.devices[cluster.device_of(sid)]
+    granted = ray.get(device.stats.remote())["leases"]["granted"]
+    for same_node in (False, True):
+        got = cluster.blocks_by_key(list(reversed(keys)), "by-key", same_node=same_node)
+        assert [p.key for p in got] == list(reversed(keys))
+        assert same([from_payload(p) for p in reversed(got)], blocks)
+    # The same-node read went through one lease (hot blocks sit in shared memory).
+    assert ray.get(device.stats.remote())["leases"]["granted"] == granted + 1
+    # Blocks of another namespace are not found, whoever holds them.
+    with pytest.raises(UnknownBlockError, match="no session holds block"):
+        cluster.blocks_by_key(keys[:1], "other")
+
+
+def test_attach_finds_the_running_cluster_and_creates_nothing(cluster):
+    from memkv.cluster import attach
+    from memkv.errors import ConfigError
+
+    joined = attach("auto", namespace=cluster.config.cluster.namespace)
+    assert set(joined.devices) == set(cluster.devices)
+    assert joined.match_prefix(LAYOUT, "nobody", [1, 2, 3, 4]) == (0, [])
+    with pytest.raises(ConfigError, match="no memkv router"):
+        attach("auto", namespace="no-memkv-here")

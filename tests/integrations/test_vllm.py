@@ -46,11 +46,13 @@ def _model() -> Path:
     return MODEL_CACHE
 
 
-def _engine(mode: str, out: Path, url: str | None = None) -> dict:
+def _engine(mode: str, out: Path, connector: dict | None = None) -> dict:
     # The CPU backend sizes its KV cache from free memory unless told; beside a
     # memkv cluster that guess got the worker killed. 1 GiB is plenty here.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    args = [str(VLLM_PY), str(ENGINE), mode, str(_model()), str(out)] + ([url] if url else [])
+    args = [str(VLLM_PY), str(ENGINE), mode, str(_model()), str(out)]
+    if connector is not None:
+        args.append(json.dumps(connector))
     # Its own process group: the engine spawns its core and workers, and a run that
     # overstays is stopped with all of them (killing only the parent orphans them).
     proc = subprocess.Popen(
@@ -71,20 +73,51 @@ def _engine(mode: str, out: Path, url: str | None = None) -> dict:
     return json.loads(out.read_text())
 
 
-def test_vllm_loads_prefixes_and_agent_turns_from_memkv_with_identical_output(gateway, tmp_path):
-    baseline = _engine("baseline", tmp_path / "baseline.json")
-    first = _engine("memkv", tmp_path / "first.json", gateway.url)
-    second = _engine("memkv", tmp_path / "second.json", gateway.url)  # a fresh engine process
-    outage = _engine("outage", tmp_path / "outage.json", "http://127.0.0.1:9")
+def test_vllm_loads_prefixes_and_agent_turns_from_memkv_with_identical_output(
+    cluster, gateway, tmp_path
+):
+    import ray
 
-    for run in (first, second, outage):
-        assert run["prompt"][0] == baseline["prompt"][0], run["mode"]
-        assert [t[0] for t in run["turns"]] == [t[0] for t in baseline["turns"]], run["mode"]
-    # The first engine stored the prompt; the second loaded 4 of its blocks of 32.
-    assert first["prompt"][1] == 0 and second["prompt"][1] == 128
-    # Each turn after the first loads what the turns before it stored, and a fresh
-    # engine loads every turn of the session.
-    assert first["turns"][0][1] == 0 and all(t[1] > 0 for t in first["turns"][1:])
-    assert all(t[1] > 0 for t in second["turns"])
-    # memkv down: nothing cached, nothing failed.
+    in_cluster = {
+        "transport": "cluster",
+        "ray_address": ray.get_runtime_context().gcs_address,
+        "ray_namespace": cluster.config.cluster.namespace,
+        "namespace": "vllm-in-cluster",
+        "same_node": True,
+    }
+    baseline = _engine("baseline", tmp_path / "baseline.json")
+    runs = {
+        # Through the gateway: a first engine stores, a fresh engine process loads
+        # (writing all layers before the forward pass, the other load path).
+        "gateway-first": _engine("memkv", tmp_path / "g1.json", {"url": gateway.url}),
+        "gateway-second": _engine(
+            "memkv", tmp_path / "g2.json", {"url": gateway.url, "layerwise": False}
+        ),
+        # Inside the cluster (Ray, no HTTP), in a namespace of its own.
+        "cluster-first": _engine("memkv", tmp_path / "c1.json", in_cluster),
+        "cluster-second": _engine("memkv", tmp_path / "c2.json", in_cluster),
+        # memkv down: nothing cached, nothing failed.
+        "outage": _engine("outage", tmp_path / "outage.json", {"url": "http://127.0.0.1:9"}),
+    }
+    for name, run in runs.items():
+        assert run["prompt"][0] == baseline["prompt"][0], name
+        assert [t[0] for t in run["turns"]] == [t[0] for t in baseline["turns"]], name
+
+    for first, second in (("gateway-first", "gateway-second"), ("cluster-first", "cluster-second")):
+        stored, loaded = runs[first], runs[second]
+        # The first engine stored the prompt; the second loaded 4 of its blocks of 32.
+        assert stored["prompt"][1] == 0 and loaded["prompt"][1] == 128, (first, stored, loaded)
+        # Each turn after the first loads what the turns before it stored, and a
+        # fresh engine loads every turn of the session.
+        assert stored["turns"][0][1] == 0 and all(t[1] > 0 for t in stored["turns"][1:])
+        assert all(t[1] > 0 for t in loaded["turns"])
+        # The connector's counters agree with what vLLM saw.
+        hits = sum(t[1] for t in loaded["turns"]) + loaded["prompt"][1]
+        assert loaded["connector"]["hit_tokens"] == hits
+        assert loaded["connector"]["load_bytes"] > 0 and stored["connector"]["save_bytes"] > 0
+        for run in (stored, loaded):
+            assert run["connector"]["load_failures"] == run["connector"]["save_failures"] == 0
+
+    outage = runs["outage"]
     assert outage["prompt"][1] == 0 and all(t[1] == 0 for t in outage["turns"])
+    assert outage["connector"]["hit_tokens"] == 0 and outage["connector"]["save_failures"] > 0

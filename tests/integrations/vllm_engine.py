@@ -1,17 +1,19 @@
 """One vLLM engine run for tests/integrations/test_vllm.py (runs in the vLLM venv).
 
-    python vllm_engine.py MODE MODEL_DIR OUT_JSON [URL]
+    python vllm_engine.py MODE MODEL_DIR OUT_JSON [CONNECTOR_CONFIG_JSON]
 
-MODE: ``baseline`` (no connector), ``memkv`` (MemkvConnector against URL) or
-``outage`` (MemkvConnector against a URL where nothing listens). vLLM's own
-prefix cache is off, so every reused prefix comes from memkv. Writes the greedy
-outputs of one prompt and of a three-turn agent session, and what vLLM says it
-had cached for each request.
+MODE: ``baseline`` (no connector), ``memkv`` (MemkvConnector with the given
+``kv_connector_extra_config``) or ``outage`` (the same, against a memkv that is
+not there). vLLM's own prefix cache is off, so every reused prefix comes from
+memkv. Writes the greedy outputs of one prompt and of a three-turn agent
+session, what vLLM says it had cached for each request, and the connector's
+counters.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -24,10 +26,11 @@ TURN_INPUTS = [
 NEW_TOKENS = 12
 
 
-def main(mode: str, model: str, out_path: str, url: str | None) -> None:
+def main(mode: str, model: str, out_path: str, extra: dict) -> None:
     from vllm import LLM, SamplingParams
 
     kwargs = {}
+    stats_path = out_path + ".connector.json"
     if mode != "baseline":
         from vllm.config import KVTransferConfig
 
@@ -35,7 +38,9 @@ def main(mode: str, model: str, out_path: str, url: str | None) -> None:
             kv_connector="MemkvConnector",
             kv_connector_module_path="memkv.integrations.vllm.connector",
             kv_role="kv_both",
-            kv_connector_extra_config={"url": url, "model_id": "vllm-test-llama"},
+            kv_connector_extra_config={
+                "model_id": "vllm-test-llama", "stats_path": stats_path, **extra
+            },
         )
     llm = LLM(
         model=model,
@@ -58,34 +63,36 @@ def main(mode: str, model: str, out_path: str, url: str | None) -> None:
         out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
         return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
-    def settled(turn: int) -> None:
-        """Saves run behind the engine: wait for this turn's, as an agent's next turn would."""
-        if mode != "memkv":
-            return
-        from memkv.client import Client
-
+    def settled() -> None:
+        """Saves run behind the engine: wait for those queued, as an agent's next turn would."""
         deadline = time.monotonic() + 60
-        with Client(url) as client:
-            while time.monotonic() < deadline:
-                try:
-                    if client.session("agent-1").turn >= turn:
-                        return
-                except Exception:  # noqa: BLE001 - not created yet
-                    pass
-                time.sleep(0.1)
+        while mode != "baseline" and time.monotonic() < deadline:
+            try:
+                with open(stats_path) as f:
+                    counts = json.load(f)
+                if counts["saves_done"] >= counts["saves_queued"]:
+                    return
+            except (OSError, ValueError, KeyError):
+                pass  # nothing written yet (no save queued), or mid-replace
+            time.sleep(0.05)
 
     result = {"mode": mode, "prompt": None, "turns": []}
     result["prompt"] = run(PROMPT)
+    settled()
     history: list[int] = []
-    for i, user in enumerate(TURN_INPUTS, start=1):
+    for user in TURN_INPUTS:
         history = history + user
         generated, cached = run(history, session_id="agent-1")
         result["turns"].append([generated, cached])
         history = history + generated
-        settled(i)
+        settled()
+    if mode != "baseline" and os.path.exists(stats_path):
+        with open(stats_path) as f:
+            result["connector"] = json.load(f)
     with open(out_path, "w") as f:
         json.dump(result, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
+    connector_config = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    main(sys.argv[1], sys.argv[2], sys.argv[3], connector_config)

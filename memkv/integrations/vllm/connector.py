@@ -24,16 +24,38 @@ save is logged and counted. Never an error to the request.
 
 Configuration (``kv_connector_extra_config``)::
 
-    {"url": "http://127.0.0.1:8080",   # the memkv gateway
-     "token": "...",                    # or $MEMKV_TOKEN
+    {"transport": "gateway",            # or "cluster" (see memkv.integrations.vllm.transport)
+     "url": "http://127.0.0.1:8080",   # gateway: where it listens
+     "token": "...",                    # gateway: a tenant token, or $MEMKV_TOKEN
+     "ray_address": "auto",             # cluster: the Ray cluster memkv runs in
+     "same_node": false,                # cluster: copy blocks of this node's devices from
+                                        #   shared memory (needs device.same_node_reads)
      "model_id": "my-llama",            # part of every block hash (default: the model path)
-     "namespace": null}                 # a public namespace to read and write, if any
+     "namespace": null,                 # gateway: a public namespace to use (default: the
+                                        #   token's tenant); cluster: the namespace (default)
+     "layerwise": true,                 # write loaded KV into the paged cache layer by layer
+     "stats_path": null}                # also write the running totals here, as JSON
+                                        #   (with saves_queued / saves_done: a save
+                                        #   is stored once they are equal)
+
+Loading, layer by layer: ``start_load_kv`` fetches the step's hit blocks (a
+memkv block holds every layer, so the fetch is whole), and each layer's slices
+are written into the paged cache in ``wait_for_layer_load``, just before that
+layer's attention reads them, so the copies interleave with the forward pass
+instead of preceding it (on a GPU, with the copy of layer i+1 behind layer i's
+compute). ``"layerwise": false`` writes every layer before the forward pass.
+
+Metrics: hit tokens, blocks, bytes and seconds of loads and saves, and
+failures, as vLLM connector stats (logged with vLLM's figures) and Prometheus
+counters ``vllm:memkv_*`` on the engine's ``/metrics`` (see ``metrics.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -49,12 +71,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from memkv.client import Client
-from memkv.errors import ConflictError, MemkvError
+from memkv.errors import MemkvError
+from memkv.integrations.vllm.metrics import MemkvConnectorStats, MemkvPromMetrics, StatsRecorder
+from memkv.integrations.vllm.transport import KVTransport, transport_from_config
+from memkv.protocol.dtypes import StorageDType
 from memkv.protocol.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -65,9 +94,19 @@ __all__ = ["MemkvConnector"]
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DTYPES: dict[Any, StorageDType] = {
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+}
 #: What memkv being down, slow or wrong looks like from here: each ends in recompute.
-_FAILURES = (MemkvError, OSError, httpx.HTTPError, ValueError, RuntimeError)
+_FAILURES: tuple[type[BaseException], ...] = (
+    MemkvError, OSError, httpx.HTTPError, ValueError, RuntimeError, KeyError,
+)
+try:  # the cluster transport's failures (Ray is there only where that transport is used)
+    import ray.exceptions
+
+    _FAILURES = (*_FAILURES, ray.exceptions.RayError)
+except ImportError:  # pragma: no cover - the gateway transport needs no Ray
+    pass
 
 
 @dataclass
@@ -88,6 +127,15 @@ class _Save:
 
 
 @dataclass
+class _Fetched:
+    """A load's blocks, fetched and waiting to be written layer by layer."""
+
+    load: _Load
+    blocks: list[torch.Tensor]
+    pending: set[int]  # layers not written yet
+
+
+@dataclass
 class MemkvConnectorMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
     saves: list[_Save] = field(default_factory=list)
@@ -102,22 +150,24 @@ class MemkvConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        super().__init__(
+            vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config  # type: ignore[arg-type]
+        )
+        self._extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         model = vllm_config.model_config
         self._block_size = vllm_config.cache_config.block_size
         self.layout = KVLayout(
-            str(extra.get("model_id") or model.model),
+            str(self._extra.get("model_id") or model.model),
             num_layers=model.get_num_layers(vllm_config.parallel_config),
             num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
             head_dim=model.get_head_size(),
             dtype=_DTYPES[model.dtype],
             block_tokens=self._block_size,
         )
-        self._url = str(extra.get("url", "http://127.0.0.1:8080"))
-        self._token = extra.get("token")
-        self._namespace = extra.get("namespace")
-        self._client: Client | None = None
+        self._layerwise = bool(self._extra.get("layerwise", True))
+        self._stats_path = self._extra.get("stats_path")
+        self._transport: KVTransport | None = None
+        self._transport_lock = threading.Lock()
         # Scheduler side: what get_num_new_matched_tokens found, per request.
         self._matched: dict[str, list[bytes]] = {}
         self._pending_loads: dict[str, _Load] = {}
@@ -126,27 +176,24 @@ class MemkvConnector(KVConnectorBase_V1):
         # Worker side.
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
+        self._fetched: list[_Fetched] = []
         self._staged: dict[str, torch.Tensor] = {}  # req id -> [blocks, L, 2, H, N, D]
         self._load_errors: set[int] = set()
         self._outbox: queue.Queue[tuple[_Save, torch.Tensor] | None] = queue.Queue()
         self._sender: threading.Thread | None = None
-        self.stats = {
-            "lookups": 0,
-            "hit_tokens": 0,
-            "load_bytes": 0,
-            "load_s": 0.0,
-            "load_failures": 0,
-            "save_bytes": 0,
-            "save_s": 0.0,
-            "save_failures": 0,
-        }
+        self.stats = StatsRecorder()
+        # Saves handed to the saver thread, and those it finished (stored or failed).
+        self._saves_queued = 0
+        self._saves_done = 0
 
     # -- shared ------------------------------------------------------------------------
 
-    def client(self) -> Client:
-        if self._client is None:
-            self._client = Client(self._url, token=self._token, timeout=30.0, retries=1)
-        return self._client
+    def transport(self) -> KVTransport:
+        """memkv, reached the configured way (made on first use, by whichever thread)."""
+        with self._transport_lock:
+            if self._transport is None:
+                self._transport = transport_from_config(self.layout, self._extra)
+            return self._transport
 
     # -- scheduler side ----------------------------------------------------------------
 
@@ -164,16 +211,15 @@ class MemkvConnector(KVConnectorBase_V1):
         usable = (len(tokens) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
             return 0, False
-        self.stats["lookups"] += 1
         try:
-            match = self.client().match(self.layout, self._namespace, tokens[:usable])
+            matched, keys = self.transport().match(tokens[:usable])
         except _FAILURES as e:
             logger.warning("memkv lookup failed, computing instead: %s", e)
             return 0, False
-        hit = match.tokens // self._block_size * self._block_size
+        hit = matched // self._block_size * self._block_size
         if hit <= num_computed_tokens:
             return 0, False
-        self._matched[request.request_id] = list(match.blocks[: hit // self._block_size])
+        self._matched[request.request_id] = keys[: hit // self._block_size]
         self._hits[request.request_id] = hit // self._block_size
         return hit - num_computed_tokens, False
 
@@ -232,35 +278,50 @@ class MemkvConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._write_stats_file()  # the worker's file exists from the start
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Read each request's cached blocks from memkv into the blocks vLLM allocated.
+        """Fetch each request's cached blocks; write them now, or layer by layer.
 
-        Loads are synchronous (before the forward pass): a block that cannot be
-        read, or fails its checksum, is reported as a load error and vLLM
-        recomputes it.
+        A load that cannot be fetched, or fails its checksum, is reported as a
+        load error (vLLM recomputes its blocks); nothing of it is written.
         """
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, MemkvConnectorMetadata)
+        self._finish_loads()  # a previous step's layers that no attention layer asked for
         for load in metadata.loads:
             start = time.perf_counter()
             try:
-                blocks = self.client().read_blocks_by_key(self._namespace, load.keys)
-                if len(blocks) != len(load.keys):
-                    raise MemkvError(f"asked for {len(load.keys)} blocks, got {len(blocks)}")
-                for block, block_id in zip(blocks, load.block_ids, strict=True):
-                    self._write_block(block.tensor, block_id)
-                    self.stats["load_bytes"] += block.array.nbytes
+                blocks = self.transport().read(load.keys)
             except _FAILURES as e:
                 logger.warning("memkv load of %s failed, recomputing: %s", load.req_id, e)
-                self.stats["load_failures"] += 1
+                self.stats.add(load_failures=1)
                 self._load_errors.update(load.block_ids)
                 continue
-            self.stats["hit_tokens"] += len(load.keys) * self._block_size
-            self.stats["load_s"] += time.perf_counter() - start
+            fetched = _Fetched(load, blocks, set(self._layer_index.values()))
+            self._fetched.append(fetched)
+            if not self._layerwise:
+                for layer in sorted(fetched.pending):
+                    self._write_layer(fetched, layer)
+            self.stats.add(
+                hit_tokens=len(load.keys) * self._block_size,
+                load_blocks=len(blocks),
+                load_bytes=sum(b.numel() * b.element_size() for b in blocks),
+                load_seconds=time.perf_counter() - start,
+            )
+        if metadata.loads:
+            self._write_stats_file()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv
+        """Write this layer's slices of the fetched blocks into the paged cache."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self._fetched:
+            return
+        start = time.perf_counter()
+        for fetched in self._fetched:
+            if layer in fetched.pending:
+                self._write_layer(fetched, layer)
+        self.stats.add(load_seconds=time.perf_counter() - start)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -283,34 +344,83 @@ class MemkvConnector(KVConnectorBase_V1):
                 staged[i, layer, 1].copy_(v)
 
     def wait_for_save(self) -> None:
+        self._finish_loads()
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, MemkvConnectorMetadata)
         for save in metadata.saves:
             staged = self._staged.pop(save.req_id, None)
             if staged is not None:
                 self._ensure_sender()
+                self._saves_queued += 1
                 self._outbox.put((save, staged))
+        if metadata.saves:
+            self._write_stats_file()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return MemkvConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> MemkvPromMetrics:
+        return MemkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._sender is not None:
             self._outbox.put(None)
             self._sender.join(timeout=30)
-        if self._client is not None:
-            self._client.close()
+        self._write_stats_file()
+        if self._transport is not None:
+            self._transport.close()
 
     # -- internals ---------------------------------------------------------------------
 
-    def _write_block(self, block: torch.Tensor, block_id: int) -> None:
-        """One memkv block ``[L, 2, H, N, D]`` into vLLM block ``block_id`` of every layer."""
-        for name, kv_layer in self._kv_caches.items():
-            layer = self._layer_index[name]
+    def _write_layer(self, fetched: _Fetched, layer: int) -> None:
+        """Layer ``layer`` of each fetched block into its vLLM block."""
+        kv_layer = self._kv_caches[self._layer_names[layer]]
+        for block, block_id in zip(fetched.blocks, fetched.load.block_ids, strict=True):
             k, v = _block_kv(kv_layer, block_id, self._block_size)
             k.copy_(block[layer, 0])
             v.copy_(block[layer, 1])
+        fetched.pending.discard(layer)
+
+    @property
+    def _layer_names(self) -> list[str]:
+        return list(self._kv_caches)
+
+    def _finish_loads(self) -> None:
+        """Write what no ``wait_for_layer_load`` asked for, and forget the step's loads."""
+        for fetched in self._fetched:
+            for layer in sorted(fetched.pending):
+                self._write_layer(fetched, layer)
+        self._fetched = []
+
+    def _write_stats_file(self) -> None:
+        if not self._stats_path:
+            return
+        doc = {
+            **self.stats.snapshot(),
+            "saves_queued": self._saves_queued,
+            "saves_done": self._saves_done,
+        }
+        tmp = f"{self._stats_path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self._stats_path)
 
     def _ensure_sender(self) -> None:
         if self._sender is None or not self._sender.is_alive():
@@ -326,26 +436,23 @@ class MemkvConnector(KVConnectorBase_V1):
                 return
             save, staged = item
             start = time.perf_counter()
+            session_id = save.session_id or _content_session_id(self.layout, save.token_ids)
+            blocks = [staged[i] for i in range(staged.shape[0])]
             try:
-                self._store(save, staged)
+                self.transport().save(
+                    session_id, save.priority, save.token_ids, blocks, save.start_block
+                )
             except _FAILURES as e:
                 logger.warning("memkv save of %s failed (a later miss): %s", save.req_id, e)
-                self.stats["save_failures"] += 1
-                continue
-            self.stats["save_bytes"] += staged.numel() * staged.element_size()
-            self.stats["save_s"] += time.perf_counter() - start
-
-    def _store(self, save: _Save, staged: torch.Tensor) -> None:
-        client = self.client()
-        session_id = save.session_id or _content_session_id(self.layout, save.token_ids)
-        try:
-            client.create_session(
-                session_id, self.layout, namespace=self._namespace, priority=save.priority
-            )
-        except ConflictError:
-            pass  # it exists: this turn appends to it
-        blocks = [staged[i] for i in range(staged.shape[0])]
-        client.append_turn(session_id, save.token_ids, blocks=blocks, start_block=save.start_block)
+                self.stats.add(save_failures=1)
+            else:
+                self.stats.add(
+                    save_blocks=len(blocks),
+                    save_bytes=staged.numel() * staged.element_size(),
+                    save_seconds=time.perf_counter() - start,
+                )
+            self._saves_done += 1
+            self._write_stats_file()
 
 
 def _block_kv(kv_layer: torch.Tensor, block_id: int, block_size: int) -> tuple[Any, Any]:

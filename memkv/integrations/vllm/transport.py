@@ -1,0 +1,187 @@
+"""How the vLLM connector reaches memkv: the HTTP gateway, or the cluster itself.
+
+- ``gateway`` (default): any engine anywhere, with a tenant token; blocks
+  travel as checksummed binary frames (docs/wire-format.md).
+- ``cluster``: an engine inside memkv's Ray cluster joins it (``ray_address``)
+  and talks to the router and devices directly: no HTTP, no token (the
+  cluster is a trusted network), blocks through Ray's object store. With
+  ``same_node`` on, blocks on a device of the engine's own node are copied out
+  of its shared memory under a lease (the device must allow it:
+  ``device.same_node_reads``); others still come in-cluster.
+
+Both speak in memkv blocks ``[layers, 2, kv_heads, tokens, head_dim]`` and
+raise on anything wrong; the connector turns every failure into recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from memkv.errors import ConflictError, CorruptDataError, InvalidInputError
+from memkv.protocol.ids import scoped_session_id
+from memkv.protocol.layout import KVLayout
+
+__all__ = ["ClusterTransport", "GatewayTransport", "KVTransport", "transport_from_config"]
+
+TRANSPORTS = ("gateway", "cluster")
+
+
+class KVTransport(Protocol):
+    """What the connector needs of memkv."""
+
+    def match(self, token_ids: Sequence[int]) -> tuple[int, list[bytes]]:
+        """Leading tokens cached (whole blocks) and their block keys."""
+        ...
+
+    def read(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        """The blocks of ``keys``, in that order."""
+        ...
+
+    def save(
+        self,
+        session_id: str,
+        priority: str,
+        token_ids: Sequence[int],
+        blocks: Sequence[torch.Tensor],
+        start_block: int,
+    ) -> None:
+        """Append blocks ``start_block ..`` of ``token_ids`` to the session (created if new)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _check_keys(got: Sequence[bytes], wanted: Sequence[bytes]) -> None:
+    if list(got) != list(wanted):
+        raise CorruptDataError(
+            f"asked memkv for {len(wanted)} blocks and got {len(got)} others; a cache is "
+            f"never filled with blocks of other tokens"
+        )
+
+
+class GatewayTransport:
+    """The memkv HTTP gateway, through :class:`memkv.client.Client`."""
+
+    def __init__(
+        self, layout: KVLayout, *, url: str, token: str | None, namespace: str | None
+    ) -> None:
+        from memkv.client import Client
+
+        self.layout = layout
+        self._namespace = namespace
+        self._client = Client(url, token=token, timeout=30.0, retries=1)
+
+    def match(self, token_ids: Sequence[int]) -> tuple[int, list[bytes]]:
+        match = self._client.match(self.layout, self._namespace, list(token_ids))
+        return int(match.tokens), [bytes(k) for k in match.blocks]
+
+    def read(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        blocks = self._client.read_blocks_by_key(self._namespace, list(keys))
+        _check_keys([bytes(b.key) for b in blocks], keys)
+        return [b.tensor for b in blocks]
+
+    def save(
+        self,
+        session_id: str,
+        priority: str,
+        token_ids: Sequence[int],
+        blocks: Sequence[torch.Tensor],
+        start_block: int,
+    ) -> None:
+        try:
+            self._client.create_session(
+                session_id, self.layout, namespace=self._namespace, priority=priority
+            )
+        except ConflictError:
+            pass  # it exists: this turn appends to it
+        self._client.append_turn(
+            session_id, list(token_ids), blocks=list(blocks), start_block=start_block
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class ClusterTransport:
+    """memkv's actors, joined from inside its Ray cluster (see the module)."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        address: str,
+        ray_namespace: str | None,
+        namespace: str,
+        same_node: bool,
+    ) -> None:
+        from memkv.cluster import attach
+
+        self.layout = layout
+        self._namespace = namespace
+        self._same_node = same_node
+        self._cluster = attach(address, namespace=ray_namespace)
+
+    def match(self, token_ids: Sequence[int]) -> tuple[int, list[bytes]]:
+        return self._cluster.match_prefix(self.layout, self._namespace, token_ids)
+
+    def read(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        from memkv.actors.payload import from_payload
+
+        payloads = self._cluster.blocks_by_key(keys, self._namespace, same_node=self._same_node)
+        _check_keys([p.key for p in payloads], keys)
+        return [from_payload(p) for p in payloads]
+
+    def save(
+        self,
+        session_id: str,
+        priority: str,
+        token_ids: Sequence[int],
+        blocks: Sequence[torch.Tensor],
+        start_block: int,
+    ) -> None:
+        # The id a gateway tenant of this name has for it: sessions of other
+        # namespaces never collide with this one's.
+        scoped = scoped_session_id(self._namespace, session_id)
+        try:
+            self._cluster.create_session(
+                scoped, self.layout, namespace=self._namespace, priority=priority
+            )
+        except ConflictError:
+            pass
+        self._cluster.put_blocks(scoped, list(token_ids), list(blocks), start_block)
+
+    def close(self) -> None:
+        self._cluster.disconnect()
+
+
+def transport_from_config(layout: KVLayout, extra: dict[str, Any]) -> KVTransport:
+    """The transport ``kv_connector_extra_config`` asks for (see the connector's docstring).
+
+    Raises:
+        InvalidInputError: an unknown ``transport``, or ``cluster`` without ``ray_address``.
+    """
+    kind = str(extra.get("transport", "gateway"))
+    if kind == "gateway":
+        return GatewayTransport(
+            layout,
+            url=str(extra.get("url", "http://127.0.0.1:8080")),
+            token=extra.get("token"),
+            namespace=extra.get("namespace"),
+        )
+    if kind == "cluster":
+        address = extra.get("ray_address")
+        if not address:
+            raise InvalidInputError(
+                "transport 'cluster' needs ray_address (e.g. 'auto' on a node of the cluster)"
+            )
+        return ClusterTransport(
+            layout,
+            address=str(address),
+            ray_namespace=extra.get("ray_namespace"),
+            namespace=str(extra.get("namespace") or "default"),
+            same_node=bool(extra.get("same_node", False)),
+        )
+    raise InvalidInputError(f"transport must be one of {list(TRANSPORTS)}, got {kind!r}")
