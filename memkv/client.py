@@ -584,6 +584,7 @@ class Client:
         path: str,
         body: Iterable[bytes | memoryview] | None = None,
         length: int = 0,
+        content_type: str = FRAMES_MEDIA_TYPE,
     ) -> http.client.HTTPResponse:
         """A block-route request over http.client, retried like :meth:`_request`.
 
@@ -593,7 +594,7 @@ class Client:
         if self._blocks is None:
             raise RuntimeError("no block connection with a custom transport")
         headers = {
-            "content-type": FRAMES_MEDIA_TYPE,
+            "content-type": content_type,
             "content-length": str(length),
             **self._auth,
         }
@@ -792,8 +793,25 @@ class Client:
             parser.close()
 
     def read_blocks_by_key(self, namespace: str | None, keys: Sequence[bytes]) -> list[Block]:
+        """Blocks by key (e.g. a prefix :meth:`match` found), in the order asked.
+
+        ``namespace``: a public namespace the token may read (None: the
+        tenant's). Read from the socket the way :meth:`read_blocks` reads.
+        """
         body = {"namespace": namespace, "keys": [bytes(k).hex() for k in keys]}
-        return list(self._read_via_httpx("POST", "/v1/blocks/read", json=body))
+        if self._blocks is None:
+            return list(self._read_via_httpx("POST", "/v1/blocks/read", json=body))
+        import json
+
+        payload = json.dumps(body).encode()
+        response = self._block_request(
+            "POST", "/v1/blocks/read", [payload], len(payload), content_type="application/json"
+        )
+        try:
+            return list(_read_block_frames(response, None))
+        except BaseException:
+            self._blocks.drop()
+            raise
 
     def match(
         self, layout: KVLayout, namespace: str | None, token_ids: Sequence[int] | np.ndarray

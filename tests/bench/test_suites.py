@@ -231,9 +231,28 @@ def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path
     assert [d["suite"] for d in load_results(ctx.out)] == ["eviction"]
 
 
+@pytest.mark.skipif(
+    not Path(__file__).resolve().parents[2].joinpath(".venv-vllm/bin/python").exists(),
+    reason="no .venv-vllm (make vllm-venv)",
+)
+def test_vllm_quick(ctx: BenchContext) -> None:
+    """Four real engines: the warm ones load the prefix and answer the baseline's token."""
+    result = run_suite("vllm", ctx)
+    doc = _written(ctx, "vllm")
+    runs = {(r["engine"], r["transport"]): r for r in doc["figures"]["runs"]}
+    assert runs[("baseline", "-")]["cached_tokens"] == 0
+    assert runs[("memkv cold", "gateway")]["cached_tokens"] == 0
+    for transport in ("gateway", "cluster"):
+        warm = runs[("memkv warm", transport)]
+        assert warm["cached_tokens"] == 480  # 15 of the 16 blocks: the last token is computed
+        assert warm["connector"]["hit_tokens"] == 480 and warm["connector"]["load_failures"] == 0
+    assert runs[("memkv cold", "gateway")]["connector"]["save_bytes"] > 0
+    assert all(row[-1] == "yes" for row in result.rows)  # the same first token everywhere
+
+
 def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:
     with pytest.raises(InvalidInputError, match="suite must be one of"):
         run("nope")
     with pytest.raises(InvalidInputError, match="expected a JSONL file"):
         run("eviction", trace=tmp_path / "absent.jsonl")
-    assert set(SUITES) == {"resume", "dataplane", "codecs", "eviction", "scale"}
+    assert set(SUITES) == {"resume", "dataplane", "codecs", "eviction", "scale", "vllm"}

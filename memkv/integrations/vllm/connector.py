@@ -109,6 +109,11 @@ except ImportError:  # pragma: no cover - the gateway transport needs no Ray
     pass
 
 
+#: Blocks travel in requests of at most this many bytes: a 4096-token prompt of a
+#: Llama-3-8B-shaped model is 512 MiB, over a gateway's body limit in one piece.
+_REQUEST_BYTES = 64 << 20
+
+
 @dataclass
 class _Load:
     req_id: str
@@ -292,7 +297,7 @@ class MemkvConnector(KVConnectorBase_V1):
         for load in metadata.loads:
             start = time.perf_counter()
             try:
-                blocks = self.transport().read(load.keys)
+                blocks = self._read(load.keys)
             except _FAILURES as e:
                 logger.warning("memkv load of %s failed, recomputing: %s", load.req_id, e)
                 self.stats.add(load_failures=1)
@@ -409,6 +414,25 @@ class MemkvConnector(KVConnectorBase_V1):
                 self._write_layer(fetched, layer)
         self._fetched = []
 
+    def _chunk_blocks(self) -> int:
+        return max(1, _REQUEST_BYTES // self.layout.block_nbytes())
+
+    def _read(self, keys: list[bytes]) -> list[torch.Tensor]:
+        per = self._chunk_blocks()
+        blocks: list[torch.Tensor] = []
+        for i in range(0, len(keys), per):
+            blocks.extend(self.transport().read(keys[i : i + per]))
+        return blocks
+
+    def _save(self, session_id: str, save: _Save, blocks: list[torch.Tensor]) -> None:
+        """Append in requests of at most :data:`_REQUEST_BYTES`, each the tokens up to its end."""
+        per = self._chunk_blocks()
+        for i in range(0, len(blocks), per):
+            chunk = blocks[i : i + per]
+            first = save.start_block + i
+            tokens = save.token_ids[: (first + len(chunk)) * self._block_size]
+            self.transport().save(session_id, save.priority, tokens, chunk, first)
+
     def _write_stats_file(self) -> None:
         if not self._stats_path:
             return
@@ -439,9 +463,7 @@ class MemkvConnector(KVConnectorBase_V1):
             session_id = save.session_id or _content_session_id(self.layout, save.token_ids)
             blocks = [staged[i] for i in range(staged.shape[0])]
             try:
-                self.transport().save(
-                    session_id, save.priority, save.token_ids, blocks, save.start_block
-                )
+                self._save(session_id, save, blocks)
             except _FAILURES as e:
                 logger.warning("memkv save of %s failed (a later miss): %s", save.req_id, e)
                 self.stats.add(save_failures=1)

@@ -1,0 +1,97 @@
+"""One vLLM engine run for ``memkv bench vllm`` (runs in the vLLM venv, a process per engine).
+
+    python -m memkv.bench.vllm_engine MODEL_DIR OUT_JSON SPEC_JSON
+
+SPEC: ``connector`` (``kv_connector_extra_config``, or null for an engine
+without memkv), ``prompt`` and ``warmup`` (token ids), ``block_size``,
+``dtype``, ``max_model_len``. The engine serves the warm-up prompt first (the
+first request of an engine pays one-off costs), then the measured prompt with
+``max_tokens=1``: the wall time of that call is the time to first token. Writes
+the times, the first token, what vLLM says it had cached, and the connector's
+counters once its saves are stored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+SETTLE_S = 300.0
+
+
+def _settled(stats_path: str) -> dict:
+    """The connector's counters once every save it queued is stored (or failed)."""
+    deadline = time.monotonic() + SETTLE_S
+    counts: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            with open(stats_path) as f:
+                counts = json.load(f)
+            if counts["saves_done"] >= counts["saves_queued"]:
+                return counts
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    return counts
+
+
+def main(model: str, out_path: str, spec: dict) -> None:
+    from vllm import LLM, SamplingParams
+
+    kwargs = {}
+    stats_path = out_path + ".connector.json"
+    if spec.get("connector") is not None:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="MemkvConnector",
+            kv_connector_module_path="memkv.integrations.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={**spec["connector"], "stats_path": stats_path},
+        )
+    started = time.perf_counter()
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        block_size=spec["block_size"],
+        enforce_eager=True,
+        enable_prefix_caching=False,  # every reused prefix comes from memkv
+        max_num_seqs=1,
+        max_num_batched_tokens=spec["max_model_len"],  # the prompt in one prefill
+        seed=0,
+        **kwargs,
+    )
+    engine_start_s = time.perf_counter() - started
+    params = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+
+    def timed(tokens: list[int]) -> tuple[float, int, int]:
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
+        return (
+            time.perf_counter() - t0,
+            int(out.outputs[0].token_ids[0]),
+            int(out.num_cached_tokens or 0),
+        )
+
+    warmup_s, _, _ = timed(spec["warmup"])
+    ttft_s, first_token, cached = timed(spec["prompt"])
+    result = {
+        "engine_start_s": engine_start_s,
+        "warmup_s": warmup_s,
+        "ttft_s": ttft_s,
+        "first_token": first_token,
+        "cached_tokens": cached,
+        "prompt_tokens": len(spec["prompt"]),
+    }
+    if spec.get("connector") is not None and os.path.exists(stats_path):
+        result["connector"] = _settled(stats_path)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
