@@ -7,14 +7,15 @@ without memkv), ``prompt`` and ``warmup`` (token ids), ``block_size``,
 ``dtype``, ``max_model_len``. The engine serves the warm-up prompt first (the
 first request of an engine pays one-off costs), then the measured prompt with
 ``max_tokens=1``: the wall time of that call is the time to first token. Writes
-the times, the first token, what vLLM says it had cached, and the connector's
-counters once its saves are stored.
+the times, the first token, what vLLM says it had cached, and each request's
+share of the connector's counters once its saves are stored. ``repeats``: the
+measured prompt is sent that many times; the request of median TTFT stands for
+the engine.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
@@ -77,18 +78,30 @@ def main(model: str, out_path: str, spec: dict) -> None:
             int(out.num_cached_tokens or 0),
         )
 
+    connected = spec.get("connector") is not None
     warmup_s, _, _ = timed(spec["warmup"])
-    ttft_s, first_token, cached = timed(spec["prompt"])
+    before = _settled(stats_path) if connected else {}
+    requests = []
+    for _ in range(int(spec.get("repeats", 1))):
+        ttft_s, first_token, cached = timed(spec["prompt"])
+        request: dict = {"ttft_s": ttft_s, "first_token": first_token, "cached_tokens": cached}
+        if connected:
+            # This request's share of the connector's counters (its saves settled).
+            after = _settled(stats_path)
+            request["connector"] = {
+                k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float)
+            }
+            before = after
+        requests.append(request)
+    ttfts = sorted(r["ttft_s"] for r in requests)
+    median = requests[[r["ttft_s"] for r in requests].index(ttfts[len(ttfts) // 2])]
     result = {
         "engine_start_s": engine_start_s,
         "warmup_s": warmup_s,
-        "ttft_s": ttft_s,
-        "first_token": first_token,
-        "cached_tokens": cached,
         "prompt_tokens": len(spec["prompt"]),
+        "requests": requests,
+        **median,  # the request of median TTFT stands for the engine
     }
-    if spec.get("connector") is not None and os.path.exists(stats_path):
-        result["connector"] = _settled(stats_path)
     with open(out_path, "w") as f:
         json.dump(result, f)
 

@@ -190,6 +190,8 @@ class MemkvConnector(KVConnectorBase_V1):
         # Saves handed to the saver thread, and those it finished (stored or failed).
         self._saves_queued = 0
         self._saves_done = 0
+        if role == KVConnectorRole.SCHEDULER:
+            self._warm_up()
 
     # -- shared ------------------------------------------------------------------------
 
@@ -284,6 +286,16 @@ class MemkvConnector(KVConnectorBase_V1):
         self._kv_caches = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._write_stats_file()  # the worker's file exists from the start
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Reach memkv at engine start: a first request should not pay for joining Ray
+        (about a second) or opening a connection. memkv down now is no error: each
+        request tries again, and computes what it cannot load."""
+        try:
+            self.transport().warm_up()
+        except _FAILURES as e:
+            logger.warning("memkv is not reachable yet (requests will retry): %s", e)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Fetch each request's cached blocks; write them now, or layer by layer.
@@ -303,16 +315,22 @@ class MemkvConnector(KVConnectorBase_V1):
                 self.stats.add(load_failures=1)
                 self._load_errors.update(load.block_ids)
                 continue
+            fetch_s = time.perf_counter() - start
             fetched = _Fetched(load, blocks, set(self._layer_index.values()))
             self._fetched.append(fetched)
+            write_s = 0.0
             if not self._layerwise:
+                written = time.perf_counter()
                 for layer in sorted(fetched.pending):
                     self._write_layer(fetched, layer)
+                write_s = time.perf_counter() - written
             self.stats.add(
                 hit_tokens=len(load.keys) * self._block_size,
                 load_blocks=len(blocks),
                 load_bytes=sum(b.numel() * b.element_size() for b in blocks),
-                load_seconds=time.perf_counter() - start,
+                load_seconds=fetch_s + write_s,
+                load_fetch_seconds=fetch_s,
+                load_write_seconds=write_s,
             )
         if metadata.loads:
             self._write_stats_file()
@@ -326,7 +344,8 @@ class MemkvConnector(KVConnectorBase_V1):
         for fetched in self._fetched:
             if layer in fetched.pending:
                 self._write_layer(fetched, layer)
-        self.stats.add(load_seconds=time.perf_counter() - start)
+        spent = time.perf_counter() - start
+        self.stats.add(load_seconds=spent, load_write_seconds=spent)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

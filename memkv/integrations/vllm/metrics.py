@@ -29,6 +29,8 @@ COUNTERS: dict[str, str] = {
     "load_blocks": "Blocks loaded from memkv into the paged KV cache.",
     "load_bytes": "Bytes of KV loaded from memkv.",
     "load_seconds": "Seconds spent loading KV from memkv (fetch and copy into the cache).",
+    "load_fetch_seconds": "Of load_seconds: fetching the blocks from memkv.",
+    "load_write_seconds": "Of load_seconds: writing them into the paged KV cache.",
     "load_failures": "Loads that failed and were recomputed by the engine.",
     "save_blocks": "Blocks saved to memkv.",
     "save_bytes": "Bytes of KV saved to memkv.",

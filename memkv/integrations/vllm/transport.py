@@ -51,6 +51,10 @@ class KVTransport(Protocol):
         """Append blocks ``start_block ..`` of ``token_ids`` to the session (created if new)."""
         ...
 
+    def warm_up(self) -> None:
+        """Connect now (not at the first request): raises if memkv is not reachable."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -100,6 +104,9 @@ class GatewayTransport:
         self._client.append_turn(
             session_id, list(token_ids), blocks=list(blocks), start_block=start_block
         )
+
+    def warm_up(self) -> None:
+        self._client.health()
 
     def close(self) -> None:
         self._client.close()
@@ -152,6 +159,11 @@ class ClusterTransport:
         except ConflictError:
             pass
         self._cluster.put_blocks(scoped, list(token_ids), list(blocks), start_block)
+
+    def warm_up(self) -> None:
+        import ray
+
+        ray.get(self._cluster.router.ping.remote())
 
     def close(self) -> None:
         self._cluster.disconnect()
