@@ -463,10 +463,13 @@ class SessionRouter:
             for r in self.state.sessions
             for n in block_token_count(r.layout, r.tokens)
         )
+        priorities = Counter(r.priority.value for r in self.state.sessions)
         return {
             "sessions": len(self.state.sessions),
             "logical_bytes": logical,
             "session_states": dict(states),
+            "session_priorities": dict(priorities),
+            "tenants": self.state.tenant_usage(),
             "devices": devices,
             "archives": archives,
             "background_prefetched": self.background_prefetched,

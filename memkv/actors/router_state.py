@@ -36,6 +36,12 @@ from memkv.storage.sessions import SessionRecord, SessionTable, parse_priority
 __all__ = ["DeviceLoad", "RouterState", "SessionRecord"]
 
 
+#: Tenants named in stats and metrics (the largest by bytes); the rest are summed as
+#: "(other)", so a fleet of tenants cannot blow up a metrics label set.
+STATS_TENANTS = 20
+OTHER_TENANTS = "(other)"
+
+
 @dataclass(slots=True)
 class DeviceLoad:
     sessions: int = 0
@@ -270,6 +276,23 @@ class RouterState:
     def mark_lost(self, session_id: str, reason: str) -> None:
         self.sessions.mark_lost(session_id, reason)
         self._log({"op": "lost", "id": session_id, "reason": reason})
+
+    def tenant_usage(self, limit: int = STATS_TENANTS) -> dict[str, dict[str, int]]:
+        """Sessions and KV bytes per tenant (``""``: unscoped ids), the ``limit`` largest
+        by bytes by name and the rest summed under :data:`OTHER_TENANTS`."""
+        tenants = sorted(
+            (t for t, n in self.tenant_sessions.items() if n > 0),
+            key=lambda t: (-self.tenant_bytes[t], t),
+        )
+        out = {t: {"sessions": self.tenant_sessions[t], "bytes": self.tenant_bytes[t]}
+               for t in tenants[:limit]}
+        rest = tenants[limit:]
+        if rest:
+            out[OTHER_TENANTS] = {
+                "sessions": sum(self.tenant_sessions[t] for t in rest),
+                "bytes": sum(self.tenant_bytes[t] for t in rest),
+            }
+        return out
 
     def check_quota(
         self,

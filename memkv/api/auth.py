@@ -333,7 +333,8 @@ class Authenticator:
 
     def is_open(self, path: str) -> bool:
         """Whether ``path`` is served without a token."""
-        if path in ("/healthz", "/readyz"):
+        # The status page is static: its figures come from /v1/stats with a token.
+        if path in ("/healthz", "/readyz", "/"):
             return True
         if path == "/metrics":
             return self.open_metrics or not self.enabled

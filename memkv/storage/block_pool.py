@@ -170,6 +170,7 @@ class PoolStats:
     prefetched: int
     prefetch_used: int
     precision_fallbacks: int  # demotions that kept the model dtype (value out of fp16 range)
+    lossy_conversions: int = 0  # demotions whose remaining copy went through a lossy step
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -761,6 +762,7 @@ class BlockPool:
         if lossy:
             entry.lossy = worse(entry.lossy, lossy)
             entry.crc32 = None
+            self._counters["lossy_conversions"] += 1
 
     def _note_materialized(self, entry: _Block, block: torch.Tensor) -> None:
         """The hot copy was rebuilt from a lossy copy: its checksum is of the new bytes."""
@@ -867,6 +869,7 @@ class BlockPool:
                 prefetched=c["prefetched"],
                 prefetch_used=c["prefetch_used"],
                 precision_fallbacks=c["precision_fallbacks"],
+                lossy_conversions=c["lossy_conversions"],
             )
 
     # ------------------------------------------------------------------ diagnostics hooks

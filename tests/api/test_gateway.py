@@ -211,6 +211,38 @@ def test_health_metrics_and_docs(gateway, client):
     assert len(stats["devices"]) == 2 and stats["sessions"] >= 1
 
 
+def test_metrics_carry_the_engines_figures_and_errors_by_type(gateway, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sid = new_id()
+    client.create_session(sid, LAYOUT, namespace="t-metrics")
+    keys, values = kv(8, seed=91)
+    client.append_turn(sid, list(range(8)), keys, values)
+    list(client.read_blocks(sid))
+    with pytest.raises(UnknownSessionError):
+        client.session("no-such-session")
+    with httpx.Client(base_url=gateway.url) as http:
+        text = http.get("/metrics").text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    for name in ("memkv_tier_used_bytes", "memkv_tier_hits", "memkv_block_misses",
+                 "memkv_demotions", "memkv_prefetch_issued", "memkv_dedup_bytes_saved",
+                 "memkv_lossy_conversions", "memkv_leases_granted", "memkv_sessions",
+                 "memkv_tenant_bytes", "memkv_archive_blocks", "memkv_http_request_seconds",
+                 "memkv_http_errors"):
+        assert name in names, name
+    errors = [
+        s for f in text_string_to_metric_families(text) if f.name == "memkv_http_errors"
+        for s in f.samples if s.name.endswith("_total")
+    ]
+    assert any(s.labels["type"] == "UnknownSessionError" and s.value >= 1 for s in errors)
+    hot_used = [
+        s.value for f in text_string_to_metric_families(text) if f.name == "memkv_tier_used_bytes"
+        for s in f.samples if s.labels["tier"] == "hot"
+    ]
+    assert len(hot_used) == 2 and sum(hot_used) > 0  # two devices, the session's blocks in hot
+    assert "http" in client.stats()["gateway"]
+
+
 def test_async_client(gateway):
     async def flow():
         async with AsyncClient(gateway.url) as c:

@@ -1,0 +1,201 @@
+"""The engine's own figures as Prometheus metrics, next to the gateway's.
+
+``/metrics`` answers with two parts: what this gateway counted itself (requests,
+latency per route, errors by type, payload bytes) and a snapshot of the whole
+cluster (tiers, hits and misses, evictions, demotions, prefetch, dedup, lossy
+conversions, leases, sessions, tenants, archives), made from the router's
+``stats()`` — the same document ``/v1/stats`` serves. The snapshot is cached for
+:data:`SNAPSHOT_TTL_S`, so scrapes from several Prometheus replicas (and the
+status page's polling) cost the devices one stats call per interval.
+
+Label sets are bounded: devices, tiers, archives and routes are fixed by the
+deployment; tenants are the largest :data:`~memkv.actors.router_state.STATS_TENANTS`
+with the rest summed as ``(other)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+__all__ = ["SNAPSHOT_TTL_S", "StatsSnapshot", "engine_metrics"]
+
+#: How long one stats snapshot serves scrapes and the status page.
+SNAPSHOT_TTL_S = 2.0
+
+_TIER_GAUGES = {
+    "capacity_bytes": "Capacity of the tier, bytes (cold: the archive's budget, if any).",
+    "used_bytes": "Bytes held in the tier.",
+    "blocks": "Blocks held in the tier.",
+    "fragmentation": "External fragmentation of the tier's arena (cold: dead/all bytes).",
+}
+_TIER_COUNTERS = {
+    "hits": "Block reads served from the tier.",
+    "evictions": "Blocks evicted (demoted) from the tier under pressure.",
+}
+_DEVICE_COUNTERS = {
+    "misses": ("block_misses", "Block reads of keys in no tier."),
+    "promotions": ("promotions", "Blocks copied up a tier for a read or a prefetch."),
+    "demotions": ("demotions", "Blocks moved down a tier."),
+    "prefetched": ("prefetch_issued", "Blocks promoted ahead of a read (prefetch)."),
+    "prefetch_used": ("prefetch_used", "Prefetched blocks that were then read."),
+    "dedup_hits": ("dedup_hits", "Blocks not stored again (another session holds them)."),
+    "dedup_bytes_saved": ("dedup_bytes_saved", "Bytes not stored again, in the model dtype."),
+    "lossy_conversions": ("lossy_conversions", "Demotions whose remaining copy is lossy."),
+    "precision_fallbacks": (
+        "precision_fallbacks", "Demotions that kept the model dtype (values out of range)."
+    ),
+}
+
+
+class StatsSnapshot:
+    """The router's stats, fetched at most once per ``ttl_s`` (concurrent callers share it)."""
+
+    def __init__(
+        self,
+        fetch: Callable[[], Awaitable[dict[str, Any]]],
+        *,
+        ttl_s: float = SNAPSHOT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._fetch = fetch
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._value: dict[str, Any] | None = None
+        self._at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> dict[str, Any]:
+        async with self._lock:
+            if self._value is None or self._clock() - self._at >= self._ttl_s:
+                self._value = dict(await self._fetch())
+                self._at = self._clock()
+            return self._value
+
+
+class _Snapshot:
+    """A prometheus_client collector over one stats document."""
+
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats
+        sessions = GaugeMetricFamily("memkv_sessions", "Sessions by state.", labels=["state"])
+        for state, n in sorted(st.get("session_states", {}).items()):
+            sessions.add_metric([state], n)
+        yield sessions
+        priorities = GaugeMetricFamily(
+            "memkv_sessions_by_priority", "Sessions by priority.", labels=["priority"]
+        )
+        for priority, n in sorted(st.get("session_priorities", {}).items()):
+            priorities.add_metric([priority], n)
+        yield priorities
+        yield GaugeMetricFamily(
+            "memkv_logical_bytes", "KV bytes of every session's chain (shared blocks counted "
+            "per session), model dtype.", value=st.get("logical_bytes", 0)
+        )
+        yield CounterMetricFamily(
+            "memkv_background_prefetched", "Blocks the router's background prefetch promoted.",
+            value=st.get("background_prefetched", 0),
+        )
+        yield from self._tenants(st.get("tenants", {}))
+        yield from self._devices(st.get("devices", {}))
+        yield from self._archives(st.get("archives", {}))
+
+    @staticmethod
+    def _tenants(tenants: dict[str, dict[str, int]]) -> Iterator[Metric]:
+        sessions = GaugeMetricFamily(
+            "memkv_tenant_sessions", "Sessions per tenant (largest tenants; the rest as "
+            "'(other)').", labels=["tenant"]
+        )
+        held = GaugeMetricFamily(
+            "memkv_tenant_bytes", "KV bytes per tenant, model dtype.", labels=["tenant"]
+        )
+        for tenant, use in sorted(tenants.items()):
+            name = tenant or "(unscoped)"
+            sessions.add_metric([name], use["sessions"])
+            held.add_metric([name], use["bytes"])
+        yield sessions
+        yield held
+
+    @staticmethod
+    def _devices(devices: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+        gauges = {
+            k: GaugeMetricFamily(f"memkv_tier_{k}", doc, labels=["device", "tier"])
+            for k, doc in _TIER_GAUGES.items()
+        }
+        counters = {
+            k: CounterMetricFamily(f"memkv_tier_{k}", doc, labels=["device", "tier"])
+            for k, doc in _TIER_COUNTERS.items()
+        }
+        per_device = {
+            key: CounterMetricFamily(f"memkv_{name}", doc, labels=["device"])
+            for key, (name, doc) in _DEVICE_COUNTERS.items()
+        }
+        accuracy = GaugeMetricFamily(
+            "memkv_prefetch_accuracy", "Prefetched blocks read / prefetched blocks.",
+            labels=["device"],
+        )
+        unique = GaugeMetricFamily(
+            "memkv_unique_bytes", "Distinct blocks held, model dtype.", labels=["device"]
+        )
+        leases = GaugeMetricFamily(
+            "memkv_leases_active", "Read plans pinning blocks now.", labels=["device"]
+        )
+        granted = CounterMetricFamily(
+            "memkv_leases_granted", "Read plans granted (same-node reads).", labels=["device"]
+        )
+        expired = CounterMetricFamily(
+            "memkv_leases_expired", "Read plans that ran out before release.", labels=["device"]
+        )
+        for device, st in sorted(devices.items()):
+            for tier, t in sorted(st.get("tiers", {}).items()):
+                for k, gauge in gauges.items():
+                    if t.get(k) is not None:
+                        gauge.add_metric([device, tier], t[k])
+                for k, counter in counters.items():
+                    counter.add_metric([device, tier], t.get(k, 0))
+            for key, counter in per_device.items():
+                counter.add_metric([device], st.get(key, 0))
+            if st.get("prefetched"):
+                accuracy.add_metric([device], st.get("prefetch_used", 0) / st["prefetched"])
+            unique.add_metric([device], st.get("unique_bytes", 0))
+            lease = st.get("leases", {})
+            leases.add_metric([device], lease.get("active", 0))
+            granted.add_metric([device], lease.get("granted", 0))
+            expired.add_metric([device], lease.get("expired", 0))
+        yield from gauges.values()
+        yield from counters.values()
+        yield from per_device.values()
+        yield from (accuracy, unique, leases, granted, expired)
+
+    @staticmethod
+    def _archives(archives: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+        docs = {
+            "blocks": "Blocks in the archive (cold tier).",
+            "live_bytes": "Bytes of live records on disk.",
+            "dead_bytes": "Bytes of dead records awaiting compaction.",
+            "bytes_on_disk": "Bytes of the archive's segment files.",
+            "corrupt_records": "Records that failed their checksum (never served).",
+        }
+        families = {
+            k: GaugeMetricFamily(f"memkv_archive_{k}", doc, labels=["archive"])
+            for k, doc in docs.items()
+        }
+        for archive, st in sorted(archives.items()):
+            for k, family in families.items():
+                family.add_metric([archive], st.get(k, 0))
+        yield from families.values()
+
+
+def engine_metrics(stats: dict[str, Any]) -> bytes:
+    """The Prometheus text of a router stats document."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(stats))
+    return bytes(generate_latest(registry))
