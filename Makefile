@@ -21,7 +21,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv vllm-venv test lint typecheck unit demo bench bench-eviction bench-codecs clean soak
+.PHONY: venv vllm-venv browser test lint typecheck unit demo bench bench-eviction bench-codecs clean soak
 
 venv: $(STAMP)
 
@@ -50,7 +50,21 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-unit: $(STAMP) $(VLLM_STAMP)
+# The status page is tested in a real browser: Debian's Chromium and its driver, installed
+# here when missing (as root, or with password-less sudo). Where apt cannot, the browser
+# test says so and skips; nothing else depends on it.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo -n); \
+		$$SUDO apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null \
+		|| { $$SUDO apt-get update -q >/dev/null \
+		     && $$SUDO apt-get install -y -q --no-install-recommends chromium chromium-driver \
+		        >/dev/null; } \
+		|| echo "Chromium could not be installed: the status-page browser test will skip"; \
+	else echo "not root: Chromium not installed, the status-page browser test will skip"; fi
+
+unit: $(STAMP) $(VLLM_STAMP) browser
 	$(PY) -m pytest -q
 
 test: lint typecheck unit

@@ -91,8 +91,36 @@ def up(
 
 
 @app.command()
-def status(address: AddressOpt = "auto", config: ConfigOpt = None) -> None:
-    """Print the cluster's session and tier statistics as JSON."""
+def status(
+    address: AddressOpt = "auto",
+    config: ConfigOpt = None,
+    url: Annotated[
+        str | None,
+        typer.Option("--url", help="Ask a gateway instead of Ray (needs an admin token)."),
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option("--token", envvar="MEMKV_TOKEN", help="The gateway token.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="The raw stats document.")] = False,
+) -> None:
+    """The cluster's sessions, tiers, devices, archives and tenants, as tables (or --json)."""
+    stats = _stats_over_http(url, token) if url else _stats_over_ray(address, config)
+    if as_json:
+        typer.echo(json.dumps(stats, indent=2, default=str))
+        return
+    from memkv.status_view import print_status
+
+    print_status(stats)
+
+
+def _stats_over_http(url: str, token: str | None) -> dict[str, Any]:
+    from memkv.client import Client
+
+    with Client(url, token=token) as client:
+        return dict(client.stats())
+
+
+def _stats_over_ray(address: str | None, config: Path | None) -> dict[str, Any]:
     import logging
 
     import ray
@@ -103,8 +131,7 @@ def status(address: AddressOpt = "auto", config: ConfigOpt = None) -> None:
     ray.init(address=address, namespace=cfg.cluster.namespace, logging_level=logging.ERROR)
     try:
         router = ray.get_actor(cfg.cluster.router_name, namespace=cfg.cluster.namespace)
-        stats: Any = ray.get(router.stats.remote())
-        typer.echo(json.dumps(stats, indent=2, default=str))
+        return dict(ray.get(router.stats.remote()))
     finally:
         ray.shutdown()
 

@@ -77,3 +77,30 @@ def test_bench_and_demo_options_are_typed():
     assert refused.exit_code == 2 and "nope" in refused.output
     too_few = runner.invoke(app, ["demo", "--sessions", "1"])
     assert too_few.exit_code == 2  # they share a system prompt: at least 2
+
+
+def test_status_prints_tables_or_json_from_a_gateway(gateway):
+    from memkv.client import Client
+    from memkv.storage.layout import KVLayout
+
+    with Client(gateway.url) as client:
+        client.create_session("status-cli", KVLayout("status-cli", 2, 2, 8, block_tokens=4))
+    runner = CliRunner()
+    raw = runner.invoke(app, ["status", "--url", gateway.url, "--json"])
+    assert raw.exit_code == 0, raw.output
+    stats = json.loads(raw.output)
+    assert stats["sessions"] >= 1 and len(stats["devices"]) == 2
+    shown = runner.invoke(app, ["status", "--url", gateway.url], env={"COLUMNS": "160"})
+    assert shown.exit_code == 0, shown.output
+    for heading in ("memkv cluster", "tiers", "device activity", "archives", "tenants"):
+        assert heading in shown.output
+    device = sorted(stats["devices"])[0]
+    assert device in shown.output and "hot" in shown.output and "warm" in shown.output
+
+
+def test_human_bytes():
+    from memkv.status_view import human_bytes
+
+    assert [human_bytes(n) for n in (0, 1023, 1024, 3 << 30, None)] == [
+        "0 B", "1023 B", "1.0 KiB", "3.0 GiB", "-"
+    ]

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from memkv.bench.context import BenchContext
-from memkv.bench.report import PlotKind, PlotSpec, SuiteResult
+from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track
 
 __all__ = ["run"]
 
@@ -153,7 +153,9 @@ def run(ctx: BenchContext) -> SuiteResult:
     ]
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="memkv-bench-vllm-") as scratch:
-        for i, (engine, transport, connector, repeats) in enumerate(plan):
+        for i, (engine, transport, connector, repeats) in track(
+            list(enumerate(plan)), "vllm: engines"
+        ):
             warmup = [(31 * j + 7 * i + 5) % (vocab - 1) + 1 for j in range(WARMUP_TOKENS)]
             spec = {**common, "connector": connector, "warmup": warmup, "repeats": repeats}
             result = _engine(model, Path(scratch) / f"{i}.json", spec)
