@@ -155,6 +155,12 @@ class DeviceSettings(EngineSettings):
         description="'auto' = cuda:<the actor's GPU> when the actor has one, else cpu; "
         "or an explicit 'cpu' / 'cuda:N'.",
     )
+    unified_memory: bool = Field(
+        default=False,
+        description="GPU devices only: the hot arena from CUDA managed memory preferring the "
+        "device (cudaMemAdvise), and a CUDA stream per high-priority session with its blocks "
+        "attached to it; never more than the device has free. Off by default.",
+    )
     same_node_reads: bool = Field(
         default=False,
         description="Serve read plans: processes on the device's node (the gateway, an "
@@ -244,6 +250,7 @@ class DeviceSettings(EngineSettings):
                 warm_capacity_bytes=self.warm_capacity_bytes,
                 cold_capacity_bytes=cold_capacity_bytes,
                 device=device,
+                unified_memory=self.unified_memory,
                 archive=archive,
                 **self.engine_settings(),
             )

@@ -70,15 +70,15 @@ def _tiers(devices: dict[str, Any]) -> Table:
 
 def _device_counters(devices: dict[str, Any]) -> Table:
     table = Table(title="device activity", title_justify="left")
-    columns = ("device", "misses", "promoted", "demoted", "prefetched (used)", "dedup saved",
-               "lossy", "leases")
+    columns = ("device", "kernels", "misses", "promoted", "demoted", "prefetched (used)",
+               "dedup saved", "lossy", "leases")
     for column in columns:
         table.add_column(column, justify="left" if column == "device" else "right")
     for name, d in sorted(devices.items()):
         prefetched = d.get("prefetched", 0)
         leases = d.get("leases", {})
         table.add_row(
-            name, str(d.get("misses", 0)), str(d.get("promotions", 0)),
+            name, str(d.get("kernels", "-")), str(d.get("misses", 0)), str(d.get("promotions", 0)),
             str(d.get("demotions", 0)),
             f"{prefetched} ({_ratio(d.get('prefetch_used', 0), prefetched)})",
             human_bytes(d.get("dedup_bytes_saved", 0)), str(d.get("lossy_conversions", 0)),

@@ -26,6 +26,7 @@ from memkv.actors.payload import BlockPayload, from_payload, to_payload
 from memkv.actors.segments import SegmentOwnership, reclaim_orphans, warm_segment_name
 from memkv.config import DeviceSettings
 from memkv.errors import InvalidInputError
+from memkv.gpu_kernels import backend as kernel_backend
 from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
@@ -394,6 +395,7 @@ class DeviceCache:
         hot = st["tiers"]["hot"]
         st["device_id"] = self.device_id
         st["incarnation"] = self.incarnation
+        st["kernels"] = kernel_backend()  # cuda, or cpu (the reference)
         st["prefault_done"] = self.pool.prefault_done.is_set()
         st["leases"] = {
             "active": len(self.leases),

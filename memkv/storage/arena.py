@@ -641,6 +641,7 @@ class DeviceArena(Arena):
         device: str | torch.device = "cpu",
         *,
         slab_classes_per_doubling: int | None = None,
+        unified_memory: bool = False,
     ) -> None:
         self._validate(capacity_bytes, min_unit_bytes, slab_classes_per_doubling)
         try:
@@ -650,7 +651,15 @@ class DeviceArena(Arena):
                 f"expected a torch device such as 'cpu' or 'cuda:0', got {device!r}: {e}"
             ) from e
         self._device = dev
-        buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=dev)
+        self._managed = None
+        if unified_memory and dev.type == "cuda":
+            # Managed memory preferring this device (memkv.gpu_kernels.unified).
+            from memkv.gpu_kernels.unified import ManagedArena
+
+            self._managed = ManagedArena(capacity_bytes, dev.index or 0)
+            buffer = self._managed.tensor()
+        else:
+            buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=dev)
         super().__init__(buffer, min_unit_bytes, slab_classes_per_doubling)
 
     @property
@@ -661,7 +670,9 @@ class DeviceArena(Arena):
     def _release(self) -> None:
         # Dropping the buffer reference (done by close) is all there is: the
         # caching allocator gets the memory back once no view refers to it.
-        pass
+        # A managed arena is freed explicitly.
+        if self._managed is not None:
+            self._managed.close()
 
 
 def _map_segment(name: str, nbytes: int) -> torch.Tensor:

@@ -223,7 +223,9 @@ class BlockPool:
         hot_arena: DeviceArena | SharedHostArena = (
             SharedHostArena(hot_bytes, unit, name=hot_segment_name(warm_name))
             if config.device == "cpu"
-            else DeviceArena(hot_bytes, unit, device=config.device)
+            else DeviceArena(
+                hot_bytes, unit, device=config.device, unified_memory=config.unified_memory
+            )
         )
         self._hot = MemoryTier(Tier.HOT, hot_arena, config.eviction)
         pin_warm = config.device.startswith("cuda")

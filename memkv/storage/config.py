@@ -224,6 +224,10 @@ class StoreConfig(EngineSettings):
         default=None, gt=0, description="Cold tier bytes on disk; None = limited by the disk."
     )
     device: str = Field(default="cpu", description="Torch device of the hot arena: cpu or cuda:N.")
+    unified_memory: bool = Field(
+        default=False,
+        description="A GPU hot arena from CUDA managed memory (memkv.gpu_kernels.unified).",
+    )
     archive: ArchiveConfig | None = Field(
         default=None, description="Local cold tier; None when a cold backend is given instead."
     )

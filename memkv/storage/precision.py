@@ -23,6 +23,7 @@ from enum import StrEnum
 import torch
 
 from memkv.errors import InvalidInputError, LayoutMismatchError, PrecisionOverflowError
+from memkv.gpu_kernels import ops as kernels
 from memkv.storage.config import PrecisionConfig
 from memkv.storage.layout import DTYPES, KV_AXIS_SIZE
 
@@ -41,17 +42,11 @@ __all__ = [
     "resolve_dtype",
 ]
 
-#: Largest int8 code used. Symmetric quantisation uses [-127, 127] and leaves
-#: -128 unused, so negating a code is exact and zero maps to zero.
-INT8_LEVELS = 127
+INT8_LEVELS = kernels.INT8_LEVELS
 
 # Axes of a block [layers, 2, kv_heads, tokens, head_dim].
 _BLOCK_NDIM = 5
 _KV_AXIS = 1
-_K, _V = 0, 1
-# Axes of one K or V half [layers, kv_heads, tokens, head_dim].
-_TOKEN_AXIS = 2
-_CHANNEL_AXIS = 3
 
 
 class StoredPrecision(StrEnum):
@@ -133,6 +128,15 @@ def convert(t: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
     """
     t = _check_float_tensor(t, "tensor to convert")
     target = resolve_dtype(dtype)
+    if t.is_cuda and t.dtype != target:
+        # One kernel pass casts and counts what is not finite (memkv.gpu_kernels).
+        out, bad = kernels.cast(t, target)
+        if bad:
+            raise PrecisionOverflowError(
+                f"{bad} value(s) are not finite in {target} (NaN or inf in the tensor, or "
+                f"beyond ±{torch.finfo(target).max:.6g})"
+            )
+        return out
     amax = finite_absmax(t, "tensor to convert")
     # Rounding is monotone, so the largest |x| overflows iff any element does;
     # one scalar conversion decides it (65504 < |x| < 65520 rounds to 65504 in fp16).
@@ -178,40 +182,11 @@ def int8_scales(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 scales of a finite block: ``(k_scale, v_scale)`` in fp32.
 
     ``k_scale[l, h, d] = max_t |K[l, h, t, d]| / 127``; ``v_scale[l, h, t] =
-    max_d |V[l, h, t, d]| / 127``. All-zero channels/tokens get scale 0.
+    max_d |V[l, h, t, d]| / 127``, rounded down where needed so that ``127 *
+    scale <= absmax`` (a dequantised value never leaves the original's range).
+    All-zero channels/tokens get scale 0. The math is :mod:`memkv.gpu_kernels`'.
     """
-    k = block[:, _K]
-    v = block[:, _V]
-    if block.shape[3] == 0:  # no tokens: no key statistics, no value scales
-        k_abs = torch.zeros(k.shape[0], k.shape[1], k.shape[3], dtype=torch.float32)
-    else:
-        k_abs = k.abs().amax(dim=_TOKEN_AXIS).float()
-    if block.shape[4] == 0:
-        v_abs = torch.zeros(v.shape[:3], dtype=torch.float32)
-    else:
-        v_abs = v.abs().amax(dim=_CHANNEL_AXIS).float()
-    return _scale_down(k_abs), _scale_down(v_abs)
-
-
-def _scale_down(absmax: torch.Tensor) -> torch.Tensor:
-    """``absmax / 127`` in fp32, rounded down where needed so ``127 * scale <= absmax``.
-
-    Rounding down keeps every dequantised value inside the original's range, so
-    a block quantised from fp16 (or fp32 near its limit) never dequantises to inf.
-    """
-    scale = absmax / INT8_LEVELS
-    over = scale.double() * INT8_LEVELS > absmax.double()
-    if bool(over.any()):
-        scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
-    return scale
-
-
-def _codes(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    # A zero scale means an all-zero group: divide by 1 so the codes are 0, not NaN.
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(x.float() / safe)
-    torch.clamp(q, -INT8_LEVELS, INT8_LEVELS, out=q)
-    out.copy_(q)
+    return kernels.int8_scales(block)
 
 
 def quantize_int8(block: torch.Tensor) -> QuantizedBlock:
@@ -239,10 +214,7 @@ def quantize_int8(block: torch.Tensor) -> QuantizedBlock:
     """
     block = _check_block(block)
     finite_absmax(block, "block to quantise")
-    k_scale, v_scale = int8_scales(block)
-    data = torch.empty(block.shape, dtype=torch.int8)
-    _codes(block[:, _K], k_scale.unsqueeze(_TOKEN_AXIS), data[:, _K])
-    _codes(block[:, _V], v_scale.unsqueeze(_CHANNEL_AXIS), data[:, _V])
+    data, k_scale, v_scale = kernels.int8_quantize(block)
     return QuantizedBlock(data=data, k_scale=k_scale, v_scale=v_scale, dtype=block.dtype)
 
 
@@ -277,8 +249,7 @@ def dequantize_int8(q: QuantizedBlock, dtype: torch.dtype | str | None = None) -
     # the result: write it directly (the multiply runs in fp32, then rounds once).
     direct = target == q.dtype
     out = torch.empty(q.data.shape, dtype=target if direct else torch.float32)
-    torch.mul(q.data[:, _K], q.k_scale.unsqueeze(_TOKEN_AXIS), out=out[:, _K])
-    torch.mul(q.data[:, _V], q.v_scale.unsqueeze(_CHANNEL_AXIS), out=out[:, _V])
+    kernels.int8_dequantize(q.data, q.k_scale, q.v_scale, out)
     return out if direct else convert(out, target)
 
 

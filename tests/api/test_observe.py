@@ -28,6 +28,7 @@ STATS = {
             "dedup_hits": 7, "dedup_bytes_saved": 700, "lossy_conversions": 2,
             "precision_fallbacks": 1, "unique_bytes": 140,
             "leases": {"active": 1, "granted": 9, "expired": 0},
+            "kernels": "cpu",
         }
     },
     "archives": {"arc-0": {"blocks": 8, "live_bytes": 80, "dead_bytes": 40,
@@ -59,6 +60,7 @@ def test_engine_figures_become_metrics():
     assert got[("memkv_dedup_bytes_saved_total", device)] == 700
     assert got[("memkv_lossy_conversions_total", device)] == 2
     assert got[("memkv_leases_granted_total", device)] == 9
+    assert got[("memkv_kernels_backend", (("backend", "cpu"), ("device", "dev-0")))] == 1
     assert got[("memkv_tenant_bytes", (("tenant", "acme"),))] == 3000
     assert got[("memkv_tenant_sessions", (("tenant", "(unscoped)"),))] == 1
     assert got[("memkv_archive_dead_bytes", (("archive", "arc-0"),))] == 40

@@ -255,4 +255,14 @@ def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:
         run("nope")
     with pytest.raises(InvalidInputError, match="expected a JSONL file"):
         run("eviction", trace=tmp_path / "absent.jsonl")
-    assert set(SUITES) == {"resume", "dataplane", "codecs", "eviction", "scale", "vllm"}
+    assert set(SUITES) == {
+        "resume", "dataplane", "codecs", "eviction", "scale", "kernels", "vllm"
+    }
+
+
+def test_kernels_quick(ctx: BenchContext) -> None:
+    result = run_suite("kernels", ctx)
+    doc = _written(ctx, "kernels")
+    assert doc["figures"]["backend"] in ("cpu", "cuda")
+    assert all(_positive(c["gb_per_s"]) for c in doc["figures"]["cases"])
+    assert result.rows[0][0] == "copy (anchor)" and result.rows[0][-1] == 1.0

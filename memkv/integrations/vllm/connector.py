@@ -72,6 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from memkv.errors import MemkvError
+from memkv.gpu_kernels import ops as kernels
 from memkv.integrations.vllm.metrics import MemkvConnectorStats, MemkvPromMetrics, StatsRecorder
 from memkv.integrations.vllm.transport import KVTransport, transport_from_config
 from memkv.protocol.dtypes import StorageDType
@@ -362,10 +363,7 @@ class MemkvConnector(KVConnectorBase_V1):
                 shape = (len(save.block_ids), *self.layout.block_shape())
                 staged = torch.empty(shape, dtype=self.layout.torch_dtype)
                 self._staged[save.req_id] = staged
-            for i, block_id in enumerate(save.block_ids):
-                k, v = _block_kv(kv_layer, block_id, self._block_size)
-                staged[i, layer, 0].copy_(k)
-                staged[i, layer, 1].copy_(v)
+            kernels.paged_read(kv_layer, save.block_ids, layer, staged, _paged_layout(kv_layer))
 
     def wait_for_save(self) -> None:
         self._finish_loads()
@@ -416,10 +414,9 @@ class MemkvConnector(KVConnectorBase_V1):
     def _write_layer(self, fetched: _Fetched, layer: int) -> None:
         """Layer ``layer`` of each fetched block into its vLLM block."""
         kv_layer = self._kv_caches[self._layer_names[layer]]
-        for block, block_id in zip(fetched.blocks, fetched.load.block_ids, strict=True):
-            k, v = _block_kv(kv_layer, block_id, self._block_size)
-            k.copy_(block[layer, 0])
-            v.copy_(block[layer, 1])
+        blocks: Any = fetched.blocks
+        kernels.paged_write(blocks, fetched.load.block_ids, layer, kv_layer,
+                            _paged_layout(kv_layer))
         fetched.pending.discard(layer)
 
     @property
@@ -496,18 +493,16 @@ class MemkvConnector(KVConnectorBase_V1):
             self._write_stats_file()
 
 
-def _block_kv(kv_layer: torch.Tensor, block_id: int, block_size: int) -> tuple[Any, Any]:
-    """Views ``[H, N, D]`` of K and V of one block of a layer's paged cache.
+def _paged_layout(kv_layer: torch.Tensor) -> int:
+    """Which of vLLM's paged layouts a layer's cache has (see memkv.gpu_kernels).
 
-    Layouts: the CPU backend's ``[blocks, H, N, 2 * D]`` (per head, the block's
-    K rows then its V rows), and the flash-attention one ``[2, blocks, N, H, D]``.
+    The CPU backend's ``[blocks, H, N, 2 * D]`` (per head, the block's K rows then
+    its V rows), and the flash-attention one ``[2, blocks, N, H, D]``.
     """
     if kv_layer.dim() == 4:
-        blocks, heads, tokens, twice = kv_layer.shape
-        rows = kv_layer[block_id].view(heads, 2 * tokens, twice // 2)
-        return rows[:, :tokens], rows[:, tokens:]
+        return kernels.PAGED_CPU
     if kv_layer.dim() == 5 and kv_layer.shape[0] == 2:
-        return kv_layer[0, block_id].transpose(0, 1), kv_layer[1, block_id].transpose(0, 1)
+        return kernels.PAGED_FLASH
     raise ValueError(f"memkv does not know vLLM's KV cache layout {tuple(kv_layer.shape)}")
 
 
