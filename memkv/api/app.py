@@ -40,7 +40,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memkv.actors.payload import BlockPayload
 from memkv.api.auth import Authenticator, Principal
-from memkv.api.blocks import FRAMES_MEDIA_TYPE, BlockFetcher, BlockFramesResponse, PlanCache
+from memkv.api.blocks import (
+    FRAMES_MEDIA_TYPE,
+    BlockFetcher,
+    BlockFramesResponse,
+    FetchedBytes,
+    PlanCache,
+)
 from memkv.api.observe import StatsSnapshot, engine_metrics
 from memkv.errors import (
     BlockLostError,
@@ -66,6 +72,7 @@ from memkv.protocol.ids import (
 from memkv.protocol.layout import LAYOUT_LIMITS, MAX_MODEL_ID_CHARS, KVLayout
 from memkv.protocol.messages import ReadRoute
 from memkv.protocol.wire import (
+    BlockFrameTemplate,
     Frame,
     FrameReader,
     WireError,
@@ -639,6 +646,12 @@ def create_app(
         except ValueError as e:
             raise InvalidInputError(f"keys must be hex strings: {e}") from e
         groups = await router.locate_blocks.remote(keys, namespace)
+        if len(groups) == 1:
+            # One device holds them all (the usual case: a prefix lives where its
+            # sessions do): stream them the way session reads go, through read
+            # plans from shared memory, pipelined, in the order asked.
+            device_id, device, group = groups[0]
+            return await _streamed_by_key(device_id, device, list(group))
         found: dict[bytes, BlockPayload] = {}
         total = 0
         for _, device, group in groups:
@@ -656,6 +669,42 @@ def create_app(
                     yield chunk
                 payload_bytes.labels("out").inc(found[key].nbytes)
             yield end_frame(len(keys))
+
+        return StreamingResponse(stream(), media_type=FRAMES_MEDIA_TYPE)
+
+    async def _streamed_by_key(
+        device_id: str, device: Any, keys: list[bytes]
+    ) -> StreamingResponse:
+        blocks = fetcher.fetch(device_id, device, keys, None)
+        # The first block before the head goes out, so its errors get a status code.
+        first = await blocks.__anext__()
+
+        async def stream() -> AsyncIterator[bytes | memoryview]:
+            total = 0
+            block: FetchedBytes | None = first
+            for i, key in enumerate(keys):
+                if block is None:
+                    block = await blocks.__anext__()
+                if block.key != key:
+                    raise CorruptDataError(f"asked for block {key.hex()}, got {block.key.hex()}")
+                total += block.data.nbytes
+                if total > max_body_bytes:
+                    raise PayloadTooLarge(
+                        f"these blocks are over {max_body_bytes} bytes: ask for fewer at a time"
+                    )
+                template = BlockFrameTemplate(
+                    index=i, key=key, dtype=block.dtype, shape=block.shape,
+                    nbytes=block.data.nbytes,
+                )
+                yield bytes(template.fill(tier=block.tier, exact=block.exact, crc=block.crc,
+                                          lossy=block.lossy))
+                yield block.data
+                payload_bytes.labels("out").inc(block.data.nbytes)
+                block = None
+            yield end_frame(len(keys))
+            close = getattr(blocks, "aclose", None)  # an async generator: its leases go back
+            if close is not None:
+                await close()
 
         return StreamingResponse(stream(), media_type=FRAMES_MEDIA_TYPE)
 

@@ -51,6 +51,8 @@ class FetchedBytes:
     exact: bool
     crc: int
     lossy: str = ""
+    dtype: str = ""  # the block's dtype and shape, for frames built without a layout
+    shape: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -427,7 +429,10 @@ def _entry_bytes(segment: np.ndarray, entry: PlanEntry) -> FetchedBytes:
     if entry.offset < 0 or entry.offset + entry.nbytes > segment.size:
         raise CorruptDataError(f"block {entry.key.hex()} lies outside its segment")
     data = segment[entry.offset : entry.offset + entry.nbytes].data
-    return FetchedBytes(entry.key, data, entry.found, entry.exact, entry.crc32, entry.lossy)
+    return FetchedBytes(
+        entry.key, data, entry.found, entry.exact, entry.crc32, entry.lossy, entry.dtype,
+        tuple(entry.shape),
+    )
 
 
 async def _release_later(device: Any, plan_ref: Any) -> bool:
@@ -438,7 +443,8 @@ async def _release_later(device: Any, plan_ref: Any) -> bool:
 def _from_payload(payload: BlockPayload) -> FetchedBytes:
     data = np.ascontiguousarray(payload.data).data.cast("B")
     return FetchedBytes(
-        payload.key, data, payload.tier or "hot", payload.exact, crc32(data), payload.lossy
+        payload.key, data, payload.tier or "hot", payload.exact, crc32(data), payload.lossy,
+        payload.dtype, tuple(payload.data.shape),
     )
 
 
