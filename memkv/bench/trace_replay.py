@@ -23,13 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memkv.storage.eviction import EvictionPolicy
+from memkv.storage.prefetch import MarkovPrefetcher
 
 __all__ = [
+    "PrefetchReplayResult",
     "ReplayResult",
     "Request",
     "distinct_blocks",
     "load_trace",
     "replay",
+    "replay_prefetching",
 ]
 
 
@@ -130,3 +133,90 @@ def replay(
     return ReplayResult(
         name, capacity, hits, requested, evictions, time.perf_counter() - start
     )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchReplayResult:
+    """A replay with a prefetcher: the hits, and what the prefetches did."""
+
+    result: ReplayResult
+    prefetched: int  # blocks brought into the cache by a prediction
+    used: int  # of those, read (as part of a hit) before they were evicted
+    wasted: int  # evicted unread, or still unread at the end
+
+    @property
+    def accuracy(self) -> float:
+        """Prefetched blocks read / prefetched blocks (0 with none prefetched)."""
+        return self.used / self.prefetched if self.prefetched else 0.0
+
+
+def replay_prefetching(
+    requests: Sequence[Request],
+    capacity: int,
+    policy: EvictionPolicy[int],
+    prefetcher: MarkovPrefetcher[int] | None,
+    name: str = "",
+    *,
+    per_conversation: bool = False,
+) -> PrefetchReplayResult:
+    """:func:`replay`, with ``prefetcher`` (or none) learning the accesses.
+
+    After each request the prefetcher predicts from its last block (memkv's
+    first trigger: a turn's input has ended) and the predicted blocks that are
+    not cached are brought in, as the archive would promote them, taking room
+    like any other block. A prefetched block counts as used if a later
+    request's leading hit run reads it before it is evicted.
+
+    ``per_conversation``: the prefetcher learns one stream per conversation (a
+    request's second block names it: the first is the shared system prompt), as
+    memkv learns one per session; else one stream for the whole trace.
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1 block, got {capacity}")
+    hits = requested = evictions = 0
+    prefetched = used = 0
+    pending: set[int] = set()  # prefetched, not read yet
+    now = float("-inf")
+    start = time.perf_counter()
+
+    def insert(b: int, parent: int | None) -> None:
+        nonlocal evictions
+        policy.insert(b, now, parent)
+        while len(policy) > capacity:
+            victim = policy.pop_victim(now)
+            if victim is None:
+                break
+            evictions += 1
+            pending.discard(victim)
+
+    for req in requests:
+        blocks = req.hash_ids
+        requested += len(blocks)
+        for b in blocks:
+            if b not in policy:
+                break
+            hits += 1
+            if b in pending:
+                pending.discard(b)
+                used += 1
+        parent: int | None = None
+        for b in blocks:
+            now = max(req.timestamp, now + SUBSTEP_MS)
+            if b in policy:
+                policy.access(b, now)
+            else:
+                insert(b, parent)
+            if prefetcher is not None:
+                prefetcher.observe(b, blocks[1] if per_conversation and len(blocks) > 1 else None)
+            parent = b
+        if prefetcher is not None and blocks:
+            for b, _ in prefetcher.predict(blocks[-1]):
+                if b not in policy:
+                    now = now + SUBSTEP_MS
+                    insert(b, None)
+                    if b in policy:
+                        pending.add(b)
+                        prefetched += 1
+    result = ReplayResult(name, capacity, hits, requested, evictions,
+                          time.perf_counter() - start)
+    return PrefetchReplayResult(result, prefetched, used, prefetched - used)

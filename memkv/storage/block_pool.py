@@ -825,7 +825,9 @@ class BlockPool:
         return moved
 
     def prefetch_predicted(self, key: BlockHash) -> int:
-        """Prefetch what the Markov model expects to follow ``key``."""
+        """Prefetch what the Markov model expects to follow ``key`` (when ``prefetch.markov``)."""
+        if not self.config.prefetch.markov:
+            return 0
         with self._lock:
             predicted = [k for k, _ in self._prefetcher.predict(key)]
         return self.prefetch(predicted)

@@ -256,8 +256,38 @@ def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:
     with pytest.raises(InvalidInputError, match="expected a JSONL file"):
         run("eviction", trace=tmp_path / "absent.jsonl")
     assert set(SUITES) == {
-        "resume", "dataplane", "codecs", "eviction", "scale", "kernels", "vllm"
+        "resume", "dataplane", "codecs", "eviction", "scale", "prefetch", "kernels", "vllm"
     }
+
+
+def test_prefetch_quick(ctx: BenchContext) -> None:
+    result = run_suite("prefetch", ctx)
+    doc = _written(ctx, "prefetch")
+    rows = doc["figures"]["rows"]
+    assert {r["setting"] for r in rows} == {"none", "article (w5, p0.6, 8)", "window 3",
+                                           "permissive (w8, p0.05, 32)"}
+    for r in rows:
+        assert 0 <= r["used"] <= r["prefetched"] and r["wasted"] == r["prefetched"] - r["used"]
+        assert 0.0 <= r["hit_ratio"] <= 1.0
+    assert all(r["prefetched"] == 0 for r in rows if r["setting"] == "none")
+    assert result.rows
+
+
+def test_prefetching_replay_counts_what_it_brought_in_and_what_was_read() -> None:
+    from memkv.bench import trace_replay as rt
+    from memkv.storage.config import EvictionConfig, PrefetchConfig
+    from memkv.storage.eviction import make_policy
+    from memkv.storage.prefetch import MarkovPrefetcher
+
+    # A loop A B C D, A B C D, ...: after D comes A, which a tiny cache has evicted.
+    loop = [rt.Request(float(t), (i,)) for t, i in enumerate([1, 2, 3, 4] * 20)]
+    config = PrefetchConfig(lookahead_window=1, prefetch_threshold=0.5, max_prefetch_blocks=1)
+    plain = rt.replay_prefetching(loop, 2, make_policy(EvictionConfig(policy="lru")), None)
+    smart = rt.replay_prefetching(loop, 2, make_policy(EvictionConfig(policy="lru")),
+                                  MarkovPrefetcher(config))
+    assert plain.result.hit_blocks == 0 and plain.prefetched == 0
+    assert smart.prefetched > 0 and smart.used > 0 and smart.accuracy > 0.9
+    assert smart.result.hit_blocks == smart.used
 
 
 def test_kernels_quick(ctx: BenchContext) -> None:
