@@ -102,6 +102,32 @@ def _gateway_rate(url: str, sids: list[str], requests: int) -> dict[str, float]:
             "p50_ms": percentile(lat, _P50) * _MS, "p99_ms": percentile(lat, _P99) * _MS}
 
 
+def _table_bytes_per_session(n: int) -> float:
+    """Python heap the router's session table takes per idle session (tracemalloc).
+
+    Measured on a :class:`RouterState` in this process, after a warm-up, so the
+    figure is the table's own, without Ray's or the interpreter's start-up.
+    """
+    import tracemalloc
+
+    from memkv.actors.router_state import RouterState
+
+    state = RouterState()
+    layout = LAYOUT.to_dict()
+    for i in range(1000):  # warm-up: the dicts' first growth, interned strings
+        state.create(f"warm-{i}", layout, NAMESPACE, "normal")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for i in range(n):
+            state.create(f"idle-session-{i:07d}", layout, NAMESPACE, "normal")
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    return grown / n
+
+
 def run(ctx: BenchContext) -> SuiteResult:
     """Create, fill, look up and delete many sessions; the table is rates and memory."""
     n = QUICK_SESSIONS if ctx.quick else SESSIONS
@@ -115,6 +141,8 @@ def run(ctx: BenchContext) -> SuiteResult:
     pid = _router_pid(router)
     rss_before = _rss_bytes(pid) if pid is not None else None
 
+    # The ceiling: bare calls to the same actor, measured the same way in this run.
+    ping_s = _rate(lambda i: router.ping.remote(), n, "scale: bare actor calls")
     create_s = _rate(lambda i: router.create_session.remote(sids[i], LAYOUT.to_dict(),
                                                             NAMESPACE, "normal"),
                      n, "scale: create sessions")
@@ -136,8 +164,11 @@ def run(ctx: BenchContext) -> SuiteResult:
 
     per_session = ((rss_idle - rss_before) / n
                    if rss_idle is not None and rss_before is not None else None)
+    table_bytes = _table_bytes_per_session(n)
     rows: list[list[Any]] = [
-        ["create session (router)", create_s, f"{IN_FLIGHT} in flight"],
+        ["bare actor call (router.ping)", ping_s, f"{IN_FLIGHT} in flight: the ceiling"],
+        ["create session (router)", create_s,
+         f"{IN_FLIGHT} in flight; {create_s / ping_s:.2f}x bare calls"],
         ["look up session (router)", lookup_s, f"{IN_FLIGHT} in flight"],
         ["turn: shared prefix + 1 block (in-cluster API)", put_s, "one caller, sequential"],
         ["look up session (gateway HTTP)", gateway["req_s"],
@@ -151,6 +182,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         "router resident memory per idle session: "
         + (f"{per_session:.0f} B (RSS {rss_before} -> {rss_idle} B over {n} creates)"
            if per_session is not None else "not measured (router pid not reachable)"),
+        f"router session table per idle session (tracemalloc, {n} sessions after a "
+        f"warm-up): {table_bytes:.0f} B (target <= 2048 B).",
         f"hot-tier occupancy after the burst: {hot_usage}; dedup hits: {dedup}.",
     ]
     return SuiteResult(
@@ -161,7 +194,9 @@ def run(ctx: BenchContext) -> SuiteResult:
         figures={"sessions": n, "create_ops_s": create_s, "lookup_ops_s": lookup_s,
                  "turn_ops_s": put_s, "delete_ops_s": delete_s, "gateway": gateway,
                  "router_rss_before": rss_before, "router_rss_idle": rss_idle,
-                 "router_bytes_per_idle_session": per_session, "hot_usage": hot_usage,
+                 "router_bytes_per_idle_session": per_session,
+                 "table_bytes_per_idle_session": table_bytes, "bare_call_ops_s": ping_s,
+                 "create_vs_bare_calls": create_s / ping_s, "hot_usage": hot_usage,
                  "dedup_hits": dedup},
         notes=notes,
         plot=PlotSpec(PlotKind.BAR, "operation", "operations / s", [r[0] for r in rows],

@@ -174,7 +174,8 @@ def test_scale_quick(ctx: BenchContext) -> None:
     result = run_suite("scale", ctx)
     _written(ctx, "scale")
     f = result.figures
-    for key in ("create_ops_s", "lookup_ops_s", "turn_ops_s", "delete_ops_s"):
+    for key in ("create_ops_s", "lookup_ops_s", "turn_ops_s", "delete_ops_s",
+                "bare_call_ops_s", "table_bytes_per_idle_session"):
         assert _positive(f[key])
     assert f["gateway"]["requests"] > 0 and _positive(f["gateway"]["req_s"])
     assert all(0 <= u <= 1 for u in f["hot_usage"].values())
