@@ -246,6 +246,10 @@ def render_markdown(docs: Sequence[dict[str, Any]], order: Sequence[str] = ()) -
         "since absolute times on shared machines drift.",
         "",
     ]
+    if docs:
+        from memkv.bench.claims import claims_table
+
+        lines += claims_table(docs)
     for doc in docs:
         quick = " (quick sizes)" if doc.get("quick") else ""
         lines += [f"## {doc['suite']}: {doc['title']}{quick}", ""]

@@ -226,7 +226,7 @@ def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path
     status = run("eviction", quick=True, trace=trace, out=ctx.out, markdown=md, ctx=ctx)
     assert status == 0
     row = load_results(ctx.out)[0]["figures"]["rows"][0]
-    assert set(row["policies"]) == {"memkv LRU-K", "memkv LRU"}
+    assert set(row["policies"]) == {"memkv LRU-K", "memkv LRU-K (K=2)", "memkv LRU"}
     text = md.read_text()
     assert "## eviction" in text and "| capacity |" in text
     assert [d["suite"] for d in load_results(ctx.out)] == ["eviction"]
