@@ -27,6 +27,7 @@ from memkv.actors.segments import SegmentOwnership, reclaim_orphans, warm_segmen
 from memkv.config import DeviceSettings
 from memkv.errors import InvalidInputError
 from memkv.gpu_kernels import backend as kernel_backend
+from memkv.gpu_kernels.unified import PriorityStreams
 from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
@@ -141,6 +142,28 @@ class RemoteColdTier:
         return None
 
 
+def attach_priority_session(
+    streams: PriorityStreams | None,
+    pool: BlockPool,
+    session_id: str,
+    keys: Sequence[bytes],
+    priority: Priority,
+) -> int:
+    """A high-priority session's hot blocks onto its own stream; others lose theirs.
+
+    Returns the blocks attached (0 without unified memory: ``streams`` is None).
+    """
+    if streams is None:
+        return 0
+    if priority is not Priority.HIGH:
+        streams.release(session_id)
+        return 0
+    located = pool.hot_locations(keys)
+    for offset, nbytes in located:
+        streams.attach(session_id, offset, nbytes)
+    return len(located)
+
+
 def _node_id() -> str:
     """This process's Ray node (readers compare it with theirs); "local" outside Ray."""
     if ray.is_initialized():
@@ -204,6 +227,7 @@ class DeviceCache:
             raise
         self.leases = LeaseTable(lambda keys: self.pool.unpin_blocks([BlockHash(k) for k in keys]))
         self.node_id = _node_id()
+        self._streams: PriorityStreams | None = None  # unified memory only
 
     def ping(self) -> dict[str, str]:
         """Who answers: the device id and this process's incarnation."""
@@ -292,8 +316,22 @@ class DeviceCache:
             out.append((bytes(k), tier.value, self.pool.tokens_of(key)))
         return out
 
-    def set_priority(self, keys: Sequence[bytes], priority: str) -> None:
+    def set_priority(
+        self, keys: Sequence[bytes], priority: str, session_id: str | None = None
+    ) -> None:
+        """Move a session's blocks to ``priority``'s eviction queue; with unified memory,
+        a high-priority session's hot blocks also get a CUDA stream of their own."""
         self.pool.set_priority(keys, Priority(priority))
+        if session_id is not None:
+            attach_priority_session(self._priority_streams(), self.pool, session_id, keys,
+                                    Priority(priority))
+
+    def _priority_streams(self) -> PriorityStreams | None:
+        if self._streams is None:
+            managed = self.pool.managed_hot_arena()
+            if managed is not None:
+                self._streams = PriorityStreams(managed)
+        return self._streams
 
     def get_blocks(self, keys: Sequence[bytes], stream: str | None = None) -> list[BlockPayload]:
         """Blocks by key, each promoted to the hot tier (batched: one call, many blocks)."""

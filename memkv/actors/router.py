@@ -437,7 +437,7 @@ class SessionRouter:
             await self._call(
                 record.device_id,
                 session_id,
-                lambda d: d.set_priority.remote(chain, record.priority.value),
+                lambda d: d.set_priority.remote(chain, record.priority.value, session_id),
             )
         return record.as_dict()
 

@@ -523,6 +523,25 @@ class BlockPool:
             for key in dict.fromkeys(BlockHash(bytes(k)) for k in keys):
                 self._raise_priority(self._blocks[key], priority, now, force=True)
 
+    def hot_locations(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """``(byte offset, bytes)`` in the hot arena of each of ``keys`` held there raw
+        (blocks elsewhere, or kept as int8, are left out): for attaching a session's
+        blocks to its CUDA stream (memkv.gpu_kernels.unified)."""
+        out: list[tuple[int, int]] = []
+        with self._lock:
+            for key in dict.fromkeys(BlockHash(bytes(k)) for k in keys):
+                entry = self._blocks.get(key)
+                if entry is None or entry.tier is not Tier.HOT:
+                    continue
+                where = self._hot.location(key)
+                if where is not None:
+                    out.append((where[0], entry.layout.block_nbytes(entry.tokens)))
+        return out
+
+    def managed_hot_arena(self) -> Any:
+        """The hot arena's managed allocation (unified memory), or None."""
+        return getattr(self._hot.arena, "_managed", None)
+
     def stored_prefix(self, keys: Sequence[BlockHash]) -> tuple[int, list[BlockHash]]:
         """Tokens and keys of the leading run of ``keys`` that is stored."""
         with self._lock:

@@ -68,3 +68,30 @@ def test_each_priority_session_gets_a_stream_its_blocks_are_attached_to():
         streams.attach("vip", (1 << 20) - 10, 4096)
     streams.release("vip")
     assert ("destroy", "stream-1") in rt.calls and streams.sessions() == ["other-vip"]
+
+
+def test_a_high_priority_sessions_hot_blocks_are_attached_to_its_stream(tmp_path):
+    from memkv.actors.device import attach_priority_session
+    from memkv.protocol.enums import Priority
+    from tests.storage.test_store import LAYOUT, kv, make_store
+
+    store = make_store(tmp_path)
+    try:
+        store.create_session("vip", LAYOUT)
+        keys, values = kv(10)
+        store.put_kv("vip", list(range(10)), keys, values)
+        chain = [bytes(k) for k in store.session("vip").chain]
+        rt = FakeRuntime(free=1 << 30)
+        streams = PriorityStreams(ManagedArena(1 << 20, 0, runtime=rt))
+        # Without unified memory there are no streams: nothing happens.
+        assert attach_priority_session(None, store.pool, "vip", chain, Priority.HIGH) == 0
+        assert attach_priority_session(streams, store.pool, "vip", chain, Priority.HIGH) == 3
+        located = store.pool.hot_locations(chain)
+        attached = [(c[2] - 0x10000, c[3]) for c in rt.calls if c[0] == "attach"]
+        assert attached == located and len(located) == 3
+        assert streams.sessions() == ["vip"]
+        # Back to normal: its stream goes.
+        attach_priority_session(streams, store.pool, "vip", chain, Priority.NORMAL)
+        assert streams.sessions() == []
+    finally:
+        store.close()
