@@ -1,4 +1,4 @@
-"""The ``memkv`` command: ``up``, ``status``, ``demo``, ``bench``.
+"""The ``memkv`` command: ``up``, ``status``, ``compact``, ``demo``, ``bench``.
 
 ``memkv up`` with no address starts the embedded default (a local Ray on
 127.0.0.1 with one CPU device, an archive and the router) and serves the HTTP
@@ -132,6 +132,35 @@ def _stats_over_ray(address: str | None, config: Path | None) -> dict[str, Any]:
     try:
         router = ray.get_actor(cfg.cluster.router_name, namespace=cfg.cluster.namespace)
         return dict(ray.get(router.stats.remote()))
+    finally:
+        ray.shutdown()
+
+
+@app.command()
+def compact(
+    address: AddressOpt = "auto",
+    config: ConfigOpt = None,
+    force: Annotated[
+        bool, typer.Option(help="Rewrite every segment, not only those past the dead share.")
+    ] = False,
+) -> None:
+    """Compact every archive's segment files (reclaim dead records), with a progress bar."""
+    import logging
+
+    import ray
+
+    from memkv.config import load_config
+    from memkv.status_view import compact_archives, human_bytes
+
+    cfg = load_config(config)
+    ray.init(address=address, namespace=cfg.cluster.namespace, logging_level=logging.ERROR)
+    try:
+        router = ray.get_actor(cfg.cluster.router_name, namespace=cfg.cluster.namespace)
+        names = sorted(ray.get(router.stats.remote()).get("archives", {}))
+        handles = {n: ray.get_actor(n, namespace=cfg.cluster.namespace) for n in names}
+        for name, done in compact_archives(handles, force=force).items():
+            typer.echo(f"{name}: {done['segments_in']} segments -> {done['segments_out']}, "
+                       f"{human_bytes(done['bytes_reclaimed'])} reclaimed")
     finally:
         ray.shutdown()
 

@@ -30,12 +30,14 @@ import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import DynamicCache
 
 from memkv.client import Client
@@ -264,8 +266,12 @@ def _run_turns(
     layout: KVLayout,
     settings: DemoSettings,
     checks: _Checks,
+    on_turn: Callable[[], None] = lambda: None,
 ) -> list[float]:
-    """All turns of all sessions; returns the TTFT speedups of turns that reused KV."""
+    """All turns of all sessions; returns the TTFT speedups of turns that reused KV.
+
+    ``on_turn`` is called after each turn (the progress bar advances).
+    """
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     gen = torch.Generator().manual_seed(settings.seed)
     system = torch.randint(0, vocab, (settings.system_tokens,), generator=gen).tolist()
@@ -326,6 +332,7 @@ def _run_turns(
                 f"{m.ttft_recompute_s * MS:>14.1f} {speedup:>6.2f}x {result.new_blocks:>5}  "
                 f"{'exact' if kv_ok else 'DIFF':<5} {'same' if same else 'DIFF':<6}"
             )
+            on_turn()
         if turn + 1 < settings.turns:
             # Between turns one session goes away (its blocks go to the cold tier;
             # the shared prompt stays in memory for the others) and comes back next turn.
@@ -376,7 +383,13 @@ def run(settings: DemoSettings, data_dir: Path) -> bool:
             "  TTFT memkv = restore over HTTP + prefill of the uncovered tokens + first token; "
             "TTFT recompute = prefill of the whole prompt + first token"
         )
-        speedups = _run_turns(client, model, layout, settings, checks)
+        # A bar on stderr under the table (it goes when done; rows print above it).
+        with Progress(TextColumn("[bold]demo: turns"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=Console(stderr=True),
+                      transient=True) as progress:
+            task = progress.add_task("turns", total=settings.turns * settings.sessions)
+            speedups = _run_turns(client, model, layout, settings, checks,
+                                  on_turn=lambda: progress.advance(task))
         _print_tier_stats(client.stats())
         for i in range(settings.sessions):
             client.delete_session(f"agent-{i}")

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console, Group
 from rich.table import Table
 
-__all__ = ["human_bytes", "status_tables"]
+__all__ = ["compact_archives", "human_bytes", "status_tables"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -125,3 +125,16 @@ def status_tables(stats: dict[str, Any]) -> Group:
 
 def print_status(stats: dict[str, Any], console: Console | None = None) -> None:
     (console or Console()).print(status_tables(stats))
+
+
+def compact_archives(archives: dict[str, Any], *, force: bool = False) -> dict[str, Any]:
+    """Compact each archive actor (one at a time, under a progress bar on stderr)."""
+    import ray
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    out: dict[str, Any] = {}
+    columns = (TextColumn("[bold]compacting archives"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        for name in progress.track(sorted(archives), description="archives"):
+            out[name] = ray.get(archives[name].compact.remote(force))
+    return out

@@ -104,3 +104,13 @@ def test_human_bytes():
     assert [human_bytes(n) for n in (0, 1023, 1024, 3 << 30, None)] == [
         "0 B", "1023 B", "1.0 KiB", "3.0 GiB", "-"
     ]
+
+
+def test_compacting_every_archive(cluster):
+    from memkv.status_view import compact_archives
+
+    done = compact_archives(cluster.archives, force=True)
+    assert set(done) == set(cluster.archives)
+    for result in done.values():
+        assert {"segments_in", "segments_out", "bytes_reclaimed"} <= set(result)
+        assert result["bytes_reclaimed"] >= 0
