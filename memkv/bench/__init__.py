@@ -2,7 +2,8 @@
 
 Usage::
 
-    memkv bench [all|resume|dataplane|codecs|eviction|scale|prefetch|kernels|vllm]
+    memkv bench [all|resume|dataplane|codecs|eviction|eviction-agents|scale|prefetch|
+                 kernels|vllm]
                 [--quick] [--trace PATH] [--model PATH] [--out benchmarks/results]
                 [--markdown BENCHMARKS.md]
 
@@ -22,6 +23,7 @@ SUITES: dict[str, str] = {
     "dataplane": "memkv.bench.dataplane",
     "codecs": "memkv.bench.codecs",
     "eviction": "memkv.bench.eviction",
+    "eviction-agents": "memkv.bench.eviction_agents",
     "scale": "memkv.bench.scale",
     "prefetch": "memkv.bench.prefetch",
     "kernels": "memkv.bench.kernels",

@@ -194,8 +194,16 @@ def _load(ctx: BenchContext) -> tuple[list[Any], str]:
 
 def run(ctx: BenchContext) -> SuiteResult:
     """Replay the trace at each capacity with every policy; the table is hit ratios."""
-    from memkv.bench import trace_replay as rt
     requests, source = _load(ctx)
+    return evaluate(requests, source, ctx, suite="eviction",
+                    title="prefix-hit ratio by cache size (fraction of distinct blocks)")
+
+
+def evaluate(
+    requests: Sequence[Any], source: str, ctx: BenchContext, *, suite: str, title: str
+) -> SuiteResult:
+    """Every policy on ``requests`` at each capacity (the eviction table of one trace)."""
+    from memkv.bench import trace_replay as rt
     distinct = rt.distinct_blocks(requests)
     total = sum(len(r.hash_ids) for r in requests)
     next_use = _next_use(requests)
@@ -207,7 +215,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     series: dict[str, list[float | None]] = {n: [] for n in names}
     rows: list[list[Any]] = []
     detail: list[dict[str, Any]] = []
-    for frac in track(CAPACITIES, "eviction: capacities"):
+    for frac in track(CAPACITIES, f"{suite}: capacities"):
         capacity = max(1, int(frac * distinct))
         results: dict[str, PolicyResult] = {}
         for label, (policy, k) in memkv_names.items():
@@ -245,8 +253,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         "below); smaller capacities show a dash.",
     ]
     return SuiteResult(
-        suite="eviction",
-        title="prefix-hit ratio by cache size (fraction of distinct blocks)",
+        suite=suite,
+        title=title,
         columns=["capacity", "blocks", *names, "gap closed"],
         rows=rows,
         figures={"trace": source, "requests": len(requests), "requested_blocks": total,

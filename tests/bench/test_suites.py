@@ -257,7 +257,8 @@ def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:
     with pytest.raises(InvalidInputError, match="expected a JSONL file"):
         run("eviction", trace=tmp_path / "absent.jsonl")
     assert set(SUITES) == {
-        "resume", "dataplane", "codecs", "eviction", "scale", "prefetch", "kernels", "vllm"
+        "resume", "dataplane", "codecs", "eviction", "eviction-agents", "scale", "prefetch",
+        "kernels", "vllm",
     }
 
 
@@ -289,6 +290,34 @@ def test_prefetching_replay_counts_what_it_brought_in_and_what_was_read() -> Non
     assert plain.result.hit_blocks == 0 and plain.prefetched == 0
     assert smart.prefetched > 0 and smart.used > 0 and smart.accuracy > 0.9
     assert smart.result.hit_blocks == smart.used
+
+
+def test_agent_fleet_trace_is_seeded_and_shaped_like_a_fleet() -> None:
+    from memkv.bench.agent_trace import AgentFleet, agent_fleet_trace
+
+    fleet = AgentFleet(agents=40, turns=(2, 6))
+    a, b = agent_fleet_trace(fleet, seed=3), agent_fleet_trace(fleet, seed=3)
+    assert a == b and a != agent_fleet_trace(fleet, seed=4)
+    assert [r.timestamp for r in a] == sorted(r.timestamp for r in a)
+    prefixes = {r.hash_ids[: fleet.system_blocks] for r in a}
+    assert len(prefixes) <= fleet.system_prompts  # system prompts are shared
+    # A session's turns extend its previous context.
+    by_head = {}
+    for r in a:
+        by_head.setdefault(r.hash_ids[fleet.system_blocks + fleet.tool_blocks], []).append(r)
+    grown = [rs for rs in by_head.values() if len(rs) > 1]
+    assert grown and all(rs[i].hash_ids == rs[i + 1].hash_ids[: len(rs[i].hash_ids)]
+                         for rs in grown for i in range(len(rs) - 1))
+
+
+def test_eviction_agents_quick(ctx: BenchContext) -> None:
+    result = run_suite("eviction-agents", ctx)
+    doc = _written(ctx, "eviction-agents")
+    assert "agent fleet" in doc["figures"]["trace"]
+    for row in doc["figures"]["rows"]:
+        for policy in ("memkv LRU-K", "memkv LRU"):
+            assert 0.0 <= row["policies"][policy]["hit_ratio"] <= 1.0
+    assert result.rows
 
 
 def test_kernels_quick(ctx: BenchContext) -> None:
