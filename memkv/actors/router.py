@@ -191,6 +191,50 @@ class SessionRouter:
         await self._durable(record.durable)
         return record.as_dict()
 
+    async def create_sessions(
+        self,
+        specs: list[dict[str, Any]],
+        quota: tuple[int | None, int | None] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Many new sessions in one call (bulk work: a fleet starting up, a restore).
+
+        Each spec has ``session_id`` and ``layout``, and optionally ``namespace``,
+        ``priority``, ``ack`` and ``exact_only`` (as :meth:`create_session`). The
+        journal is made durable once, for all of them.
+
+        Raises:
+            InvalidInputError, ConflictError, CapacityError: naming the spec's index;
+                the sessions before it are created (retry from that index).
+        """
+        await self._ready()
+        records: list[dict[str, Any]] = []
+        durable = False
+        try:
+            for i, spec in enumerate(specs):
+                ack = spec.get("ack") or self._default_ack
+                if ack not in ACK_MODES:
+                    raise InvalidInputError(
+                        f"spec {i}: ack must be one of {list(ACK_MODES)}, got {ack!r}"
+                    )
+                try:
+                    if quota is not None:
+                        self.state.check_quota(spec["session_id"], max_sessions=quota[0],
+                                               new_session=True)
+                    record = self.state.create(
+                        spec["session_id"], spec["layout"], spec.get("namespace", "default"),
+                        spec.get("priority", "normal"), durable=ack == "archive",
+                        exact_only=bool(spec.get("exact_only", False)),
+                    )
+                except KeyError as e:
+                    raise InvalidInputError(f"spec {i}: missing {e}") from e
+                except MemkvError as e:
+                    raise type(e)(f"spec {i} ({spec.get('session_id')!r}): {e}") from e
+                durable = durable or record.durable
+                records.append(record.as_dict())
+        finally:
+            await self._durable(durable)
+        return records
+
     async def session(self, session_id: str) -> dict[str, Any]:
         await self._ready()
         return self.state.get(session_id).as_dict()

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
 from memkv.bench.context import BenchContext
@@ -36,6 +37,8 @@ QUICK_SESSIONS = 200
 #: Router calls in flight at once (an inference fleet's worth of callers).
 IN_FLIGHT = 256
 GATEWAY_THREADS = 8
+#: Sessions per call of the batched create.
+BATCH = 256
 GATEWAY_REQUESTS = 4000
 QUICK_GATEWAY_REQUESTS = 200
 #: One 16-token block per step: 1 layer x 2 x 1 head x 16 tokens x 16 dims fp16 = 1 KiB.
@@ -147,6 +150,15 @@ def run(ctx: BenchContext) -> SuiteResult:
                                                             NAMESPACE, "normal"),
                      n, "scale: create sessions")
     rss_idle = _rss_bytes(pid) if pid is not None else None
+    # Bulk work in batches: one call per BATCH creates.
+    batch_ids = [f"scale-{run_id}-batch-{i}" for i in range(n)]
+    layout = LAYOUT.to_dict()
+    start = time.perf_counter()
+    for lo in track(range(0, n, BATCH), "scale: batched creates", total=-(-n // BATCH)):
+        specs = [{"session_id": sid, "layout": layout, "namespace": NAMESPACE}
+                 for sid in batch_ids[lo : lo + BATCH]]
+        ray.get(router.create_sessions.remote(specs))
+    batch_create_s = n / (time.perf_counter() - start)
     lookup_s = _rate(lambda i: router.session.remote(sids[i]), n, "scale: look up sessions")
 
     start = time.perf_counter()
@@ -161,6 +173,8 @@ def run(ctx: BenchContext) -> SuiteResult:
     requests = QUICK_GATEWAY_REQUESTS if ctx.quick else GATEWAY_REQUESTS
     gateway = _gateway_rate(ctx.get_gateway_url(), sids, requests)
     delete_s = _rate(lambda i: router.delete_session.remote(sids[i]), n, "scale: delete sessions")
+    for lo in range(0, n, IN_FLIGHT):  # the batch-created ones go too
+        ray.get([router.delete_session.remote(s) for s in batch_ids[lo : lo + IN_FLIGHT]])
 
     per_session = ((rss_idle - rss_before) / n
                    if rss_idle is not None and rss_before is not None else None)
@@ -169,6 +183,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         ["bare actor call (router.ping)", ping_s, f"{IN_FLIGHT} in flight: the ceiling"],
         ["create session (router)", create_s,
          f"{IN_FLIGHT} in flight; {create_s / ping_s:.2f}x bare calls"],
+        ["create sessions, batched (router)", batch_create_s,
+         f"{BATCH} per call, one call at a time; {batch_create_s / ping_s:.1f}x bare calls"],
         ["look up session (router)", lookup_s, f"{IN_FLIGHT} in flight"],
         ["turn: shared prefix + 1 block (in-cluster API)", put_s, "one caller, sequential"],
         ["look up session (gateway HTTP)", gateway["req_s"],
@@ -193,6 +209,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         rows=rows,
         figures={"sessions": n, "create_ops_s": create_s, "lookup_ops_s": lookup_s,
                  "turn_ops_s": put_s, "delete_ops_s": delete_s, "gateway": gateway,
+                 "batch_create_ops_s": batch_create_s,
                  "router_rss_before": rss_before, "router_rss_idle": rss_idle,
                  "router_bytes_per_idle_session": per_session,
                  "table_bytes_per_idle_session": table_bytes, "bare_call_ops_s": ping_s,

@@ -105,6 +105,17 @@ class MemkvCluster:
             )
         )
 
+    def create_sessions(self, specs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Many sessions in one router call: each spec as :meth:`create_session`'s
+        arguments (``session_id``, ``layout`` as a :class:`KVLayout` or its dict, and
+        optionally ``namespace``, ``priority``, ``ack``, ``exact_only``)."""
+        wire = [
+            {**spec, "layout": spec["layout"].to_dict()}
+            if isinstance(spec.get("layout"), KVLayout) else dict(spec)
+            for spec in specs
+        ]
+        return [dict(r) for r in ray.get(self.router.create_sessions.remote(wire))]
+
     def session(self, session_id: str) -> dict[str, Any]:
         return dict(ray.get(self.router.session.remote(session_id)))
 

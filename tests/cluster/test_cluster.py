@@ -199,3 +199,23 @@ def test_attach_finds_the_running_cluster_and_creates_nothing(cluster):
     assert joined.match_prefix(LAYOUT, "nobody", [1, 2, 3, 4]) == (0, [])
     with pytest.raises(ConfigError, match="no memkv router"):
         attach("auto", namespace="no-memkv-here")
+
+
+def test_sessions_created_in_bulk_and_a_bad_spec_named(cluster):
+    from memkv.errors import ConflictError, InvalidInputError
+
+    ids = [f"bulk-{next(_ids)}" for _ in range(5)]
+    records = cluster.create_sessions(
+        [{"session_id": sid, "layout": LAYOUT, "namespace": "bulk"} for sid in ids]
+    )
+    assert [r["session_id"] for r in records] == ids
+    assert all(cluster.session(sid)["namespace"] == "bulk" for sid in ids)
+    more = f"bulk-{next(_ids)}"
+    with pytest.raises(ConflictError, match=r"spec 1"):
+        cluster.create_sessions([{"session_id": more, "layout": LAYOUT},
+                                 {"session_id": ids[0], "layout": LAYOUT}])
+    assert cluster.session(more)["session_id"] == more  # the one before it was created
+    with pytest.raises(InvalidInputError, match=r"spec 0: missing 'layout'"):
+        cluster.create_sessions([{"session_id": f"bulk-{next(_ids)}"}])
+    for sid in [*ids, more]:
+        cluster.delete_session(sid)
