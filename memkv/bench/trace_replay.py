@@ -106,33 +106,7 @@ def replay(
     Raises:
         ValueError: ``capacity < 1``.
     """
-    if capacity < 1:
-        raise ValueError(f"capacity must be >= 1 block, got {capacity}")
-    hits = requested = evictions = 0
-    now = float("-inf")
-    start = time.perf_counter()
-    for req in requests:
-        blocks = req.hash_ids
-        requested += len(blocks)
-        for b in blocks:
-            if b not in policy:
-                break
-            hits += 1
-        parent: int | None = None
-        for b in blocks:
-            now = max(req.timestamp, now + SUBSTEP_MS)
-            if b in policy:
-                policy.access(b, now)
-            else:
-                policy.insert(b, now, parent)
-                while len(policy) > capacity:
-                    if policy.pop_victim(now) is None:
-                        break  # everything pinned: cannot happen here (nothing pins)
-                    evictions += 1
-            parent = b
-    return ReplayResult(
-        name, capacity, hits, requested, evictions, time.perf_counter() - start
-    )
+    return replay_prefetching(requests, capacity, policy, None, name).result
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ raise on anything wrong; the connector turns every failure into recompute.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -58,6 +58,14 @@ class KVTransport(Protocol):
     def close(self) -> None: ...
 
 
+def _created_or_there(create: Callable[[], Any]) -> None:
+    """Create a session; one that exists already is this turn's to append to."""
+    try:
+        create()
+    except ConflictError:
+        pass
+
+
 def _check_keys(got: Sequence[bytes], wanted: Sequence[bytes]) -> None:
     if list(got) != list(wanted):
         raise CorruptDataError(
@@ -95,12 +103,9 @@ class GatewayTransport:
         blocks: Sequence[torch.Tensor],
         start_block: int,
     ) -> None:
-        try:
-            self._client.create_session(
-                session_id, self.layout, namespace=self._namespace, priority=priority
-            )
-        except ConflictError:
-            pass  # it exists: this turn appends to it
+        _created_or_there(lambda: self._client.create_session(
+            session_id, self.layout, namespace=self._namespace, priority=priority
+        ))
         self._client.append_turn(
             session_id, list(token_ids), blocks=list(blocks), start_block=start_block
         )
@@ -152,12 +157,9 @@ class ClusterTransport:
         # The id a gateway tenant of this name has for it: sessions of other
         # namespaces never collide with this one's.
         scoped = scoped_session_id(self._namespace, session_id)
-        try:
-            self._cluster.create_session(
-                scoped, self.layout, namespace=self._namespace, priority=priority
-            )
-        except ConflictError:
-            pass
+        _created_or_there(lambda: self._cluster.create_session(
+            scoped, self.layout, namespace=self._namespace, priority=priority
+        ))
         self._cluster.put_blocks(scoped, list(token_ids), list(blocks), start_block)
 
     def warm_up(self) -> None:
