@@ -27,6 +27,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
+from memkv.actors.packed import pack_answer, unpack
 from memkv.actors.router_state import RouterState
 from memkv.errors import (
     BlockLostError,
@@ -190,6 +191,11 @@ class SessionRouter:
         )
         await self._durable(record.durable)
         return record.as_dict()
+
+    async def create_session_packed(self, arguments: bytes) -> bytes:
+        """:meth:`create_session`, its arguments and its answer packed (memkv.actors.packed)."""
+        record = await self.create_session(*unpack(arguments))
+        return pack_answer(record)
 
     async def create_sessions(
         self,

@@ -26,6 +26,7 @@ from typing import Any
 import ray
 import torch
 
+from memkv.actors.packed import pack
 from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
 from memkv.protocol.layout import KVLayout
@@ -149,6 +150,9 @@ def run(ctx: BenchContext) -> SuiteResult:
     create_s = _rate(lambda i: router.create_session.remote(sids[i], LAYOUT.to_dict(),
                                                             NAMESPACE, "normal"),
                      n, "scale: create sessions")
+    packed_ids = [f"scale-{run_id}-packed-{i}" for i in range(n)]
+    packed_s = _rate(lambda i: router.create_session_packed.remote(
+        pack(packed_ids[i], LAYOUT.to_dict(), NAMESPACE, "normal")), n, "scale: packed creates")
     rss_idle = _rss_bytes(pid) if pid is not None else None
     # Bulk work in batches: one call per BATCH creates.
     batch_ids = [f"scale-{run_id}-batch-{i}" for i in range(n)]
@@ -173,8 +177,9 @@ def run(ctx: BenchContext) -> SuiteResult:
     requests = QUICK_GATEWAY_REQUESTS if ctx.quick else GATEWAY_REQUESTS
     gateway = _gateway_rate(ctx.get_gateway_url(), sids, requests)
     delete_s = _rate(lambda i: router.delete_session.remote(sids[i]), n, "scale: delete sessions")
-    for lo in range(0, n, IN_FLIGHT):  # the batch-created ones go too
-        ray.get([router.delete_session.remote(s) for s in batch_ids[lo : lo + IN_FLIGHT]])
+    for others in (batch_ids, packed_ids):  # the batch-created and packed ones go too
+        for lo in range(0, n, IN_FLIGHT):
+            ray.get([router.delete_session.remote(s) for s in others[lo : lo + IN_FLIGHT]])
 
     per_session = ((rss_idle - rss_before) / n
                    if rss_idle is not None and rss_before is not None else None)
@@ -183,6 +188,9 @@ def run(ctx: BenchContext) -> SuiteResult:
         ["bare actor call (router.ping)", ping_s, f"{IN_FLIGHT} in flight: the ceiling"],
         ["create session (router)", create_s,
          f"{IN_FLIGHT} in flight; {create_s / ping_s:.2f}x bare calls"],
+        ["create session, packed (router)", packed_s,
+         f"{IN_FLIGHT} in flight; one bytes argument each way; {packed_s / ping_s:.2f}x bare "
+         f"calls"],
         ["create sessions, batched (router)", batch_create_s,
          f"{BATCH} per call, one call at a time; {batch_create_s / ping_s:.1f}x bare calls"],
         ["look up session (router)", lookup_s, f"{IN_FLIGHT} in flight"],
@@ -209,7 +217,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         rows=rows,
         figures={"sessions": n, "create_ops_s": create_s, "lookup_ops_s": lookup_s,
                  "turn_ops_s": put_s, "delete_ops_s": delete_s, "gateway": gateway,
-                 "batch_create_ops_s": batch_create_s,
+                 "batch_create_ops_s": batch_create_s, "packed_create_ops_s": packed_s,
                  "router_rss_before": rss_before, "router_rss_idle": rss_idle,
                  "router_bytes_per_idle_session": per_session,
                  "table_bytes_per_idle_session": table_bytes, "bare_call_ops_s": ping_s,

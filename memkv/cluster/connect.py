@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from memkv.actors.archive import ArchiveActor
 from memkv.actors.device import DeviceCacheActor
+from memkv.actors.packed import pack, unpack
 from memkv.actors.payload import (
     READ_BATCH_BLOCKS,
     READ_WINDOW_BATCHES,
@@ -97,13 +98,8 @@ class MemkvCluster:
     ) -> dict[str, Any]:
         """A new session; ``ack`` (``memory`` / ``archive``) and ``exact_only``:
         see docs/durability.md."""
-        return dict(
-            ray.get(
-                self.router.create_session.remote(
-                    session_id, layout.to_dict(), namespace, priority, ack, None, exact_only
-                )
-            )
-        )
+        arguments = pack(session_id, layout.to_dict(), namespace, priority, ack, None, exact_only)
+        return dict(unpack(ray.get(self.router.create_session_packed.remote(arguments))))
 
     def create_sessions(self, specs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Many sessions in one router call: each spec as :meth:`create_session`'s
