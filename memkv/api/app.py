@@ -723,7 +723,8 @@ def create_app(
 
     @app.get("/v1/stats", tags=["cluster"])
     async def stats(who: Principal = Reader) -> dict[str, Any]:
-        """Cluster-wide figures (every tenant's): the admin role only."""
+        """Cluster-wide figures (every tenant's): the admin role only. The cluster part is
+        a snapshot at most 2 s old, shared with /metrics and the status page."""
         who.require("admin")
         out = dict(await snapshot.get())
         # This gateway's own read paths: how many blocks it served from shared

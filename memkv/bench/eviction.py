@@ -177,7 +177,9 @@ def replay_libcachesim(
     return PolicyResult(name, capacity, hits, requested, time.perf_counter() - start)
 
 
-def _load(ctx: BenchContext) -> tuple[list[Any], str]:
+def load_requests(ctx: BenchContext) -> tuple[list[Any], str]:
+    """The trace a trace-replaying suite uses (``--trace``, the shared Mooncake trace, or a
+    synthetic one), cut short with ``--quick``; and where it came from."""
     from memkv.bench import trace_replay as rt
     path = ctx.trace
     if path is None and SHARED_TRACE.is_file():
@@ -194,7 +196,7 @@ def _load(ctx: BenchContext) -> tuple[list[Any], str]:
 
 def run(ctx: BenchContext) -> SuiteResult:
     """Replay the trace at each capacity with every policy; the table is hit ratios."""
-    requests, source = _load(ctx)
+    requests, source = load_requests(ctx)
     return evaluate(requests, source, ctx, suite="eviction",
                     title="prefix-hit ratio by cache size (fraction of distinct blocks)")
 

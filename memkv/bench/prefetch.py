@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from memkv.bench.context import BenchContext
-from memkv.bench.eviction import _load
+from memkv.bench.eviction import load_requests
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track
 from memkv.storage.config import EvictionConfig, PrefetchConfig
 from memkv.storage.eviction import make_policy
@@ -39,7 +39,7 @@ SETTINGS: dict[str, PrefetchConfig | None] = {
 def run(ctx: BenchContext) -> SuiteResult:
     from memkv.bench import trace_replay as rt
 
-    requests, source = _load(ctx)
+    requests, source = load_requests(ctx)
     distinct = rt.distinct_blocks(requests)
     rows: list[list[Any]] = []
     figures: list[dict[str, Any]] = []

@@ -182,6 +182,7 @@ class MemkvConnector(KVConnectorBase_V1):
         # Worker side.
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
+        self._layer_names: list[str] = []
         self._fetched: list[_Fetched] = []
         self._staged: dict[str, torch.Tensor] = {}  # req id -> [blocks, L, 2, H, N, D]
         self._load_errors: set[int] = set()
@@ -286,6 +287,7 @@ class MemkvConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._layer_names = list(kv_caches)  # once, not per layer of every load
         self._write_stats_file()  # the worker's file exists from the start
         self._warm_up()
 
@@ -413,15 +415,11 @@ class MemkvConnector(KVConnectorBase_V1):
 
     def _write_layer(self, fetched: _Fetched, layer: int) -> None:
         """Layer ``layer`` of each fetched block into its vLLM block."""
-        kv_layer = self._kv_caches[self._layer_names[layer]]
+        kv_layer = self._kv_caches[self._layer_names[layer]]  # names in layer order
         blocks: Any = fetched.blocks
         kernels.paged_write(blocks, fetched.load.block_ids, layer, kv_layer,
                             _paged_layout(kv_layer))
         fetched.pending.discard(layer)
-
-    @property
-    def _layer_names(self) -> list[str]:
-        return list(self._kv_caches)
 
     def _finish_loads(self) -> None:
         """Write what no ``wait_for_layer_load`` asked for, and forget the step's loads."""
