@@ -28,7 +28,7 @@ import sys
 import sysconfig
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,10 @@ __all__ = [
     "MODEL_ID",
     "ByteCorpus",
     "KVTransform",
+    "LARGE",
+    "MODELS",
+    "ModelSpec",
+    "SMALL",
     "PerplexityResult",
     "TrainedModel",
     "codec_transform",
@@ -73,8 +77,19 @@ FULL_CONFIG: dict[str, Any] = {
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": 2048,
     "tie_word_embeddings": True,
+}
+#: The second, larger model: 8 layers, hidden 512, 8 heads of 64, 2 KV heads
+#: (~25 M parameters). A codec setting is judged on both, so a default is not
+#: fitted to one model's statistics.
+LARGE_CONFIG: dict[str, Any] = {
+    **FULL_CONFIG,
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
 }
 #: Tests: the same architecture, tiny, trained for seconds (figures, not quality).
 QUICK_CONFIG: dict[str, Any] = {
@@ -91,10 +106,22 @@ QUICK_TRAIN_SECONDS = 2.0
 QUICK_MAX_STEPS = 20
 QUICK_FILES = 40  # the first files in path order: enough text for seconds of training
 
+#: Cached bytes and scored bytes per evaluation window: contexts of 1024, as
+#: agents' caches are long and a codec's error compounds over the context.
+DEFAULT_PREFIX = 1024
+DEFAULT_CONT = 64
 #: Training windows: longer than prefix + cont + 1 of the evaluation, so every
 #: evaluated position was seen in training.
-TRAIN_CONTEXT = 288
-BATCH = 8
+TRAIN_CONTEXT = 1096
+#: Windows per step: with 1096-byte windows, about as many bytes a step as 8 x 288.
+BATCH = 2
+#: A curriculum: the first part of the budget on short windows (more steps per
+#: second: a CPU minute buys ~2x the held-out loss drop there), the rest on
+#: full-length ones so every evaluated position is trained.
+SHORT_CONTEXT = 288
+SHORT_BATCH = 8
+SHORT_FRACTION = 0.6
+QUICK_CONTEXT = 96
 PEAK_LR = 2e-3
 MIN_LR_FRACTION = 0.1  # cosine decay (over the time budget) ends at 10% of the peak
 WARMUP_STEPS = 30
@@ -107,13 +134,40 @@ EVAL_BATCHES = 4  # held-out loss recorded in the manifest
 HOLDOUT_EVERY = 20
 FILE_SEPARATOR = b"\n\n"
 #: Bump when the data selection or training procedure changes: retrains.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 MANIFEST = "memkv-manifest.json"
 _SECONDS_PER_MINUTE = 60.0
-_EVAL_CHUNK = 32  # windows per batched forward pass in perplexity evaluation
+_EVAL_CHUNK = 8  # windows per batched forward pass in perplexity evaluation
 
-DEFAULT_PREFIX = 192
-DEFAULT_CONT = 64
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One byte-level Llama to train: its architecture, budget and windows.
+
+    Attributes:
+        name: directory prefix in the cache and the label in tables.
+        config: LlamaConfig keyword arguments.
+        minutes: wall-clock training budget.
+        context: bytes per training window.
+        batch: windows per step.
+        short_fraction: share of the budget spent first on short windows.
+    """
+
+    name: str
+    config: Mapping[str, Any]
+    minutes: float
+    context: int = TRAIN_CONTEXT
+    batch: int = BATCH
+    short_fraction: float = SHORT_FRACTION
+
+
+SMALL = ModelSpec("byte-llama", FULL_CONFIG, DEFAULT_TRAIN_MINUTES)
+LARGE = ModelSpec("byte-llama-large", LARGE_CONFIG, 10.0)
+QUICK = ModelSpec("byte-llama-quick", QUICK_CONFIG, QUICK_TRAIN_SECONDS / _SECONDS_PER_MINUTE,
+                  context=QUICK_CONTEXT, batch=8, short_fraction=0.0)
+#: What the codecs suite measures on, in its table's order.
+MODELS: tuple[ModelSpec, ...] = (SMALL, LARGE)
+
 
 
 # --------------------------------------------------------------------------- corpus
@@ -209,16 +263,15 @@ def default_cache_dir() -> Path:
     return base / "memkv"
 
 
-def _recipe(
-    config: Mapping[str, Any], minutes: float, seed: int, corpus: ByteCorpus
-) -> dict[str, Any]:
+def _recipe(spec: ModelSpec, seed: int, corpus: ByteCorpus) -> dict[str, Any]:
     return {
         "version": RECIPE_VERSION,
-        "config": dict(config),
-        "minutes": minutes,
+        "config": dict(spec.config),
+        "minutes": spec.minutes,
         "seed": seed,
-        "context": TRAIN_CONTEXT,
-        "batch": BATCH,
+        "context": spec.context,
+        "batch": spec.batch,
+        "curriculum": [SHORT_CONTEXT, SHORT_BATCH, spec.short_fraction],
         "peak_lr": PEAK_LR,
         "corpus": corpus.digest,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
@@ -254,25 +307,28 @@ def _lr(step: int, elapsed_fraction: float) -> float:
     return PEAK_LR * warm * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
 
 
-def _held_out_loss(model: Any, corpus: ByteCorpus, gen: torch.Generator) -> float:
+def _held_out_loss(model: Any, corpus: ByteCorpus, spec: ModelSpec,
+                   gen: torch.Generator) -> float:
     model.eval()
     losses: list[float] = []
     with torch.no_grad():
         for _ in range(EVAL_BATCHES):
-            x = _windows(corpus.held_out, BATCH, min(TRAIN_CONTEXT, len(corpus.held_out)), gen)
+            x = _windows(corpus.held_out, spec.batch, min(spec.context, len(corpus.held_out)),
+                         gen)
             losses.append(float(model(input_ids=x, labels=x).loss))
     return sum(losses) / len(losses)
 
 
-def _train(model: Any, corpus: ByteCorpus, budget_s: float, max_steps: int | None,
+def _train(model: Any, corpus: ByteCorpus, spec: ModelSpec, max_steps: int | None,
            seed: int) -> dict[str, Any]:
     """AdamW on random windows of the training text until the time budget is spent."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if len(corpus.train) < TRAIN_CONTEXT:
+    if len(corpus.train) < spec.context:
         raise InvalidInputError(
-            f"expected at least {TRAIN_CONTEXT} bytes of training text, got {len(corpus.train)}"
+            f"expected at least {spec.context} bytes of training text, got {len(corpus.train)}"
         )
+    budget_s = spec.minutes * _SECONDS_PER_MINUTE
     gen = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]  # norms: no decay
@@ -281,54 +337,59 @@ def _train(model: Any, corpus: ByteCorpus, budget_s: float, max_steps: int | Non
         lr=PEAK_LR, betas=BETAS,
     )
     model.train()
-    step, loss_ema, start = 0, float("nan"), time.perf_counter()
+    step, tokens_seen, loss_ema, start = 0, 0, float("nan"), time.perf_counter()
     columns = (TextColumn("[bold]{task.description}"), BarColumn(),
                TextColumn("step {task.fields[step]} loss {task.fields[loss]:.3f}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("train byte-llama", total=budget_s, step=0, loss=float("nan"))
+        task = progress.add_task(f"train {spec.name}", total=budget_s, step=0, loss=float("nan"))
         while True:
             elapsed = time.perf_counter() - start
             if elapsed >= budget_s or (max_steps is not None and step >= max_steps):
                 break
             for group in opt.param_groups:
                 group["lr"] = _lr(step, elapsed / budget_s)
-            x = _windows(corpus.train, BATCH, TRAIN_CONTEXT, gen)
+            short = elapsed < spec.short_fraction * budget_s
+            x = (_windows(corpus.train, SHORT_BATCH, SHORT_CONTEXT, gen) if short else
+                 _windows(corpus.train, spec.batch, spec.context, gen))
             loss = model(input_ids=x, labels=x, use_cache=False).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
             opt.step()
             step += 1
+            tokens_seen += x.numel()
             value = loss.item()
             loss_ema = value if math.isnan(loss_ema) else 0.9 * loss_ema + 0.1 * value
             progress.update(task, completed=min(budget_s, time.perf_counter() - start),
                             step=step, loss=loss_ema)
     train_s = time.perf_counter() - start
-    held = _held_out_loss(model, corpus, gen)
+    held = _held_out_loss(model, corpus, spec, gen)
     model.eval()
     return {"steps": step, "train_s": round(train_s, 1), "train_loss": float(loss_ema),
-            "held_out_loss": held, "tokens_seen": step * BATCH * TRAIN_CONTEXT}
+            "held_out_loss": held, "tokens_seen": tokens_seen}
 
 
 def train_byte_llama(
     cache_dir: Path | None = None,
     *,
-    minutes: float = DEFAULT_TRAIN_MINUTES,
+    spec: ModelSpec = SMALL,
+    minutes: float | None = None,
     seed: int = 0,
     quick: bool = False,
 ) -> tuple[Any, TrainedModel]:
-    """The byte-level Llama trained on the standard library: loaded if cached, else trained.
+    """A byte-level Llama trained on the standard library: loaded if cached, else trained.
 
     Args:
         cache_dir: memkv's cache directory; the model lives in
-            ``<cache_dir>/models/byte-llama-<recipe hash>``. None: the user's
+            ``<cache_dir>/models/<spec.name>-<recipe hash>``. None: the user's
             (:func:`default_cache_dir`), or for ``quick`` no saving at all.
-        minutes: training budget (wall clock), when it has to train; part of the
+        spec: which model (:data:`SMALL`, :data:`LARGE`).
+        minutes: training budget (wall clock) instead of the spec's; part of the
             recipe, so another budget is another model.
         seed: weights and window sampling.
-        quick: a tiny config on a few files for about two seconds (tests):
-            figures, not a useful model; ``minutes`` is ignored.
+        quick: :data:`QUICK`, a tiny config on a few files for about two seconds
+            (tests): figures, not a useful model; ``spec`` and ``minutes`` are ignored.
 
     Returns:
         ``(model, info)``: an fp32 LlamaForCausalLM in eval mode and :class:`TrainedModel`.
@@ -338,14 +399,16 @@ def train_byte_llama(
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if not minutes > 0:
-        raise InvalidInputError(f"minutes must be > 0, got {minutes!r}")
+    if quick:
+        spec = QUICK
+    elif minutes is not None:
+        if not minutes > 0:
+            raise InvalidInputError(f"minutes must be > 0, got {minutes!r}")
+        spec = replace(spec, minutes=minutes)
     corpus = load_stdlib_corpus(quick=quick)
-    config = QUICK_CONFIG if quick else FULL_CONFIG
-    budget_s = QUICK_TRAIN_SECONDS if quick else minutes * _SECONDS_PER_MINUTE
-    recipe = _recipe(config, budget_s / _SECONDS_PER_MINUTE, seed, corpus)
+    recipe = _recipe(spec, seed, corpus)
     root = cache_dir if cache_dir is not None else (None if quick else default_cache_dir())
-    path = None if root is None else root / "models" / f"byte-llama-{_recipe_hash(recipe)}"
+    path = None if root is None else root / "models" / f"{spec.name}-{_recipe_hash(recipe)}"
     if path is not None:
         manifest = _valid_manifest(path, recipe)
         if manifest is not None:
@@ -353,8 +416,8 @@ def train_byte_llama(
                 path, dtype=torch.float32, local_files_only=True).eval()
             return model, TrainedModel(path, True, manifest, corpus)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**config))
-    stats = _train(model, corpus, budget_s, QUICK_MAX_STEPS if quick else None, seed)
+    model = LlamaForCausalLM(LlamaConfig(**spec.config))
+    stats = _train(model, corpus, spec, QUICK_MAX_STEPS if quick else None, seed)
     manifest = {"recipe": recipe, **stats, "parameters": sum(p.numel() for p in model.parameters()),
                 "corpus_files": corpus.files, "held_out_files": corpus.held_out_files,
                 "trained_at": time.strftime("%Y-%m-%d %H:%M:%S %z")}
@@ -447,6 +510,8 @@ class PerplexityResult:
         rise_pct: 100 * (perplexity / reference - 1).
         nll_delta: mean NLL difference (nats per byte).
         ratio_vs_fp16: fp16 bytes of the cache / bytes stored.
+        greedy_agreement: share of scored positions whose greedy (argmax) next byte
+            is the one the unmodified cache predicts.
         stored_bytes: bytes the transform stored, all windows.
         windows: windows scored.
         scored_tokens: bytes scored, all windows.
@@ -458,6 +523,7 @@ class PerplexityResult:
     rise_pct: float
     nll_delta: float
     ratio_vs_fp16: float
+    greedy_agreement: float
     stored_bytes: int
     windows: int
     scored_tokens: int
@@ -493,12 +559,13 @@ def _cache_kwarg(model: Any) -> str:
 
 
 def _nll(model: Any, cont_ids: torch.Tensor, targets: torch.Tensor,
-         keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-window summed NLL of ``targets`` fed ``cont_ids`` on top of the given cache."""
+         keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-window summed NLL of ``targets`` fed ``cont_ids`` on the given cache, and argmaxes."""
     name = _cache_kwarg(model)
     out = model(input_ids=cont_ids, use_cache=True, **{name: _cache(model.config, keys, values)})
     logp = F.log_softmax(out.logits.float(), dim=-1)
-    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).sum(dim=1)
+    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).sum(dim=1), logp.argmax(-1)
 
 
 def perplexity_with_codecs(
@@ -536,6 +603,7 @@ def perplexity_with_codecs(
     windows = _eval_windows(held_out, n_windows, prefix + cont + 1)
     ref_nll = torch.zeros(())
     nll = {label: torch.zeros(()) for label in transforms}
+    agree = dict.fromkeys(transforms, 0)
     stored = dict.fromkeys(transforms, 0)
     fp16_bytes = 0
     with torch.no_grad():
@@ -544,7 +612,8 @@ def perplexity_with_codecs(
             keys = [layer.keys for layer in cache.layers]
             values = [layer.values for layer in cache.layers]
             cont_ids, targets = chunk[:, prefix : prefix + cont], chunk[:, prefix + 1 :]
-            ref_nll += _nll(model, cont_ids, targets, keys, values).sum()
+            ref_sum, ref_top = _nll(model, cont_ids, targets, keys, values)
+            ref_nll += ref_sum.sum()
             fp16_bytes += (_nbytes(keys) + _nbytes(values)) // keys[0].element_size() * 2
             for label, transform in transforms.items():
                 per_window = [transform([k[i] for k in keys], [v[i] for v in values])
@@ -554,7 +623,9 @@ def perplexity_with_codecs(
                 v2 = [torch.stack([w[1][layer] for w in per_window]).to(values[0].dtype)
                       for layer in range(len(values))]
                 stored[label] += sum(w[2] for w in per_window)
-                nll[label] += _nll(model, cont_ids, targets, k2, v2).sum()
+                window_nll, top = _nll(model, cont_ids, targets, k2, v2)
+                nll[label] += window_nll.sum()
+                agree[label] += int((top == ref_top).sum())
     scored = n_windows * cont
     ref_mean = float(ref_nll) / scored
     results: dict[str, PerplexityResult] = {}
@@ -567,6 +638,7 @@ def perplexity_with_codecs(
             rise_pct=100 * math.expm1(mean - ref_mean),
             nll_delta=mean - ref_mean,
             ratio_vs_fp16=fp16_bytes / stored[label],
+            greedy_agreement=agree[label] / scored,
             stored_bytes=stored[label],
             windows=n_windows,
             scored_tokens=scored,

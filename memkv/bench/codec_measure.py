@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from memkv.protocol.checksum import crc32
-from memkv.storage.codecs import Codec, get_codec, peek_header
+from memkv.storage.codecs import Codec, get_codec, get_codec_for, peek_header
+from memkv.storage.config import CodecConfig
 from memkv.storage.layout import KVLayout, split_kv
 from memkv.storage.precision import dequantize_int8, measure_error, quantize_int8
 
@@ -75,6 +76,13 @@ class Row:
     error_bound: str
 
 
+def _configured_delta_rl() -> dict[str, Any]:
+    """The delta_rl parameters memkv's default config builds."""
+    return get_codec_for(CodecConfig(), "delta_rl").params()
+
+
+#: Steps (x the RMS of a key channel / value token) of the stepped rows.
+STEPS = (0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
 CASES: tuple[Case, ...] = (
     Case("none", "none", {}, "raw + crc32"),
     Case("lz4", "lz4", {"shuffle": False}, "lz4"),
@@ -102,7 +110,10 @@ CASES: tuple[Case, ...] = (
          {"bits": 4, "group": 32, "k_grouping": "token"}, "keys grouped per token"),
     Case("delta_rl 4b g64", "delta_rl", {"bits": 4, "group": 64}, "group 64"),
     Case("delta_rl 4b g128", "delta_rl", {"bits": 4, "group": 128}, "group 128"),
-    Case("delta_rl default", "delta_rl", {}, "codec defaults"),
+    *(Case(f"delta_rl stepped {step:g}", "delta_rl",
+           {"bits": 8, "step": step}, f"int8 steps of {step:g} x RMS")
+      for step in STEPS),
+    Case("delta_rl default", "delta_rl", _configured_delta_rl(), "memkv's configured default"),
 )
 
 

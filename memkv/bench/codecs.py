@@ -2,16 +2,21 @@
 
 Two kinds of KV:
 
-* a small byte-level Llama trained here on the standard library's sources
-  (:mod:`memkv.bench.accuracy`; trained once, cached under the user's cache
-  directory): the table's ratio, error, speed and perplexity rise, with real
-  statistics (outlier channels, token correlation, peaked distributions);
+* two byte-level Llamas trained here on the standard library's sources
+  (:mod:`memkv.bench.accuracy`: 4 layers / hidden 256 and 8 layers / hidden
+  512; each trained once, cached under the user's cache directory): the
+  table's perplexity rise and greedy agreement per model, with real
+  statistics (outlier channels, token correlation, peaked distributions),
+  and ratio, error and speed on the first one's KV;
 * the reference model with random weights (near-Gaussian KV, larger blocks),
   reusing ``memkv/bench/codec_measure.py``: the "ratio (random KV)" column, a floor.
 
-Perplexity: held-out windows of 192 + 64 bytes; the 192-byte prefix's cache
+Perplexity: held-out windows of 1024 + 64 bytes; the 1024-byte prefix's cache
 goes through each precision or codec (encode + decode of real memkv frames),
 then the next 64 bytes are scored on it against the unmodified fp32 cache.
+The suite names the codec setting with the highest ratio whose rise stays
+within :data:`PPL_BUDGET_PCT` on every model, and says whether that is the
+configured default.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import torch
 from memkv.bench.accuracy import (
     DEFAULT_CONT,
     DEFAULT_PREFIX,
+    MODELS,
+    QUICK,
     KVTransform,
     PerplexityResult,
     TrainedModel,
@@ -40,23 +47,29 @@ from memkv.bench.accuracy import (
 from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track
 from memkv.protocol.checksum import CRC32_BACKEND
-from memkv.storage.codecs import get_codec
+from memkv.storage.codecs import get_codec, get_codec_for
+from memkv.storage.config import CodecConfig
 from memkv.storage.layout import KVLayout
 
-__all__ = ["QUICK_CASES", "run"]
+__all__ = ["PPL_BUDGET_PCT", "QUICK_CASES", "run"]
 
 TOKENS = 2048
 QUICK_TOKENS = 256
 REPS = 5
 QUICK_REPS = 1
-#: Held-out windows scored per codec (each 64 bytes on a 192-byte cache).
-WINDOWS = 128
+#: Held-out windows scored per codec and model (each 64 bytes on a 1024-byte cache).
+WINDOWS = 64
 QUICK_WINDOWS = 2
+QUICK_PREFIX = 32
+QUICK_CONT = 16
 #: Blocks of the trained model's KV (one 256-token held-out window each) for speed and error.
 TRAINED_BLOCKS = 8
 QUICK_TRAINED_BLOCKS = 2
-#: Cases of --quick: one lossless, the int8 and 4-bit Delta+RL archives.
-QUICK_CASES = ("zstd-3+shuffle", "delta_rl 8b +delta+rl+zstd", "delta_rl default")
+#: Cases of --quick: one lossless, the int8, stepped and 4-bit Delta+RL archives.
+QUICK_CASES = ("zstd-3+shuffle", "delta_rl 8b +delta+rl+zstd", "delta_rl stepped 0.5",
+               "delta_rl default")
+#: The perplexity a lossy archive may cost (issue [6/6]'s goal), on every model.
+PPL_BUDGET_PCT = 0.5
 INT8_LABEL = "int8 (precision.py)"
 #: Precision rows: label -> (dtype the cache is kept in, its error bound).
 PRECISIONS: dict[str, tuple[torch.dtype, str]] = {
@@ -64,8 +77,6 @@ PRECISIONS: dict[str, tuple[torch.dtype, str]] = {
     "fp16": (torch.float16, "fp16 rounding, |err| <= 2^-11 |x|"),
     "bf16": (torch.bfloat16, "bf16 rounding, |err| <= 2^-8 |x|"),
 }
-COLUMNS = ["codec", "ratio vs fp16", "ppl rise %", "rel RMS err", "encode MB/s",
-           "decode MB/s", "ratio (random KV)", "error bound"]
 
 
 def _transforms(cases: Sequence[Any], layout: KVLayout) -> dict[str, KVTransform]:
@@ -78,41 +89,79 @@ def _transforms(cases: Sequence[Any], layout: KVLayout) -> dict[str, KVTransform
     return out
 
 
-def _model_note(info: TrainedModel, ppl: PerplexityResult) -> str:
+def _model_note(info: TrainedModel, ppl: PerplexityResult, prefix: int, cont: int) -> str:
     m = info.manifest
     cfg = m["recipe"]["config"]
     where = f"loaded from {info.path}" if info.cached else (
         f"trained in this run, saved to {info.path}" if info.path else "trained in this run")
     return (
-        f"Trained KV: byte-level Llama ({cfg['num_hidden_layers']} layers, hidden "
-        f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, "
-        f"{cfg['num_key_value_heads']} KV heads, {m['parameters']:,} parameters), trained "
-        f"{m['train_s']:.0f} s on this CPU ({m['steps']} AdamW steps, {m['tokens_seen']:,} "
-        f"bytes seen) on {m['corpus_files']} standard-library .py files, "
+        f"{info.path.name.rsplit('-', 1)[0] if info.path else 'model'}: byte-level Llama "
+        f"({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+        f"{cfg['num_attention_heads']} heads, {cfg['num_key_value_heads']} KV heads, "
+        f"{m['parameters']:,} parameters), trained {m['train_s']:.0f} s on this CPU "
+        f"({m['steps']} AdamW steps, {_curriculum(m['recipe'])}, {m['tokens_seen']:,} bytes "
+        f"seen) on {m['corpus_files']} standard-library .py files, "
         f"{m['held_out_files']} held out by file; held-out loss {m['held_out_loss']:.3f} "
         f"nats/byte; {where}. Perplexity over {ppl.windows} held-out windows of "
-        f"{DEFAULT_PREFIX} + {DEFAULT_CONT} bytes ({ppl.scored_tokens} bytes scored); "
-        f"reference {ppl.reference:.3f} on the unmodified fp32 cache. Codec rows store fp16 "
-        f"blocks, so their rise includes fp16's rounding."
+        f"{prefix} + {cont} bytes ({ppl.scored_tokens} bytes scored); reference "
+        f"{ppl.reference:.3f} on the unmodified fp32 cache."
     )
 
 
+def _curriculum(recipe: dict[str, Any]) -> str:
+    short_context, short_batch, fraction = recipe["curriculum"]
+    full = f"{recipe['batch']} x {recipe['context']}-byte windows"
+    if not fraction:
+        return full
+    return (f"the first {100 * fraction:.0f}% of the time on {short_batch} x "
+            f"{short_context}-byte windows, then {full}")
+
+
+def _best_within_budget(rows: list[list[Any]], columns: list[str]) -> list[Any] | None:
+    """The Delta+RL row of the highest ratio whose rise is within budget on every model."""
+    ratio, worst = columns.index("ratio vs fp16"), columns.index("worst ppl rise %")
+    fits = [r for r in rows if str(r[0]).startswith("delta_rl") and r[worst] <= PPL_BUDGET_PCT]
+    return max(fits, key=lambda r: r[ratio]) if fits else None
+
+
+def _default_label(cases: Sequence[Any]) -> str | None:
+    """The case whose codec is what memkv's config builds for delta_rl."""
+    default = get_codec_for(CodecConfig(), "delta_rl").params()
+    for case in cases:
+        if case.codec == "delta_rl" and case.label != "delta_rl default" and \
+                get_codec(case.codec, **case.params).params() == default:
+            return str(case.label)
+    return None
+
+
 def run(ctx: BenchContext) -> SuiteResult:
-    """Every codec case and precision on the trained model's KV, plus ratios on random KV."""
+    """Every codec case and precision on the trained models' KV, plus ratios on random KV."""
     from memkv.bench import codec_measure as bc
     tokens = QUICK_TOKENS if ctx.quick else TOKENS
     reps = QUICK_REPS if ctx.quick else REPS
+    prefix, cont = (QUICK_PREFIX, QUICK_CONT) if ctx.quick else (DEFAULT_PREFIX, DEFAULT_CONT)
     cases = [c for c in bc.CASES if not ctx.quick or c.label in QUICK_CASES]
+    specs = (QUICK,) if ctx.quick else MODELS
+    ppl: dict[str, dict[str, PerplexityResult]] = {}
+    infos: dict[str, TrainedModel] = {}
+    layout: KVLayout | None = None
+    trained_blocks: list[torch.Tensor] = []
     with tempfile.TemporaryDirectory(prefix="memkv-byte-llama-") as scratch:
-        # --quick trains a tiny model for seconds in a scratch dir, never the user's cache;
-        # otherwise the model is trained once and reused from the user's cache dir.
-        model, info = train_byte_llama(Path(scratch) if ctx.quick else None, quick=ctx.quick)
-    held_out = info.corpus.held_out
-    layout, trained_blocks = trained_kv_blocks(
-        model, held_out, QUICK_TRAINED_BLOCKS if ctx.quick else TRAINED_BLOCKS)
-    ppl = perplexity_with_codecs(
-        model, held_out, _transforms(cases, layout), prefix=DEFAULT_PREFIX, cont=DEFAULT_CONT,
-        n_windows=QUICK_WINDOWS if ctx.quick else WINDOWS)
+        for spec in specs:
+            # --quick trains a tiny model for seconds in a scratch dir, never the user's
+            # cache; otherwise each model is trained once and reused from the user's cache.
+            model, info = train_byte_llama(Path(scratch) if ctx.quick else None, spec=spec,
+                                           quick=ctx.quick)
+            held_out = info.corpus.held_out
+            model_layout, model_blocks = trained_kv_blocks(
+                model, held_out, QUICK_TRAINED_BLOCKS if ctx.quick else TRAINED_BLOCKS)
+            if layout is None:  # speed and error on the first model's KV
+                layout, trained_blocks = model_layout, model_blocks
+            ppl[spec.name] = perplexity_with_codecs(
+                model, held_out, _transforms(cases, model_layout), prefix=prefix, cont=cont,
+                n_windows=QUICK_WINDOWS if ctx.quick else WINDOWS)
+            infos[spec.name] = info
+    assert layout is not None
 
     rlayout, blocks, meta = bc.build_kv(tokens)
     threads = torch.get_num_threads()
@@ -127,23 +176,47 @@ def run(ctx: BenchContext) -> SuiteResult:
     finally:
         torch.set_num_threads(threads)
 
+    names = list(ppl)
+    columns = ["codec", "ratio vs fp16", "worst ppl rise %"]
+    for name in names:
+        columns += [f"ppl rise % ({name})", f"greedy agree % ({name})"]
+    columns += ["rel RMS err", "encode MB/s", "decode MB/s", "ratio (random KV)", "error bound"]
+
+    def measured(label: str) -> list[Any]:
+        per_model = [ppl[n][label] for n in names]
+        out: list[Any] = [label, min(p.ratio_vs_fp16 for p in per_model),
+                          max(p.rise_pct for p in per_model)]
+        for p in per_model:
+            out += [p.rise_pct, 100 * p.greedy_agreement]
+        return out
+
     random_ratio = {r.label: r.ratio_vs_fp16 for r in random_rows}
     rows: list[list[Any]] = [
-        [label, ppl[label].ratio_vs_fp16, ppl[label].rise_pct, None, None, None, None, bound]
+        [*measured(label), None, None, None, None, bound]
         for label, (_, bound) in PRECISIONS.items()
     ]
-    rows += [[r.label, ppl[r.label].ratio_vs_fp16, ppl[r.label].rise_pct, r.rel_rms_err,
-              r.encode_mb_s, r.decode_mb_s, random_ratio[r.label], r.error_bound]
+    rows += [[*measured(r.label), r.rel_rms_err, r.encode_mb_s, r.decode_mb_s,
+              random_ratio[r.label], r.error_bound]
              for r in [trained_rows[-1], *trained_rows[:-1]]]  # int8 first, then the codecs
     stages: dict[str, Any] = {}
     if not ctx.quick:
         stages = {"trained": bc.stage_contributions(trained_rows),
                   "random": bc.stage_contributions(random_rows)}
-    reference = next(iter(ppl.values()))
-    notes = [
-        _model_note(info, reference),
+    best = _best_within_budget(rows, columns)
+    default = _default_label(cases)
+    notes = [_model_note(infos[n], next(iter(ppl[n].values())), prefix, cont) for n in names]
+    notes += [
+        "Codec rows store fp16 blocks, so their rise includes fp16's rounding; 'ratio vs fp16' "
+        "and 'worst ppl rise %' are the lowest ratio and highest rise over the models; greedy "
+        "agreement = share of scored bytes whose argmax is the unmodified cache's.",
+        (f"Best within {PPL_BUDGET_PCT}% perplexity on every model: {best[0]} at "
+         f"{best[1]:.2f}x ({best[2]:+.3f}% worst); memkv's default delta_rl is "
+         f"{default or 'a setting not in this table'}"
+         + (" (the same)." if best[0] == default else
+            f": set codecs.delta_rl_* to {best[0]}'s parameters to follow this measurement."))
+        if best else f"No Delta+RL setting stays within {PPL_BUDGET_PCT}% on every model.",
         f"Speed and error: {len(trained_blocks)} blocks of {list(layout.block_shape())} fp16 "
-        f"of the trained model's KV, best of {reps} per block; MB/s = 10^6 fp16 input bytes "
+        f"of the first model's KV, best of {reps} per block; MB/s = 10^6 fp16 input bytes "
         f"per second on one core; CRC32 ({CRC32_BACKEND}) {crc:.2f} GB/s (checked on every "
         "decode).",
         f"Ratio (random KV): {tokens} tokens of the reference Llama with random weights (seed "
@@ -157,21 +230,25 @@ def run(ctx: BenchContext) -> SuiteResult:
     labels = [r[0] for r in rows]
     return SuiteResult(
         suite="codecs",
-        title="codec ratio vs fp16, perplexity rise, speed per core (trained byte-Llama KV)",
-        columns=COLUMNS,
+        title="codec ratio vs fp16, perplexity rise and greedy agreement on two trained "
+              "byte-Llamas, speed per core",
+        columns=columns,
         rows=rows,
         figures={
             "tokens": tokens, "reps": reps, "forward_s": meta["forward_s"], "crc32_gb_s": crc,
+            "prefix": prefix, "cont": cont, "ppl_budget_pct": PPL_BUDGET_PCT,
+            "best_within_budget": best[0] if best else None, "default": default,
             "results": [asdict(r) for r in random_rows],
             "trained_results": [asdict(r) for r in trained_rows],
             "stage_contributions": stages,
-            "perplexity": {label: asdict(p) for label, p in ppl.items()},
-            "trained_model": {**info.manifest, "path": str(info.path) if info.path else None,
-                              "cached": info.cached},
+            "perplexity": {n: {label: asdict(p) for label, p in ppl[n].items()} for n in names},
+            "trained_models": {
+                n: {**infos[n].manifest, "path": str(infos[n].path) if infos[n].path else None,
+                    "cached": infos[n].cached} for n in names},
         },
         notes=notes,
         plot=PlotSpec(PlotKind.BAR, "codec", "ratio vs fp16", labels,
                       {"trained KV": [r[1] for r in rows],
-                       "random KV": [r[6] for r in rows]}),
+                       "random KV": [r[columns.index("ratio (random KV)")] for r in rows]}),
         quick=ctx.quick,
     )

@@ -748,6 +748,15 @@ class _Geometry:
     table_dtype: torch.dtype
 
 
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    """What a scheme needs besides the block: the codec's quantisation parameters."""
+
+    group: int
+    k_grouping: KGrouping
+    step: float | None = None
+
+
 class _Scheme(ABC):
     """A quantisation scheme of delta_rl."""
 
@@ -755,14 +764,12 @@ class _Scheme(ABC):
 
     @staticmethod
     @abstractmethod
-    def quantise(block: torch.Tensor, group: int, k_grouping: KGrouping) -> _Quantised:
+    def quantise(block: torch.Tensor, settings: _Settings) -> _Quantised:
         """Codes, tables and decode metadata of a finite block."""
 
     @staticmethod
     @abstractmethod
-    def geometry(
-        shape: tuple[int, ...], dtype: torch.dtype, group: int, k_grouping: KGrouping
-    ) -> _Geometry:
+    def geometry(shape: tuple[int, ...], dtype: torch.dtype, settings: _Settings) -> _Geometry:
         """What the decoder expects for a block of ``shape``."""
 
     @staticmethod
@@ -771,8 +778,7 @@ class _Scheme(ABC):
         codes: list[np.ndarray],
         tables: list[torch.Tensor],
         header: FrameHeader,
-        group: int,
-        k_grouping: KGrouping,
+        settings: _Settings,
     ) -> torch.Tensor:
         """Rebuild the block."""
 
@@ -783,7 +789,7 @@ class _Int8Scheme(_Scheme):
     bits: ClassVar[int] = 8
 
     @staticmethod
-    def quantise(block: torch.Tensor, group: int, k_grouping: KGrouping) -> _Quantised:
+    def quantise(block: torch.Tensor, settings: _Settings) -> _Quantised:
         q = quantize_int8(block)
         codes = q.data.numpy().view(np.uint8)
         return _Quantised(
@@ -793,9 +799,7 @@ class _Int8Scheme(_Scheme):
         )
 
     @staticmethod
-    def geometry(
-        shape: tuple[int, ...], dtype: torch.dtype, group: int, k_grouping: KGrouping
-    ) -> _Geometry:
+    def geometry(shape: tuple[int, ...], dtype: torch.dtype, settings: _Settings) -> _Geometry:
         layers, _, heads, tokens, dim = shape
         return _Geometry(
             stream_shapes=[shape],
@@ -809,12 +813,119 @@ class _Int8Scheme(_Scheme):
         codes: list[np.ndarray],
         tables: list[torch.Tensor],
         header: FrameHeader,
-        group: int,
-        k_grouping: KGrouping,
+        settings: _Settings,
     ) -> torch.Tensor:
         data = torch.from_numpy(codes[0].view(np.int8))
         q = QuantizedBlock(data=data, k_scale=tables[0], v_scale=tables[1], dtype=header.dtype)
         return dequantize_int8(q)
+
+
+#: Stepped codes are int8: |code| <= 127 by construction of the scale.
+_STEPPED_LEVELS = 127
+#: Above this |x| the squares of the RMS could overflow fp32: compute in float64.
+_STEPPED_WIDE_ABSMAX = 2.0**60
+_K_TOKEN_AXIS = 2  # token axis of a half [L, H, T, D]
+
+
+def _stepped_scale(r: torch.Tensor, dim: int, step: float, dtype: torch.dtype) -> torch.Tensor:
+    """``max(step * rms, absmax / 127)`` along ``dim``, rounded up in ``dtype`` (0 -> 1).
+
+    The absmax floor keeps every code within int8 even where one element is
+    far from the rest; rounding up keeps it there after the table's rounding.
+    """
+    if r.shape[dim] == 0:  # no tokens (or channels): nothing to scale
+        return torch.ones((*r.shape[:dim], 1, *r.shape[dim + 1:]), dtype=dtype)
+    rms = r.square().mean(dim, keepdim=True).sqrt()
+    amax = r.abs().amax(dim, keepdim=True)
+    scale = torch.maximum(rms * step, amax / _STEPPED_LEVELS)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero rows: any scale
+    # Near the dtype's limit step x RMS could round to inf; absmax/127 always fits.
+    return _round_up(scale.clamp_(max=torch.finfo(dtype).max), dtype)
+
+
+def _stepped_codes(r: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
+    q = torch.round(r / scale).clamp_(-_STEPPED_LEVELS, _STEPPED_LEVELS)
+    return q.to(torch.int8).numpy().view(np.uint8)
+
+
+class _SteppedScheme(_Scheme):
+    """Fine uniform steps, sized to the data's spread, for the entropy coder to shrink.
+
+    Keys: each channel minus its mean over the block's tokens (keys carry
+    channels with large, stable offsets), divided by ``step`` x the RMS of
+    what is left; values: each token divided by ``step`` x its RMS. Codes are
+    int8 (the scale never falls below absmax / 127, so none clips) but
+    concentrated on a few values near zero: at steps around the RMS they
+    carry ~2-2.5 bits of entropy, which zstd's Huffman stage codes at close to
+    that. A uniform quantiser followed by an entropy coder reaches a given
+    error in fewer bits than fixed-width codes with min/max scales, whose
+    levels are spent evenly on a range most values never visit.
+
+    Tables, in the block's dtype: key scale and mean per channel, value scale
+    per token. Hence ``|x - x_hat| <= scale / 2`` (plus rounding to the output dtype).
+    """
+
+    bits: ClassVar[int] = 8
+
+    @staticmethod
+    def quantise(block: torch.Tensor, settings: _Settings) -> _Quantised:
+        step = settings.step
+        assert step is not None  # DeltaRLCodec picks this scheme only with a step
+        absmax = finite_absmax(block, "block to quantise")
+        wide = absmax > _STEPPED_WIDE_ABSMAX
+        compute = torch.float64 if wide else torch.float32
+        k = block[:, _K].to(compute)
+        mean = (k.mean(dim=_K_TOKEN_AXIS, keepdim=True) if k.shape[_K_TOKEN_AXIS] else
+                k.new_zeros((*k.shape[:2], 1, k.shape[3]))).to(block.dtype)  # as stored
+        r = k - mean.to(compute)
+        k_scale = _stepped_scale(r, _K_TOKEN_AXIS, step, block.dtype)
+        v = block[:, _V].to(compute)
+        v_scale = _stepped_scale(v, 3, step, block.dtype)
+        streams = [_Stream(_stepped_codes(r, k_scale.to(compute)), _K_TOKEN_AXIS),
+                   _Stream(_stepped_codes(v, v_scale.to(compute)), _K_TOKEN_AXIS)]
+        # |x_hat| <= |x| + scale / 2 and scale <= (step + 2/127) * 2 * absmax (+ rounding up).
+        reach = absmax * (1 + (step + 2 / _STEPPED_LEVELS) * (1 + _CLAMP_MARGIN))
+        return _Quantised(
+            streams=streams,
+            tables=[_raw_table(k_scale), _raw_table(mean), _raw_table(v_scale)],
+            meta={"wide": wide, "clamp": reach >= torch.finfo(block.dtype).max},
+        )
+
+    @staticmethod
+    def geometry(shape: tuple[int, ...], dtype: torch.dtype, settings: _Settings) -> _Geometry:
+        layers, _, heads, tokens, dim = shape
+        half = (layers, heads, tokens, dim)
+        return _Geometry(
+            stream_shapes=[half, half],
+            token_axes=[_K_TOKEN_AXIS, _K_TOKEN_AXIS],
+            table_shapes=[(layers, heads, 1, dim), (layers, heads, 1, dim),
+                          (layers, heads, tokens, 1)],
+            table_dtype=dtype,
+        )
+
+    @staticmethod
+    def dequantise(
+        codes: list[np.ndarray],
+        tables: list[torch.Tensor],
+        header: FrameHeader,
+        settings: _Settings,
+    ) -> torch.Tensor:
+        wide = _param(header.params, "wide", bool)
+        clamp = _param(header.params, "clamp", bool)
+        compute = torch.float64 if wide else torch.float32
+        out = torch.empty(header.shape, dtype=header.dtype)
+        k_scale, mean, v_scale = (t.to(compute) for t in tables)
+        k = torch.from_numpy(codes[0].view(np.int8)).to(compute)
+        v = torch.from_numpy(codes[1].view(np.int8)).to(compute)
+        k = torch.addcmul(mean, k, k_scale)
+        v.mul_(v_scale)
+        if clamp:
+            limit = torch.finfo(header.dtype).max
+            k.clamp_(-limit, limit)
+            v.clamp_(-limit, limit)
+        out[:, _K].copy_(k)
+        out[:, _V].copy_(v)
+        return out
 
 
 def _k_view(k: torch.Tensor, k_grouping: KGrouping) -> torch.Tensor:
@@ -851,7 +962,8 @@ class _Group4Scheme(_Scheme):
         return [3 if k_grouping == "channel" else 2, 2]
 
     @staticmethod
-    def quantise(block: torch.Tensor, group: int, k_grouping: KGrouping) -> _Quantised:
+    def quantise(block: torch.Tensor, settings: _Settings) -> _Quantised:
+        group, k_grouping = settings.group, settings.k_grouping
         absmax = finite_absmax(block, "block to quantise")
         wide = absmax > _WIDE_ABSMAX
         compute = torch.float64 if wide else torch.float32
@@ -877,9 +989,8 @@ class _Group4Scheme(_Scheme):
         )
 
     @staticmethod
-    def geometry(
-        shape: tuple[int, ...], dtype: torch.dtype, group: int, k_grouping: KGrouping
-    ) -> _Geometry:
+    def geometry(shape: tuple[int, ...], dtype: torch.dtype, settings: _Settings) -> _Geometry:
+        group, k_grouping = settings.group, settings.k_grouping
         layers, _, heads, tokens, dim = shape
         k_shape = (
             (layers, heads, dim, tokens)
@@ -900,9 +1011,9 @@ class _Group4Scheme(_Scheme):
         codes: list[np.ndarray],
         tables: list[torch.Tensor],
         header: FrameHeader,
-        group: int,
-        k_grouping: KGrouping,
+        settings: _Settings,
     ) -> torch.Tensor:
+        group, k_grouping = settings.group, settings.k_grouping
         wide = _param(header.params, "wide", bool)
         clamp = _param(header.params, "clamp", bool)
         compute = torch.float64 if wide else torch.float32
@@ -926,6 +1037,21 @@ def _raw_table(t: torch.Tensor) -> np.ndarray:
 
 
 _SCHEMES: dict[int, type[_Scheme]] = {s.bits: s for s in (_Int8Scheme, _Group4Scheme)}
+#: Stepped steps outside this range are mistakes: below, codes spread over
+#: all of int8 (use bits=8 without a step); above, a handful of levels.
+STEP_RANGE = (0.01, 8.0)
+
+
+def _scheme(bits: int, step: float | None) -> type[_Scheme]:
+    return _SteppedScheme if step is not None else _SCHEMES[bits]
+
+
+def _check_step(step: object) -> float:
+    low, high = STEP_RANGE
+    if isinstance(step, bool) or not isinstance(step, int | float) or not low <= step <= high:
+        raise InvalidInputError(
+            f"delta_rl step must be a number in [{low}, {high}] (x the RMS), got {step!r}")
+    return float(step)
 
 
 class DeltaRLCodec(Codec):
@@ -984,11 +1110,17 @@ class DeltaRLCodec(Codec):
         run_length: bool = DEFAULT_RUN_LENGTH,
         level: int | None = 3,
         k_grouping: KGrouping = DEFAULT_K_GROUPING,
+        step: float | None = None,
     ) -> None:
         if bits not in _SCHEMES or isinstance(bits, bool):
             raise InvalidInputError(
                 f"delta_rl bits must be one of {sorted(_SCHEMES)}, got {bits!r}"
             )
+        if step is not None:
+            step = _check_step(step)
+            if bits != _SteppedScheme.bits:
+                raise InvalidInputError(
+                    f"delta_rl step makes int8 codes: expected bits=8 with it, got {bits!r}")
         if isinstance(group, bool) or not isinstance(group, int) or group < 1:
             raise InvalidInputError(f"delta_rl group must be a positive int, got {group!r}")
         if k_grouping not in K_GROUPINGS:
@@ -1001,6 +1133,11 @@ class DeltaRLCodec(Codec):
         self.run_length = _check_bool("run_length", run_length)
         self.level = None if level is None else _check_level(level)
         self.k_grouping: KGrouping = k_grouping
+        self.step = step
+
+    @property
+    def _settings(self) -> _Settings:
+        return _Settings(self.group, self.k_grouping, self.step)
 
     @classmethod
     def from_config(cls, config: CodecConfig) -> Codec:
@@ -1012,6 +1149,7 @@ class DeltaRLCodec(Codec):
             run_length=config.delta_rl_run_length,
             level=config.zstd_level,
             k_grouping=config.delta_rl_k_grouping,
+            step=config.delta_rl_step,
         )
 
     def params(self) -> dict[str, Any]:
@@ -1023,10 +1161,17 @@ class DeltaRLCodec(Codec):
             "run_length": self.run_length,
             "level": self.level,
             "k_grouping": self.k_grouping,
+            "step": self.step,
         }
 
     def error_bound(self) -> str:
         """The per-element bound of the quantisation stage (later stages are exact)."""
+        if self.step is not None:
+            return (
+                f"|err| <= scale/2 per element, scale = max({self.step:g} x RMS, absmax/"
+                f"{_STEPPED_LEVELS}) of its key channel (less its mean) or value token, rounded "
+                f"up to the block dtype (plus rounding to the output dtype)"
+            )
         if self.bits == _Int8Scheme.bits:
             return (
                 f"|err| <= scale/2 per element, scale = absmax/{INT8_LEVELS} of its key "
@@ -1045,7 +1190,8 @@ class DeltaRLCodec(Codec):
                 f"delta_rl encodes blocks [layers, 2, kv_heads, tokens, head_dim], got "
                 f"{tuple(block.shape)}"
             )
-        quantised = _SCHEMES[self.bits].quantise(block, self.group, self.k_grouping)
+        scheme = _scheme(self.bits, self.step)
+        quantised = scheme.quantise(block, self._settings)
         mask = _NIBBLE_MASK if self.bits == _Group4Scheme.bits else None
         streams = [
             _token_delta(s.codes, s.token_axis, mask) if self.token_delta else s.codes
@@ -1070,6 +1216,7 @@ class DeltaRLCodec(Codec):
             "bits": self.bits,
             "group": self.group,
             "k_grouping": self.k_grouping,
+            "step": self.step,
             "delta": self.token_delta,
             "rl": rl_len_size,  # bytes per run length; 0 = stage skipped
             "runs": runs,
@@ -1086,15 +1233,17 @@ class DeltaRLCodec(Codec):
     def _decode_payload(cls, header: FrameHeader, payload: memoryview) -> torch.Tensor:
         p = header.params
         bits = _param(p, "bits", int)
-        scheme = _SCHEMES.get(bits)
         k_grouping = _param(p, "k_grouping", str)
         group = _param(p, "group", int)
-        if scheme is None or k_grouping not in K_GROUPINGS or group < 1:
+        step = p.get("step")  # absent in frames written before stepped codes
+        valid_step = step is None or (isinstance(step, float) and step > 0 and bits == 8)
+        if bits not in _SCHEMES or k_grouping not in K_GROUPINGS or group < 1 or not valid_step:
             raise CorruptDataError(f"bad delta_rl params {dict(p)!r}")
+        scheme = _scheme(bits, step)
         if len(header.shape) != _BLOCK_NDIM or header.shape[1] != KV_AXIS_SIZE:
             raise CorruptDataError(f"delta_rl frame of non-block shape {header.shape}")
-        kg = cast(KGrouping, k_grouping)
-        geo = scheme.geometry(header.shape, header.dtype, group, kg)
+        settings = _Settings(group, cast(KGrouping, k_grouping), step)
+        geo = scheme.geometry(header.shape, header.dtype, settings)
         sizes = _param(p, "sections", list)
         if not all(isinstance(s, int) and s >= 0 for s in sizes):
             raise CorruptDataError(f"bad delta_rl section sizes {sizes!r}")
@@ -1126,7 +1275,7 @@ class DeltaRLCodec(Codec):
             _table(raw, shape, geo.table_dtype)
             for raw, shape in zip(table_parts, geo.table_shapes, strict=True)
         ]
-        return scheme.dequantise(streams, tables, header, group, kg)
+        return scheme.dequantise(streams, tables, header, settings)
 
     @staticmethod
     def _codes(

@@ -83,8 +83,9 @@ def test_codecs_quick(ctx: BenchContext) -> None:
     trained = {r["label"]: r for r in result.figures["trained_results"]}
     assert set(trained) == set(by_label)
     assert trained["zstd-3+shuffle"]["max_abs_err"] == 0
-    ppl = result.figures["perplexity"]
+    (name, ppl), = result.figures["perplexity"].items()  # --quick: one tiny model
     assert ppl["fp32 (unmodified)"]["rise_pct"] == 0  # the reference itself
+    assert ppl["fp32 (unmodified)"]["greedy_agreement"] == 1
     assert ppl["fp32 (unmodified)"]["ratio_vs_fp16"] == pytest.approx(0.5)
     assert ppl["fp16"]["ratio_vs_fp16"] == pytest.approx(1.0)
     # Lossless codecs of fp16 blocks score exactly as fp16 does.
@@ -92,11 +93,20 @@ def test_codecs_quick(ctx: BenchContext) -> None:
     for p in ppl.values():
         assert _positive(p["perplexity"]) and _positive(p["ratio_vs_fp16"])
         assert p["windows"] == 2 and math.isfinite(p["rise_pct"])
+        assert 0 <= p["greedy_agreement"] <= 1
     assert ppl["delta_rl default"]["ratio_vs_fp16"] > ppl["int8 (precision.py)"]["ratio_vs_fp16"]
-    assert result.figures["trained_model"]["steps"] >= 1
-    assert result.figures["trained_model"]["path"] is not None  # saved in a scratch dir
+    # Stepped int8 codes entropy-code to fewer bytes than plain int8 with zstd.
+    assert ppl["delta_rl stepped 0.5"]["ratio_vs_fp16"] > ppl["delta_rl 8b +delta+rl+zstd"][
+        "ratio_vs_fp16"]
+    cols = result.columns
+    assert f"ppl rise % ({name})" in cols and f"greedy agree % ({name})" in cols
+    worst = cols.index("worst ppl rise %")
+    assert all(r[worst] == r[cols.index(f"ppl rise % ({name})")] for r in result.rows)
+    model = result.figures["trained_models"][name]
+    assert model["steps"] >= 1
+    assert model["path"] is not None  # saved in a scratch dir
     home = str(Path.home() / ".cache")
-    assert not result.figures["trained_model"]["path"].startswith(home)
+    assert not model["path"].startswith(home)
 
 
 def test_byte_llama_is_cached_and_reused(tmp_path: Path) -> None:

@@ -187,7 +187,8 @@ def _small_block(dtype: torch.dtype = torch.float16, tokens: int = 9) -> torch.T
 def _all_frames() -> list[bytes]:
     block = _small_block()
     frames = [get_codec(name, **params).encode(block) for name, params in LOSSLESS_SPECS]
-    frames += [DeltaRLCodec(bits=4).encode(block), DeltaRLCodec(bits=8, level=None).encode(block)]
+    frames += [DeltaRLCodec(bits=4).encode(block), DeltaRLCodec(bits=8, level=None).encode(block),
+               DeltaRLCodec(bits=8, step=1.0).encode(block)]
     return frames
 
 
@@ -232,6 +233,69 @@ def test_delta_rl_within_stated_bound(block: torch.Tensor, params: dict[str, Any
     err = (out.double() - block.double()).abs()
     bound = _reference_bound(block, params)
     assert (err <= bound).all(), float((err - bound).max())
+
+
+def _stepped_bound(block: torch.Tensor, step: float) -> torch.Tensor:
+    """The stepped scheme's stated bound, recomputed in float64 from its definition."""
+    x = block.double()
+    if x.numel() == 0:
+        return x
+    mean = x[:, 0].mean(dim=2, keepdim=True).to(block.dtype).double()
+    halves = [(x[:, 0] - mean, 2), (x[:, 1], 3)]
+    scales = []
+    for r, dim in halves:
+        rms = r.square().mean(dim, keepdim=True).sqrt()
+        scale = torch.maximum(rms * step, r.abs().amax(dim, keepdim=True) / 127)
+        scales.append(scale.expand_as(r))
+    scale = torch.stack(scales, dim=1) * (1 + _STORE_ROUNDING[block.dtype] + 1e-5)
+    fi = torch.finfo(block.dtype)
+    return scale * 0.5 + (x.abs() + 256 * scale) * (fi.eps + 2.0**-20) + fi.tiny
+
+
+@settings(max_examples=80, deadline=None)
+@given(block=finite_blocks(), step=st.sampled_from([0.01, 0.3, 1.0, 2.5, 8.0]),
+       level=st.sampled_from([None, 3]), token_delta=st.booleans())
+def test_delta_rl_stepped_within_stated_bound(
+    block: torch.Tensor, step: float, level: int | None, token_delta: bool
+) -> None:
+    codec = DeltaRLCodec(bits=8, step=step, level=level, token_delta=token_delta)
+    assert "RMS" in codec.error_bound()
+    frame = codec.encode(block)
+    assert peek_header(frame).params["step"] == step
+    out = decode_frame(frame)
+    assert out.dtype == block.dtype and out.shape == block.shape
+    assert torch.isfinite(out).all()
+    err = (out.double() - block.double()).abs()
+    bound = _stepped_bound(block, step)
+    assert (err <= bound).all(), float((err - bound).max())
+
+
+def test_delta_rl_stepped_shrinks_with_the_step_and_keeps_outliers() -> None:
+    g = torch.Generator().manual_seed(3)
+    # Keys with per-channel offsets and spreads, as trained models have.
+    block = (torch.randn(2, 2, 2, 256, 64, generator=g) * torch.rand(64, generator=g) * 3
+             + torch.randn(64, generator=g)).half()
+    block[0, 1, 0, 17, 5] = 300.0  # one far outlier: clipped codes would lose it
+    raw = block.numel() * 2
+    sizes = [len(DeltaRLCodec(bits=8, step=s).encode(block)) for s in (0.5, 1.0, 2.0)]
+    assert sizes[0] > sizes[1] > sizes[2]
+    assert raw / sizes[1] > 4.5  # ~2.3 bits a value at a step of one RMS
+    out = decode_frame(DeltaRLCodec(bits=8, step=2.0).encode(block))
+    assert abs(float(out[0, 1, 0, 17, 5]) - 300.0) < 300 / 127
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_delta_rl_stepped_at_the_dtype_limits(dtype: torch.dtype) -> None:
+    fi = torch.finfo(dtype)
+    block = _small_block(torch.float32).clamp(-1, 1).to(dtype)
+    block[:, :, :, ::2, ::3] = fi.max
+    block[:, :, :, 1::2, 1::3] = -fi.max
+    frame = DeltaRLCodec(bits=8, step=8.0).encode(block)
+    assert peek_header(frame).params["clamp"]
+    out = decode_frame(frame)
+    assert torch.isfinite(out).all()
+    err = (out.double() - block.double()).abs()
+    assert (err <= _stepped_bound(block, 8.0)).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -406,6 +470,10 @@ def test_registry() -> None:
         ("delta_rl", {"group": 0}),
         ("delta_rl", {"k_grouping": "layer"}),
         ("delta_rl", {"token_delta": 1}),
+        ("delta_rl", {"bits": 4, "step": 1.0}),
+        ("delta_rl", {"bits": 8, "step": 0.0}),
+        ("delta_rl", {"bits": 8, "step": 9.0}),
+        ("delta_rl", {"bits": 8, "step": "1"}),
         ("zstd", {"level": 99}),
         ("zstd", {"level": 1.5}),
         ("lz4", {"shuffle": "yes"}),

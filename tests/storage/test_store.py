@@ -259,7 +259,9 @@ def test_offline_suspend_uses_the_lossy_codec_for_unshared_blocks(tmp_path):
     ref = torch.cat(split_kv(LAYOUT, keys, values), dim=3).float()
     got = torch.cat(read_all(s, "s"), dim=3).float()
     rel = ((got - ref).norm() / ref.norm()).item()
-    assert 0 < rel < 0.1
+    # The default stepped codes: uniform steps of half an RMS leave an RMS error of
+    # 0.5 / sqrt(12) = 14% of the spread on Gaussian data (perplexity: BENCHMARKS.md).
+    assert 0 < rel < 0.16
     s.close()
 
 
