@@ -72,6 +72,7 @@ def up(
         host=settings.host,
         port=settings.port,
         max_body_bytes=settings.max_body_bytes,
+        put_staging_bytes=settings.put_staging_bytes,
         auth=auth,
     )
     summary["gateway"] = server.url

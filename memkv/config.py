@@ -491,6 +491,13 @@ class GatewaySettings(_Frozen):
     max_body_bytes: int = Field(
         default=GIB, gt=0, description="Largest request body accepted (a turn's KV blocks)."
     )
+    put_staging_bytes: int = Field(
+        default=256 * MIB,
+        ge=0,
+        description="Shared memory the gateway reads append bodies into, for devices on its "
+        "node to copy from (no object store on the way); 0 = off. Used only where a device "
+        "runs on the gateway's node.",
+    )
     auth: AuthSettings = Field(default_factory=AuthSettings, description="Authentication.")
 
 

@@ -22,16 +22,18 @@ from ray.exceptions import RayActorError
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from memkv.actors.leases import LeaseTable
-from memkv.actors.payload import BlockPayload, from_payload, to_payload
+from memkv.actors.payload import BlockPayload, StagedBlock, from_payload, to_payload
 from memkv.actors.segments import SegmentOwnership, reclaim_orphans, warm_segment_name
 from memkv.config import DeviceSettings
-from memkv.errors import InvalidInputError
+from memkv.errors import CorruptDataError, InvalidInputError, WrongNodeError
 from memkv.gpu_kernels import backend as kernel_backend
 from memkv.gpu_kernels.unified import PriorityStreams
+from memkv.protocol.dtypes import numpy_view_dtype
 from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.messages import ChainUpdate, ReadPlan
+from memkv.same_node import SegmentMaps
 from memkv.storage.block_pool import BlockPool, Holder
 from memkv.storage.codecs import decode_frame, encode_stored
 from memkv.storage.config import CodecConfig, StoreConfig
@@ -227,11 +229,16 @@ class DeviceCache:
             raise
         self.leases = LeaseTable(lambda keys: self.pool.unpin_blocks([BlockHash(k) for k in keys]))
         self.node_id = _node_id()
+        self._staging_maps = SegmentMaps()  # gateways' staging segments (memkv.api.staging)
         self._streams: PriorityStreams | None = None  # unified memory only
 
     def ping(self) -> dict[str, str]:
         """Who answers: the device id and this process's incarnation."""
         return {"device_id": self.device_id, "incarnation": self.incarnation}
+
+    def node(self) -> str:
+        """The Ray node this device runs on."""
+        return self.node_id
 
     def wait_prefaulted(self, timeout_s: float) -> bool:
         """Block until the arenas' pages are populated (benchmarks wait for it)."""
@@ -242,11 +249,14 @@ class DeviceCache:
     def put(
         self,
         update: ChainUpdate,
-        blocks: Sequence[BlockPayload | ray.ObjectRef],
+        blocks: Sequence[BlockPayload | StagedBlock | ray.ObjectRef],
         checksums: Sequence[int] | None = None,
         durable: bool = False,
     ) -> dict[str, int]:
-        """Apply one append: its new blocks (payloads, or refs to them) and references.
+        """Apply one append: its new blocks (payloads, refs to them, or staged) and references.
+
+        Staged blocks are copied out of the sender's segment before this returns,
+        so the sender may reuse the space once it has the answer.
 
         Args:
             update: what the append changes, from the router.
@@ -261,13 +271,31 @@ class DeviceCache:
         if refs:
             for i, value in zip(refs, ray.get([blocks[i] for i in refs]), strict=True):
                 resolved[i] = value
-        tensors = [from_payload(p) for p in resolved]
+        tensors = [from_payload(self._unstage(p) if isinstance(p, StagedBlock) else p)
+                   for p in resolved]
         outcome = self.pool.put(update, tensors, checksums=checksums, durable=durable)
         return {
             "new_blocks": outcome.new_blocks,
             "deduplicated_blocks": outcome.deduplicated_blocks,
             "released_blocks": outcome.released_blocks,
         }
+
+    def _unstage(self, staged: StagedBlock) -> BlockPayload:
+        """A view of a staged block in its sender's segment (the pool copies it)."""
+        if staged.node_id != self.node_id:
+            raise WrongNodeError(
+                f"block {staged.key.hex()} is staged on node {staged.node_id}, this device "
+                f"runs on {self.node_id}: send it by value")
+        segment = self._staging_maps.view(staged.segment, staged.segment_bytes,
+                                          staged.incarnation)
+        end = staged.offset + staged.nbytes
+        if staged.offset < 0 or end > segment.size:
+            raise CorruptDataError(
+                f"staged block {staged.key.hex()}: bytes {staged.offset}+{staged.nbytes} lie "
+                f"outside segment {staged.segment!r} of {segment.size} bytes")
+        np_dtype = numpy_view_dtype(staged.dtype)
+        data = segment[staged.offset : end].view(np_dtype).reshape(staged.shape)
+        return BlockPayload(staged.key, staged.dtype, data)
 
     def adopt(
         self,

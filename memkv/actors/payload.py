@@ -20,6 +20,7 @@ __all__ = [
     "READ_BATCH_BLOCKS",
     "READ_WINDOW_BATCHES",
     "BlockPayload",
+    "StagedBlock",
     "from_payload",
     "to_payload",
 ]
@@ -54,6 +55,25 @@ class BlockPayload:
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class StagedBlock:
+    """A block a gateway left in its staging segment (memkv.api.staging) for a device to copy.
+
+    Only a process on ``node_id`` can map the segment; a device elsewhere
+    refuses it (WrongNodeError) and the sender falls back to the object store.
+    """
+
+    key: bytes
+    dtype: str
+    shape: tuple[int, ...]
+    segment: str
+    segment_bytes: int
+    incarnation: str
+    offset: int
+    nbytes: int
+    node_id: str
 
 
 def to_payload(

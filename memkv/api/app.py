@@ -39,7 +39,7 @@ from ray.exceptions import RayActorError, RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memkv.actors.packed import pack, unpack
-from memkv.actors.payload import BlockPayload
+from memkv.actors.payload import BlockPayload, StagedBlock
 from memkv.api.auth import Authenticator, Principal
 from memkv.api.blocks import (
     FRAMES_MEDIA_TYPE,
@@ -49,6 +49,7 @@ from memkv.api.blocks import (
     PlanCache,
 )
 from memkv.api.observe import StatsSnapshot, engine_metrics
+from memkv.api.staging import PutStaging, StagingSlot
 from memkv.errors import (
     BlockLostError,
     CapacityError,
@@ -61,6 +62,7 @@ from memkv.errors import (
     MemkvError,
     NotFoundError,
     UnauthorizedError,
+    WrongNodeError,
 )
 from memkv.protocol.dtypes import DTYPES
 from memkv.protocol.hashing import chain_hashes, token_array
@@ -244,6 +246,7 @@ def create_app(
     plan_cache_bytes: int = 256 << 20,
     put_object: Callable[[Any], Any] = ray.put,
     node_id: str | None = None,
+    staging: PutStaging | None = None,
     auth: Authenticator | None = None,
     body_timeout_s: float = 30.0,
     max_json_bytes: int = 16 << 20,
@@ -270,6 +273,9 @@ def create_app(
         put_object: how a block is handed to the router (``ray.put``: one
             object-store object per block; tests with fakes hand the payload).
         node_id: this process's node, for same-node reads (default: Ray's).
+        staging: append bodies are read into this shared-memory segment and the
+            node's devices copy the blocks from there (memkv.api.staging);
+            None sends every block through ``put_object``.
     """
     app = FastAPI(
         title="memkv gateway",
@@ -298,6 +304,29 @@ def create_app(
         max_inflight_body_bytes if max_inflight_body_bytes is not None else 2 * max_body_bytes
     )
     sessions: _LRU[tuple[KVLayout, str]] = _LRU(SESSION_CACHE_ENTRIES)
+    this_node = node_id or _this_node() or ""
+    # Sessions whose device is on another node: their appends skip staging.
+    unstaged: _LRU[bool] = _LRU(SESSION_CACHE_ENTRIES)
+    staged_bytes = Counter(
+        "memkv_append_staged_bytes",
+        "Appended block bytes devices copied out of the gateway's staging segment",
+        registry=registry,
+    )
+
+    def _staged(payloads: list[BlockPayload], slot: StagingSlot | None) -> list[Any] | None:
+        """Staged descriptors of blocks read into ``slot``; None where any is not there."""
+        if slot is None or staging is None or not payloads:
+            return None
+        out = []
+        for p in payloads:
+            try:
+                offset = staging.offset_of(p.data)
+            except ValueError:
+                return None  # read into a buffer of its own (the slot was full)
+            out.append(StagedBlock(p.key, p.dtype, tuple(p.data.shape), staging.segment,
+                                   staging.capacity_bytes, staging.incarnation, offset,
+                                   p.nbytes, this_node))
+        return out
     routes = _RouteCache(SESSION_CACHE_ENTRIES)
     touches = _Touches(router, TOUCH_FLUSH_S)
     fetcher = BlockFetcher(
@@ -474,8 +503,29 @@ def create_app(
         tokens answers as before (``replayed``) and stores nothing.
         """
         sid = scoped(who, session_id, "write")
-        with inflight.hold(request.headers.get("content-length"), max_body_bytes):
-            frames = await _read_frames(request, max_body_bytes, body_timeout_s)
+        declared = request.headers.get("content-length")
+        slot = None
+        if staging is not None and unstaged.get(sid) is None and declared and declared.isdigit():
+            slot = staging.lease(min(int(declared), max_body_bytes))
+        try:
+            with inflight.hold(declared, max_body_bytes):
+                frames = await _read_frames(request, max_body_bytes, body_timeout_s,
+                                            allocate=slot.take if slot is not None else None)
+            return await _append(sid, session_id, frames, slot, who)
+        finally:
+            if slot is not None:
+                # A device may still be copying out of the slot (the client went away
+                # mid-call): free it only once that call has answered.
+                pending = slot.in_flight
+                if pending is None:
+                    slot.release()
+                else:
+                    _background(_release_after(pending, slot))
+
+    async def _append(
+        sid: str, session_id: str, frames: list[Frame], slot: StagingSlot | None,
+        who: Principal,
+    ) -> dict[str, Any]:
         if not frames or frames[0].kind != "turn":
             raise WireError("an append body starts with a 'turn' frame")
         head = frames[0].header
@@ -507,7 +557,7 @@ def create_app(
                 f"{len(tokens)} tokens make {len(chain)} blocks: from block {start} the body "
                 f"must carry {len(chain) - start} block frames, it has {len(blocks)}"
             )
-        refs = []
+        payloads = []
         checksums = []
         for i, frame in enumerate(blocks, start=start):
             key, dtype, array = block_payload(frame)
@@ -517,21 +567,32 @@ def create_app(
                 raise LayoutMismatchError(
                     f"block {i} is {dtype}, the session's layout is {layout.dtype}"
                 )
-            refs.append(put_object(BlockPayload(key, dtype, array)))
+            payloads.append(BlockPayload(key, dtype, array))
             checksums.append(int(frame.header["crc32"]))
             payload_bytes.labels("in").inc(array.nbytes)
-        try:
-            result = await router.put_blocks.remote(
-                sid,
-                tokens,
-                refs,
-                start,
-                [bytes(k) for k in chain],
-                turn,
-                checksums,
-                (layout.to_dict(), namespace),
-                who.quota,
+
+        def put(blocks: list[Any]) -> Any:
+            return router.put_blocks.remote(
+                sid, tokens, blocks, start, [bytes(k) for k in chain], turn, checksums,
+                (layout.to_dict(), namespace), who.quota,
             )
+
+        try:
+            staged = _staged(payloads, slot)
+            if staged is None:
+                result = await put([put_object(p) for p in payloads])
+            else:
+                assert slot is not None
+                slot.in_flight = put(staged)
+                try:
+                    result = await slot.in_flight
+                    staged_bytes.inc(sum(p.nbytes for p in payloads))
+                except WrongNodeError:
+                    # The session's device is on another node: by value from now on.
+                    unstaged.put(sid, True)
+                    result = await put([put_object(p) for p in payloads])
+                finally:
+                    slot.in_flight = None
         except (NotFoundError, ConflictError):
             sessions.drop(sid)  # the session went, or was created again
             raise
@@ -734,6 +795,10 @@ def create_app(
             "same_node_blocks": fetcher.same_node_blocks,
             "in_cluster_blocks": fetcher.in_cluster_blocks,
             "leases_lost": fetcher.leases_lost,
+            # Appends: bytes devices copied out of the staging segment (the rest went
+            # through the object store), and the segment's size (0: no staging).
+            "staged_bytes": int(staged_bytes._value.get()),
+            "staging_bytes": staging.capacity_bytes if staging is not None else 0,
             "http": _route_figures(requests, latency),
         }
         return out
@@ -895,6 +960,26 @@ class _Touches:
         pending, self._pending = self._pending, set()
         if pending:
             await self._router.touch_sessions.remote(sorted(pending))
+
+
+_background_tasks: set[asyncio.Task[Any]] = set()
+
+
+def _background(coro: Any) -> None:
+    """Run ``coro`` to its end without a waiter (the loop keeps only weak references)."""
+    task = asyncio.ensure_future(coro)
+    _background_tasks.add(task)
+    task.add_done_callback(_background_tasks.discard)
+
+
+async def _release_after(call: Any, slot: StagingSlot) -> None:
+    """Free a staging slot once the device call that reads it has answered, however."""
+    try:
+        await call
+    except Exception:  # noqa: BLE001, S110 - its caller has gone; only the slot matters now
+        pass
+    finally:
+        slot.release()
 
 
 def _this_node() -> str | None:
@@ -1206,7 +1291,10 @@ class BodyTimeout(InvalidInputError):
 
 
 async def _read_frames(
-    request: Request, max_body_bytes: int, idle_timeout_s: float
+    request: Request,
+    max_body_bytes: int,
+    idle_timeout_s: float,
+    allocate: Callable[[int], memoryview | None] | None = None,
 ) -> list[Frame]:
     declared = request.headers.get("content-length")
     limit = max_body_bytes
@@ -1218,7 +1306,7 @@ async def _read_frames(
         # No frame may declare more payload than the whole body has: a header
         # that lies about its size allocates nothing for it.
         limit = int(declared)
-    reader = FrameReader(max_payload_bytes=limit)
+    reader = FrameReader(max_payload_bytes=limit, allocate=allocate)
     frames: list[Frame] = []
     total = 0
     chunks = request.stream().__aiter__()

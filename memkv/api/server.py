@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -13,8 +14,11 @@ import uvloop
 
 from memkv.api.app import create_app
 from memkv.api.auth import Authenticator
+from memkv.api.staging import PutStaging
 
 __all__ = ["GatewayServer"]
+
+logger = logging.getLogger(__name__)
 
 # How long start() waits for uvicorn to report that it is serving.
 _STARTUP_TIMEOUT_S = 30.0
@@ -36,12 +40,14 @@ class GatewayServer:
         thread: threading.Thread,
         app: Any = None,
         loops: list[asyncio.AbstractEventLoop] | None = None,
+        staging: PutStaging | None = None,
     ):
         self._server = server
         self._sock = sock
         self._thread = thread
         self._app = app
         self._loops = loops if loops is not None else []  # the serving loop, once it runs
+        self._staging = staging
         host, port = sock.getsockname()[:2]
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}"
@@ -56,19 +62,24 @@ class GatewayServer:
         max_body_bytes: int = 1 << 30,
         same_node_reads: bool = True,
         plan_cache_bytes: int = 256 << 20,
+        put_staging_bytes: int = 256 << 20,
         auth: Authenticator | None = None,
     ) -> GatewayServer:
         """Bind ``host:port`` (0 = any free port) and serve until :meth:`stop`.
 
         Args:
             cluster: a :class:`memkv.cluster.MemkvCluster` (its router is used).
+            put_staging_bytes: shared memory for append bodies (memkv.api.staging),
+                made only where a device runs on this node; 0 = none.
             same_node_reads, plan_cache_bytes, auth: see :func:`memkv.api.app.create_app`.
         """
+        staging = _staging_for(cluster.router, put_staging_bytes)
         app = create_app(
             cluster.router,
             max_body_bytes=max_body_bytes,
             same_node_reads=same_node_reads,
             plan_cache_bytes=plan_cache_bytes,
+            staging=staging,
             auth=auth,
         )
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -101,7 +112,7 @@ class GatewayServer:
             daemon=True,
         )
         thread.start()
-        gateway = cls(server, sock, thread, app, loops)
+        gateway = cls(server, sock, thread, app, loops, staging)
         gateway._wait_started()
         return gateway
 
@@ -127,9 +138,32 @@ class GatewayServer:
         self._server.should_exit = True
         self._thread.join(timeout=_STARTUP_TIMEOUT_S)
         self._sock.close()
+        if self._staging is not None and not self._thread.is_alive():
+            self._staging.close()
+            self._staging = None
 
     def __enter__(self) -> GatewayServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _staging_for(router: Any, nbytes: int) -> PutStaging | None:
+    """A staging segment when some device runs on this node (else nothing could map it)."""
+    if nbytes <= 0:
+        return None
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    here = ray.get_runtime_context().get_node_id()
+    devices = ray.get(router.devices.remote()).values()
+    nodes = ray.get([d.node.remote() for d in devices])
+    if here not in nodes:
+        return None
+    try:
+        return PutStaging(nbytes)
+    except OSError as e:  # /dev/shm too small or absent: appends go by the object store
+        logger.warning("no append staging (%s): appends go through Ray's object store", e)
+        return None

@@ -111,8 +111,10 @@ CASES: tuple[Case, ...] = (
     Case("delta_rl 4b g64", "delta_rl", {"bits": 4, "group": 64}, "group 64"),
     Case("delta_rl 4b g128", "delta_rl", {"bits": 4, "group": 128}, "group 128"),
     *(Case(f"delta_rl stepped {step:g}", "delta_rl",
-           {"bits": 8, "step": step}, f"int8 steps of {step:g} x RMS")
+           {"bits": 8, "step": step, "level": 1}, f"int8 steps of {step:g} x RMS")
       for step in STEPS),
+    Case("delta_rl stepped 0.5 zstd-3", "delta_rl", {"bits": 8, "step": 0.5, "level": 3},
+         "zstd level 3 instead of 1"),
     Case("delta_rl default", "delta_rl", _configured_delta_rl(), "memkv's configured default"),
 )
 

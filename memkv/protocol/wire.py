@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,8 @@ class WireError(InvalidInputError):
 @dataclass(slots=True)
 class Frame:
     header: dict[str, Any]
-    payload: bytearray = field(default_factory=bytearray)
+    #: The payload's bytes: its own bytearray, or a view of a buffer the reader was given.
+    payload: bytearray | memoryview = field(default_factory=bytearray)
 
     @property
     def kind(self) -> str:
@@ -214,10 +215,18 @@ class FrameReader:
 
     Args:
         max_payload_bytes: the largest payload accepted in one frame.
+        allocate: where payloads go: given a size, a writable byte view of that
+            size, or None for a bytearray of the frame's own (the gateway reads
+            append bodies into shared memory this way).
     """
 
-    def __init__(self, max_payload_bytes: int) -> None:
+    def __init__(
+        self,
+        max_payload_bytes: int,
+        allocate: Callable[[int], memoryview | None] | None = None,
+    ) -> None:
         self._max_payload = max_payload_bytes
+        self._allocate = allocate
         self._buf = bytearray()  # bytes of an incomplete prefix/header
         self._frame: Frame | None = None  # frame whose payload is being filled
         self._filled = 0
@@ -295,4 +304,5 @@ class FrameReader:
         if nbytes > self._max_payload:
             raise WireError(f"frame payload of {nbytes} bytes exceeds {self._max_payload}")
         del self._buf[:end]
-        return Frame(header, bytearray(nbytes))
+        payload = self._allocate(nbytes) if self._allocate is not None and nbytes else None
+        return Frame(header, payload if payload is not None else bytearray(nbytes))

@@ -1147,7 +1147,7 @@ class DeltaRLCodec(Codec):
             group=config.delta_rl_group,
             token_delta=config.delta_rl_token_delta,
             run_length=config.delta_rl_run_length,
-            level=config.zstd_level,
+            level=config.delta_rl_level,
             k_grouping=config.delta_rl_k_grouping,
             step=config.delta_rl_step,
         )

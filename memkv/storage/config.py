@@ -164,6 +164,14 @@ class CodecConfig(_Frozen):
     delta_rl_k_grouping: Literal["channel", "token"] = Field(
         default="channel", description="Quantisation groups of keys: per channel (KIVI) or token."
     )
+    delta_rl_level: int | None = Field(
+        default=1,
+        ge=-7,
+        le=22,
+        description="Zstd level of Delta+RL's entropy stage (None = off). 1 measured 13% "
+        "smaller than 3 on stepped codes: longer searches find 3-5 byte matches in quantised "
+        "noise that cost more than the Huffman-coded literals they replace.",
+    )
     delta_rl_step: float | None = Field(
         default=0.5,
         ge=0.01,

@@ -353,3 +353,61 @@ def test_session_ids_follow_one_rule_at_create(gateway, bad):
     )
     assert r.status_code == 422
     assert r.json()["error"]["type"] == "InvalidInputError"
+
+
+def test_appends_are_staged_in_shared_memory_on_the_devices_node(client):
+    sid = new_id()
+    client.create_session(sid, LAYOUT, namespace="t-stage")
+    before = client.stats()["gateway"]
+    assert before["staging_bytes"] > 0  # the test devices run on the gateway's node
+    keys, values = kv(16, seed=12)
+    client.append_turn(sid, list(range(16)), keys, values)
+    expected = split_kv(LAYOUT, keys, values)
+    after = client.stats()["gateway"]
+    assert after["staged_bytes"] - before["staged_bytes"] == sum(
+        b.numel() * b.element_size() for b in expected)
+    # The slot was reused by later appends: what the device kept is its own copy.
+    other = new_id()
+    client.create_session(other, LAYOUT, namespace="t-stage")
+    k2, v2 = kv(16, seed=13)
+    client.append_turn(other, list(range(100, 116)), k2, v2)  # other tokens: no dedup
+    assert same([b.tensor for b in client.read_blocks(sid)], expected)
+    assert same([b.tensor for b in client.read_blocks(other)], split_kv(LAYOUT, k2, v2))
+    client.delete_session(sid)
+    client.delete_session(other)
+
+
+def test_a_device_on_another_node_gets_staged_blocks_by_value(cluster):
+    """A gateway whose node is not the device's: the device refuses the staged
+    blocks (it cannot map the segment) and the append goes by the object store."""
+    from memkv.api.app import create_app
+    from memkv.api.staging import PutStaging
+
+    staging = PutStaging(1 << 20)
+    try:
+        app = create_app(cluster.router, node_id="a-node-elsewhere", staging=staging,
+                         same_node_reads=False)
+
+        async def go() -> tuple[int, dict, dict]:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+                sid = new_id()
+                r = await c.post("/v1/sessions", json={
+                    "session_id": sid, "layout": LAYOUT.to_dict(), "namespace": "t-bad"})
+                assert r.status_code in (200, 201), r.text
+                keys, values = kv(8, seed=14)
+                blocks = split_kv(LAYOUT, keys, values)
+                first = await c.post(f"/v1/sessions/{sid}/turns",
+                                     content=raw_turn(sid, list(range(7000, 7008)), blocks),
+                                     headers=FRAMES)
+                assert first.status_code == 200, first.text
+                stats = (await c.get("/v1/stats")).json()["gateway"]
+                session = (await c.get(f"/v1/sessions/{sid}")).json()
+                await c.delete(f"/v1/sessions/{sid}")
+                return first.json()["new_blocks"], stats, session
+
+        new_blocks, stats, session = asyncio.run(go())
+        assert new_blocks == 2 and session["tokens"] == 8
+        assert stats["staged_bytes"] == 0 and stats["staging_bytes"] == 1 << 20
+    finally:
+        staging.close()
