@@ -138,6 +138,7 @@ RECIPE_VERSION = 2
 MANIFEST = "memkv-manifest.json"
 _SECONDS_PER_MINUTE = 60.0
 _EVAL_CHUNK = 8  # windows per batched forward pass in perplexity evaluation
+_CI95 = 1.96  # normal quantile of a two-sided 95% interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -508,6 +509,9 @@ class PerplexityResult:
         perplexity: exp(mean NLL) of the scored bytes on the transformed cache.
         reference: the same on the unmodified cache.
         rise_pct: 100 * (perplexity / reference - 1).
+        rise_ci_pct: half-width of the rise's 95% confidence interval, from the
+            spread of the per-window NLL differences (windows are independent
+            text; the bytes within one are not).
         nll_delta: mean NLL difference (nats per byte).
         ratio_vs_fp16: fp16 bytes of the cache / bytes stored.
         greedy_agreement: share of scored positions whose greedy (argmax) next byte
@@ -521,6 +525,7 @@ class PerplexityResult:
     perplexity: float
     reference: float
     rise_pct: float
+    rise_ci_pct: float
     nll_delta: float
     ratio_vs_fp16: float
     greedy_agreement: float
@@ -603,6 +608,7 @@ def perplexity_with_codecs(
     windows = _eval_windows(held_out, n_windows, prefix + cont + 1)
     ref_nll = torch.zeros(())
     nll = {label: torch.zeros(()) for label in transforms}
+    deltas: dict[str, list[torch.Tensor]] = {label: [] for label in transforms}
     agree = dict.fromkeys(transforms, 0)
     stored = dict.fromkeys(transforms, 0)
     fp16_bytes = 0
@@ -625,17 +631,21 @@ def perplexity_with_codecs(
                 stored[label] += sum(w[2] for w in per_window)
                 window_nll, top = _nll(model, cont_ids, targets, k2, v2)
                 nll[label] += window_nll.sum()
+                deltas[label].append((window_nll - ref_sum) / cont)
                 agree[label] += int((top == ref_top).sum())
     scored = n_windows * cont
     ref_mean = float(ref_nll) / scored
     results: dict[str, PerplexityResult] = {}
     for label in transforms:
         mean = float(nll[label]) / scored
+        per_window = torch.cat(deltas[label]).double()
+        se = float(per_window.std() / math.sqrt(len(per_window))) if len(per_window) > 1 else 0.0
         results[label] = PerplexityResult(
             label=label,
             perplexity=math.exp(mean),
             reference=math.exp(ref_mean),
             rise_pct=100 * math.expm1(mean - ref_mean),
+            rise_ci_pct=100 * _CI95 * se,
             nll_delta=mean - ref_mean,
             ratio_vs_fp16=fp16_bytes / stored[label],
             greedy_agreement=agree[label] / scored,

@@ -93,7 +93,7 @@ def test_codecs_quick(ctx: BenchContext) -> None:
     for p in ppl.values():
         assert _positive(p["perplexity"]) and _positive(p["ratio_vs_fp16"])
         assert p["windows"] == 2 and math.isfinite(p["rise_pct"])
-        assert 0 <= p["greedy_agreement"] <= 1
+        assert 0 <= p["greedy_agreement"] <= 1 and p["rise_ci_pct"] >= 0
     assert ppl["delta_rl default"]["ratio_vs_fp16"] > ppl["int8 (precision.py)"]["ratio_vs_fp16"]
     # Stepped int8 codes entropy-code to fewer bytes than plain int8 with zstd.
     assert ppl["delta_rl stepped 0.5"]["ratio_vs_fp16"] > ppl["delta_rl 8b +delta+rl+zstd"][
