@@ -229,7 +229,7 @@ class DeviceCache:
             raise
         self.leases = LeaseTable(lambda keys: self.pool.unpin_blocks([BlockHash(k) for k in keys]))
         self.node_id = _node_id()
-        self._staging_maps = SegmentMaps()  # gateways' staging segments (memkv.api.staging)
+        self._staging_maps = SegmentMaps()  # gateways' staging segments (memkv.staging)
         self._streams: PriorityStreams | None = None  # unified memory only
 
     def ping(self) -> dict[str, str]:

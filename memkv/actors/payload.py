@@ -59,7 +59,7 @@ class BlockPayload:
 
 @dataclass(frozen=True, slots=True)
 class StagedBlock:
-    """A block a gateway left in its staging segment (memkv.api.staging) for a device to copy.
+    """A block a gateway left in its staging segment (memkv.staging) for a device to copy.
 
     Only a process on ``node_id`` can map the segment; a device elsewhere
     refuses it (WrongNodeError) and the sender falls back to the object store.

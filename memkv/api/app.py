@@ -49,7 +49,6 @@ from memkv.api.blocks import (
     PlanCache,
 )
 from memkv.api.observe import StatsSnapshot, engine_metrics
-from memkv.api.staging import PutStaging, StagingSlot
 from memkv.errors import (
     BlockLostError,
     CapacityError,
@@ -84,6 +83,7 @@ from memkv.protocol.wire import (
     end_frame,
 )
 from memkv.same_node import SegmentMaps
+from memkv.staging import PutStaging, StagingSlot
 
 __all__ = ["FRAMES_MEDIA_TYPE", "create_app"]
 
@@ -274,7 +274,7 @@ def create_app(
             object-store object per block; tests with fakes hand the payload).
         node_id: this process's node, for same-node reads (default: Ray's).
         staging: append bodies are read into this shared-memory segment and the
-            node's devices copy the blocks from there (memkv.api.staging);
+            node's devices copy the blocks from there (memkv.staging);
             None sends every block through ``put_object``.
     """
     app = FastAPI(

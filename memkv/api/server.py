@@ -14,7 +14,7 @@ import uvloop
 
 from memkv.api.app import create_app
 from memkv.api.auth import Authenticator
-from memkv.api.staging import PutStaging
+from memkv.staging import PutStaging
 
 __all__ = ["GatewayServer"]
 
@@ -69,7 +69,7 @@ class GatewayServer:
 
         Args:
             cluster: a :class:`memkv.cluster.MemkvCluster` (its router is used).
-            put_staging_bytes: shared memory for append bodies (memkv.api.staging),
+            put_staging_bytes: shared memory for append bodies (memkv.staging),
                 made only where a device runs on this node; 0 = none.
             same_node_reads, plan_cache_bytes, auth: see :func:`memkv.api.app.create_app`.
         """

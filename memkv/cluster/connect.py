@@ -30,6 +30,7 @@ from memkv.actors.payload import (
     READ_BATCH_BLOCKS,
     READ_WINDOW_BATCHES,
     BlockPayload,
+    StagedBlock,
     from_payload,
     to_payload,
 )
@@ -38,6 +39,7 @@ from memkv.config import MemkvConfig, load_config
 from memkv.errors import ConfigError, InvalidInputError, UnknownBlockError, WrongNodeError
 from memkv.protocol.hashing import chain_hashes
 from memkv.same_node import SameNodeReader
+from memkv.staging import PutStaging, staging_node
 from memkv.storage.layout import KVLayout, split_kv
 
 __all__ = ["LOOPBACK_ENV", "MemkvCluster", "attach", "connect"]
@@ -83,6 +85,10 @@ class MemkvCluster:
         self._closed = False
         self._readers: dict[str, SameNodeReader] = {}
         self._remote_devices: set[str] = set()  # devices of other nodes: no same-node reads
+        # Appends staged in shared memory for this node's devices (memkv.staging):
+        # made on the first append, None when no device runs here (or after a refusal).
+        self._staging: PutStaging | None = None
+        self._staging_checked = False
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -166,16 +172,61 @@ class MemkvCluster:
                 f"{len(tokens)} tokens make {len(chain)} blocks; from block {start_block} "
                 f"expected {len(chain) - start_block} blocks, got {len(blocks)}"
             )
+        payloads = [to_payload(chain[start_block + i], b) for i, b in enumerate(blocks)]
+
+        def put(sent: list[Any]) -> dict[str, Any]:
+            return dict(ray.get(self.router.put_blocks.remote(
+                session_id, tokens, sent, start_block, [bytes(k) for k in chain])))
+
+        staging = self._put_staging()
+        slot = staging.lease(sum(p.nbytes for p in payloads)) if staging and payloads else None
+        if slot is not None and staging is not None:
+            # One copy into shared memory the device copies from: no object store.
+            node = staging_node()
+            staged = []
+            for p in payloads:
+                view = slot.take(p.nbytes)
+                assert view is not None  # the slot was sized for every block
+                dst = np.frombuffer(view, dtype=p.data.dtype).reshape(p.data.shape)
+                np.copyto(dst, p.data)
+                staged.append(StagedBlock(p.key, p.dtype, tuple(p.data.shape), staging.segment,
+                                          staging.capacity_bytes, staging.incarnation,
+                                          staging.offset_of(dst), p.nbytes, node))
+            # The slot is reused only once the call has answered (the device has
+            # copied); an interrupt mid-call leaves it taken rather than risk that.
+            try:
+                result = put(staged)
+            except WrongNodeError:
+                slot.release()
+                self._drop_staging()  # this node's devices are not where sessions live
+            except Exception:
+                slot.release()
+                raise
+            else:
+                slot.release()
+                return result
         # By reference: the router forwards the refs and the device maps the
         # blocks from the object store, so no process copies them on the way.
-        refs = [ray.put(to_payload(chain[start_block + i], b)) for i, b in enumerate(blocks)]
-        return dict(
-            ray.get(
-                self.router.put_blocks.remote(
-                    session_id, tokens, refs, start_block, [bytes(k) for k in chain]
-                )
-            )
-        )
+        return put([ray.put(p) for p in payloads])
+
+    def _put_staging(self) -> PutStaging | None:
+        """This process's staging segment, made once a device runs on its node."""
+        if not self._staging_checked:
+            self._staging_checked = True
+            nbytes = self.config.gateway.put_staging_bytes
+            here = staging_node()
+            devices = list(self.devices.values())
+            if nbytes > 0 and devices and here in ray.get([d.node.remote() for d in devices]):
+                try:
+                    self._staging = PutStaging(nbytes)
+                except OSError as e:
+                    logger.warning("no append staging (%s): blocks go by the object store", e)
+        return self._staging
+
+    def _drop_staging(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
 
     def resume(self, session_id: str) -> dict[str, Any]:
         """Answers at once with the chain and each block's tier; blocks follow lazily."""
@@ -327,6 +378,7 @@ class MemkvCluster:
             ray.shutdown()
 
     def _close_readers(self) -> None:
+        self._drop_staging()
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()

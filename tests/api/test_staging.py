@@ -5,8 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from memkv.api.staging import STAGING_UNIT_BYTES, PutStaging
 from memkv.protocol.wire import FrameReader, encode_frame
+from memkv.staging import STAGING_UNIT_BYTES, PutStaging
 
 
 @pytest.fixture

@@ -219,3 +219,21 @@ def test_sessions_created_in_bulk_and_a_bad_spec_named(cluster):
         cluster.create_sessions([{"session_id": f"bulk-{next(_ids)}"}])
     for sid in [*ids, more]:
         cluster.delete_session(sid)
+
+
+def test_in_cluster_appends_are_staged_for_this_nodes_devices(cluster, monkeypatch):
+    sid, _, blocks = new_session(cluster, 12, seed=300)
+    staging = cluster._put_staging()
+    assert staging is not None  # the test devices run on this node
+    assert same(read(cluster, sid), blocks)
+    # A writer on another node (as a device sees it): the device refuses the staged
+    # blocks, the append goes by the object store and staging is dropped.
+    import importlib
+
+    connect_module = importlib.import_module("memkv.cluster.connect")  # not the function
+    monkeypatch.setattr(connect_module, "staging_node", lambda: "a-node-elsewhere")
+    other, _, other_blocks = new_session(cluster, 12, seed=301)
+    assert cluster._staging is None
+    assert same(read(cluster, other), other_blocks)
+    monkeypatch.undo()
+    cluster._staging_checked = False  # let later tests stage again
