@@ -516,13 +516,18 @@ def test_non_contiguous_input_is_encoded_by_value() -> None:
 
 
 def test_get_codec_for_uses_config_params() -> None:
-    cfg = CodecConfig(zstd_level=5, shuffle=False, delta_rl_bits=8, delta_rl_group=16)
+    cfg = CodecConfig(zstd_level=5, shuffle=False, delta_rl_bits=8, delta_rl_group=16,
+                      delta_rl_level=7, delta_rl_step=0.7)
     z = get_codec_for(cfg, "zstd")
     assert isinstance(z, ZstdCodec) and z.level == 5 and not z.shuffle
     lz = get_codec_for(cfg, "lz4")
     assert isinstance(lz, Lz4Codec) and not lz.shuffle
     d = get_codec_for(cfg, "delta_rl")
-    assert isinstance(d, DeltaRLCodec) and (d.bits, d.group, d.level) == (8, 16, 5)
+    assert isinstance(d, DeltaRLCodec) and (d.bits, d.group, d.level, d.step) == (8, 16, 7, 0.7)
+    fixed = get_codec_for(CodecConfig(delta_rl_bits=4, delta_rl_step=None), "delta_rl")
+    assert isinstance(fixed, DeltaRLCodec) and (fixed.bits, fixed.step) == (4, None)
+    with pytest.raises(ValueError, match="delta_rl_bits 8"):
+        CodecConfig(delta_rl_bits=4, delta_rl_step=0.5)
     assert isinstance(get_codec_for(cfg, "none"), NoneCodec)
     with pytest.raises(InvalidInputError):
         get_codec_for(cfg, "snappy")
