@@ -15,8 +15,8 @@ refuses a staged block (:class:`~memkv.errors.WrongNodeError`) and the
 gateway sends that session's appends through the object store from then on.
 
 The segment is named like a device's (``memkv-warm-gateway-stage-*``) and
-held by the same lock file, so a device starting on the node reclaims it if
-the gateway died without unlinking it.
+held by the same lock file, so a device or writer starting on the node
+reclaims it if its writer died without unlinking it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from memkv.actors.segments import SegmentOwnership, warm_segment_name
+from memkv.actors.segments import SegmentOwnership, reclaim_orphans, warm_segment_name
 from memkv.storage.buddy import BuddyAllocator
 
 __all__ = ["STAGING_UNIT_BYTES", "PutStaging", "StagingSlot", "staging_node"]
@@ -74,6 +74,7 @@ class PutStaging:
     """
 
     def __init__(self, capacity_bytes: int) -> None:
+        reclaim_orphans()  # segments of writers that died without unlinking them
         self.incarnation = uuid.uuid4().hex[:12]
         self.segment = warm_segment_name(f"gateway-stage-{self.incarnation}")
         self._ownership = SegmentOwnership(self.segment)

@@ -269,7 +269,8 @@ class DeviceCache:
         refs = [i for i, b in enumerate(blocks) if isinstance(b, ray.ObjectRef)]
         resolved: list[Any] = list(blocks)
         if refs:
-            for i, value in zip(refs, ray.get([blocks[i] for i in refs]), strict=True):
+            pending: list[Any] = [blocks[i] for i in refs]
+            for i, value in zip(refs, ray.get(pending), strict=True):
                 resolved[i] = value
         tensors = [from_payload(self._unstage(p) if isinstance(p, StagedBlock) else p)
                    for p in resolved]

@@ -64,3 +64,16 @@ def test_frame_payloads_land_where_the_reader_is_told(staging):
     full = FrameReader(max_payload_bytes=len(body), allocate=lambda n: None)
     (_, block) = list(full.feed(body))
     assert isinstance(block.payload, bytearray) and bytes(block.payload) == payload
+
+
+def test_a_dead_writers_segment_is_reclaimed_by_the_next_one():
+    s = PutStaging(STAGING_UNIT_BYTES)
+    # As if its process died: the lock file stays but nobody holds it; the segment is left.
+    os.close(s._ownership._fd)
+    s._ownership._fd = -1
+    assert os.path.exists(f"/dev/shm/{s.segment}")
+    fresh = PutStaging(STAGING_UNIT_BYTES)
+    try:
+        assert not os.path.exists(f"/dev/shm/{s.segment}")
+    finally:
+        fresh.close()
