@@ -112,6 +112,10 @@ def _codecs(docs: dict[str, _Doc]) -> str:
         out.append(f"Delta+RL best at <= 0.5% perplexity (95% interval included) on both "
                    f"trained models: {best[0]} {best[ratio]:.2f}x ({best[ppl]:+.3f}% worst, "
                    f"{best[dec]:.0f} MB/s decode)")
+    default = _row(codecs, "delta_rl default")
+    if default is not None:
+        out.append(f"memkv's default Delta+RL {default[ratio]:.2f}x ({default[ppl]:+.3f}% worst, "
+                   f"{default[dec]:.0f} MB/s decode)")
     return ("vs fp16: " + "; ".join(out) + ". Lossless coders gain little on fp16 KV (its "
             "mantissas are noise): the ratio comes from quantisation [codecs]")
 
