@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
@@ -552,17 +552,15 @@ def restore(
         match = client.match(layout, namespace, ids[:limit])
         if match.tokens > own_tokens:
             keys = [bytes(k) for k in match.blocks]
-            blocks = list(client.read_blocks_by_key(namespace, keys))
-            _check_keys(blocks, keys)
             tokens = min(match.tokens, limit)
-            return _assemble(blocks, tokens, layout, RestoreSource.SHARED, config, dtype, device)
+            return _assemble(client.read_blocks_by_key(namespace, keys), keys, tokens, layout,
+                             RestoreSource.SHARED, config, dtype, device)
 
     if session_id is None or own_tokens == 0:
         return Restored(None, 0, [])
-    # Read the stream to its end (end= bounds it): the client checks the end frame.
-    blocks = list(client.read_blocks(session_id, 0, len(own_keys)))
-    _check_keys(blocks, own_keys)
-    return _assemble(blocks, own_tokens, layout, RestoreSource.SESSION, config, dtype, device)
+    # The stream is read to its end (end= bounds it): the client checks the end frame.
+    return _assemble(client.read_blocks(session_id, 0, len(own_keys)), own_keys, own_tokens,
+                     layout, RestoreSource.SESSION, config, dtype, device)
 
 
 def _token_list(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> list[int]:
@@ -609,15 +607,25 @@ def _own_prefix(
     return [bytes(k) for k in ours[:needed]], tokens
 
 
-def _check_keys(blocks: Sequence[BlockLike], keys: Sequence[bytes]) -> None:
-    got = [bytes(b.key) for b in blocks]
-    if got != list(keys):
-        raise CorruptDataError(
-            f"asked for {len(keys)} blocks and got {len(got)} that differ from them "
-            f"(first asked {keys[0].hex() if keys else '-'}, got "
-            f"{got[0].hex() if got else '-'}); a cache is never built from blocks of "
-            f"other tokens"
-        )
+def _checked(blocks: Iterable[BlockLike], keys: Sequence[bytes],
+             seen: list[BlockLike]) -> Iterator[torch.Tensor]:
+    """Each block's tensor as it arrives, once its key is the one asked for (into ``seen``).
+
+    A block of another key stops the restore before its bytes are used: a cache
+    is never built from blocks of other tokens.
+    """
+    for i, block in enumerate(blocks):
+        got = bytes(block.key)
+        if i >= len(keys) or got != keys[i]:
+            asked = keys[i].hex() if i < len(keys) else "nothing more"
+            raise CorruptDataError(
+                f"asked for {len(keys)} blocks and got ones that differ from them (block {i} "
+                f"is {got.hex()}, asked {asked}); a cache is never built from blocks of other "
+                "tokens")
+        seen.append(block)
+        yield block.tensor
+    if len(seen) != len(keys):
+        raise CorruptDataError(f"asked for {len(keys)} blocks and got {len(seen)}")
 
 
 def _tier_name(tier: Any) -> str:
@@ -627,7 +635,8 @@ def _tier_name(tier: Any) -> str:
 
 
 def _assemble(
-    blocks: Sequence[BlockLike],
+    stream: Iterable[BlockLike],
+    asked: Sequence[bytes],
     tokens: int,
     layout: KVLayout,
     source: RestoreSource,
@@ -635,7 +644,13 @@ def _assemble(
     dtype: torch.dtype | None,
     device: torch.device | str | None,
 ) -> Restored:
-    keys, values = layers_from_blocks(layout, [b.tensor for b in blocks], tokens, dtype)
+    # Each block is converted into the layer tensors as it arrives, while the
+    # next ones are still on the wire (it was: read all, then convert all).
+    blocks: list[BlockLike] = []
+    tensors = _checked(stream, asked, blocks)
+    keys, values = layers_from_blocks(layout, tensors, tokens, dtype)
+    for _ in tensors:  # read to the end: the count and the stream's end are checked
+        pass
     # The layer tensors are fresh (built for this cache): no second copy of them.
     cache = kv_to_cache(keys, values, config, device=device, adopt=True)
     return Restored(
@@ -648,13 +663,17 @@ def _assemble(
 
 
 def layers_from_blocks(
-    layout: KVLayout, blocks: Sequence[torch.Tensor], tokens: int, dtype: torch.dtype | None
+    layout: KVLayout,
+    blocks: Iterable[torch.Tensor],
+    tokens: int,
+    dtype: torch.dtype | None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-layer ``[kv_heads, tokens, head_dim]`` K and V in ``dtype``, in one pass over the blocks.
 
     Joining, cropping and converting fused: each block slice is copied (and
     converted) straight into its place in the layer tensors, where joining
     first and converting after made two more passes over the whole cache.
+    ``blocks`` may be a stream: each block is placed as it arrives.
 
     Raises:
         LayoutMismatchError: a block does not fit the layout, or a partial
@@ -669,13 +688,16 @@ def layers_from_blocks(
     keys = [torch.empty(shape, dtype=target) for _ in range(layout.num_layers)]
     values = [torch.empty(shape, dtype=target) for _ in range(layout.num_layers)]
     done = 0
+    partial: tuple[int, int] | None = None  # (index, tokens) of a partial block seen
     for i, block in enumerate(blocks):
-        held = layout.check_block(block)
-        if held != layout.block_tokens and i != len(blocks) - 1:
+        if partial is not None:
             raise LayoutMismatchError(
-                f"only the last block may be partial; block {i} of {len(blocks)} has {held} "
-                f"tokens, expected {layout.block_tokens}"
+                f"only the last block may be partial; block {partial[0]} has {partial[1]} "
+                f"tokens, expected {layout.block_tokens}, and block {i} follows it"
             )
+        held = layout.check_block(block)
+        if held != layout.block_tokens:
+            partial = (i, held)
         n = min(held, tokens - done)
         if n <= 0:
             break
