@@ -21,17 +21,22 @@ reclaims it if its writer died without unlinking it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
+from collections.abc import Iterable
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import numpy as np
 
+from memkv.actors.payload import BlockPayload, StagedBlock
 from memkv.actors.segments import SegmentOwnership, reclaim_orphans, warm_segment_name
 from memkv.storage.buddy import BuddyAllocator
 
-__all__ = ["STAGING_UNIT_BYTES", "PutStaging", "StagingSlot", "staging_node"]
+__all__ = ["STAGING_UNIT_BYTES", "PutStaging", "StagingSlot", "staging_for", "staging_node"]
+
+logger = logging.getLogger(__name__)
 
 #: Allocation unit of the staging segment: an append body is rounded up to a
 #: power of two of these (a 4 MiB block with its frame headers takes 8 MiB).
@@ -105,6 +110,20 @@ class PutStaging:
             raise ValueError("the array is not a view of the staging segment")
         return offset
 
+    def describe(self, payloads: Iterable[BlockPayload], node_id: str) -> list[StagedBlock] | None:
+        """What a device needs to copy ``payloads`` out of this segment; None where one
+        of them is not in it (read into a buffer of its own)."""
+        out = []
+        for p in payloads:
+            try:
+                offset = self.offset_of(p.data)
+            except ValueError:
+                return None
+            out.append(StagedBlock(p.key, p.dtype, tuple(p.data.shape), self.segment,
+                                   self.capacity_bytes, self.incarnation, offset, p.nbytes,
+                                   node_id))
+        return out
+
     def close(self) -> None:
         """Unmap and unlink the segment (after every append has been answered)."""
         del self.array
@@ -118,3 +137,22 @@ def staging_node() -> str:
     import ray
 
     return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""
+
+
+def staging_for(devices: Iterable[Any], nbytes: int) -> PutStaging | None:
+    """A staging segment of ``nbytes`` when one of ``devices`` (actor handles) runs on
+    this node, else None: nothing elsewhere could map it."""
+    if nbytes <= 0:
+        return None
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    handles = list(devices)
+    if not handles or staging_node() not in ray.get([d.node.remote() for d in handles]):
+        return None
+    try:
+        return PutStaging(nbytes)
+    except OSError as e:  # /dev/shm too small or absent
+        logger.warning("no append staging (%s): appends go through Ray's object store", e)
+        return None

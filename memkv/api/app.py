@@ -39,7 +39,7 @@ from ray.exceptions import RayActorError, RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memkv.actors.packed import pack, unpack
-from memkv.actors.payload import BlockPayload, StagedBlock
+from memkv.actors.payload import BlockPayload
 from memkv.api.auth import Authenticator, Principal
 from memkv.api.blocks import (
     FRAMES_MEDIA_TYPE,
@@ -313,20 +313,6 @@ def create_app(
         registry=registry,
     )
 
-    def _staged(payloads: list[BlockPayload], slot: StagingSlot | None) -> list[Any] | None:
-        """Staged descriptors of blocks read into ``slot``; None where any is not there."""
-        if slot is None or staging is None or not payloads:
-            return None
-        out = []
-        for p in payloads:
-            try:
-                offset = staging.offset_of(p.data)
-            except ValueError:
-                return None  # read into a buffer of its own (the slot was full)
-            out.append(StagedBlock(p.key, p.dtype, tuple(p.data.shape), staging.segment,
-                                   staging.capacity_bytes, staging.incarnation, offset,
-                                   p.nbytes, this_node))
-        return out
     routes = _RouteCache(SESSION_CACHE_ENTRIES)
     touches = _Touches(router, TOUCH_FLUSH_S)
     fetcher = BlockFetcher(
@@ -578,7 +564,8 @@ def create_app(
             )
 
         try:
-            staged = _staged(payloads, slot)
+            staged = (staging.describe(payloads, this_node)
+                      if slot is not None and staging is not None and payloads else None)
             if staged is None:
                 result = await put([put_object(p) for p in payloads])
             else:

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 import threading
 import time
 from typing import Any
 
+import ray
 import uvicorn
 import uvloop
 
 from memkv.api.app import create_app
 from memkv.api.auth import Authenticator
-from memkv.staging import PutStaging
+from memkv.staging import PutStaging, staging_for
 
 __all__ = ["GatewayServer"]
-
-logger = logging.getLogger(__name__)
 
 # How long start() waits for uvicorn to report that it is serving.
 _STARTUP_TIMEOUT_S = 30.0
@@ -73,7 +71,8 @@ class GatewayServer:
                 made only where a device runs on this node; 0 = none.
             same_node_reads, plan_cache_bytes, auth: see :func:`memkv.api.app.create_app`.
         """
-        staging = _staging_for(cluster.router, put_staging_bytes)
+        staging = staging_for(ray.get(cluster.router.devices.remote()).values(),
+                              put_staging_bytes) if put_staging_bytes > 0 else None
         app = create_app(
             cluster.router,
             max_body_bytes=max_body_bytes,
@@ -147,23 +146,3 @@ class GatewayServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _staging_for(router: Any, nbytes: int) -> PutStaging | None:
-    """A staging segment when some device runs on this node (else nothing could map it)."""
-    if nbytes <= 0:
-        return None
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    here = ray.get_runtime_context().get_node_id()
-    devices = ray.get(router.devices.remote()).values()
-    nodes = ray.get([d.node.remote() for d in devices])
-    if here not in nodes:
-        return None
-    try:
-        return PutStaging(nbytes)
-    except OSError as e:  # /dev/shm too small or absent: appends go by the object store
-        logger.warning("no append staging (%s): appends go through Ray's object store", e)
-        return None

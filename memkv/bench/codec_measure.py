@@ -81,6 +81,11 @@ def _configured_delta_rl() -> dict[str, Any]:
     return get_codec_for(CodecConfig(), "delta_rl").params()
 
 
+def stepped_label(step: float) -> str:
+    """The row of stepped codes at ``step`` (zstd level 1, as configured)."""
+    return f"delta_rl stepped {step:g}"
+
+
 #: Steps (x the RMS of a key channel / value token) of the stepped rows.
 STEPS = (0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
 CASES: tuple[Case, ...] = (
@@ -110,7 +115,7 @@ CASES: tuple[Case, ...] = (
          {"bits": 4, "group": 32, "k_grouping": "token"}, "keys grouped per token"),
     Case("delta_rl 4b g64", "delta_rl", {"bits": 4, "group": 64}, "group 64"),
     Case("delta_rl 4b g128", "delta_rl", {"bits": 4, "group": 128}, "group 128"),
-    *(Case(f"delta_rl stepped {step:g}", "delta_rl",
+    *(Case(stepped_label(step), "delta_rl",
            {"bits": 8, "step": step, "level": 1}, f"int8 steps of {step:g} x RMS")
       for step in STEPS),
     Case("delta_rl stepped 0.5 zstd-3", "delta_rl", {"bits": 8, "step": 0.5, "level": 3},

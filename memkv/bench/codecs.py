@@ -155,9 +155,11 @@ _DEFAULT_STEP = CodecConfig().delta_rl_step
 def _step_fit(rows: list[list[Any]], columns: list[str]) -> dict[str, float] | None:
     """Worst rise ~ a x step^2 over the stepped rows (quantisation noise grows as the
     step squared): one curve through every setting, steadier than any single row."""
+    from memkv.bench.codec_measure import STEPS, stepped_label
+
     worst = columns.index("worst ppl rise %")
-    points = [(float(str(r[0]).split()[-1]), r[worst]) for r in rows
-              if str(r[0]).startswith("delta_rl stepped ") and str(r[0]).count(" ") == 2]
+    step_of = {stepped_label(step): step for step in STEPS}
+    points = [(step_of[r[0]], r[worst]) for r in rows if r[0] in step_of]
     if len(points) < 2:  # noqa: PLR2004 - a fit needs two points
         return None
     a = sum(s * s * y for s, y in points) / sum(s**4 for s, _ in points)

@@ -30,7 +30,6 @@ from memkv.actors.payload import (
     READ_BATCH_BLOCKS,
     READ_WINDOW_BATCHES,
     BlockPayload,
-    StagedBlock,
     from_payload,
     to_payload,
 )
@@ -39,7 +38,7 @@ from memkv.config import MemkvConfig, load_config
 from memkv.errors import ConfigError, InvalidInputError, UnknownBlockError, WrongNodeError
 from memkv.protocol.hashing import chain_hashes
 from memkv.same_node import SameNodeReader
-from memkv.staging import PutStaging, staging_node
+from memkv.staging import PutStaging, staging_for, staging_node
 from memkv.storage.layout import KVLayout, split_kv
 
 __all__ = ["LOOPBACK_ENV", "MemkvCluster", "attach", "connect"]
@@ -182,16 +181,15 @@ class MemkvCluster:
         slot = staging.lease(sum(p.nbytes for p in payloads)) if staging and payloads else None
         if slot is not None and staging is not None:
             # One copy into shared memory the device copies from: no object store.
-            node = staging_node()
-            staged = []
+            copies = []
             for p in payloads:
                 view = slot.take(p.nbytes)
                 assert view is not None  # the slot was sized for every block
                 dst = np.frombuffer(view, dtype=p.data.dtype).reshape(p.data.shape)
                 np.copyto(dst, p.data)
-                staged.append(StagedBlock(p.key, p.dtype, tuple(p.data.shape), staging.segment,
-                                          staging.capacity_bytes, staging.incarnation,
-                                          staging.offset_of(dst), p.nbytes, node))
+                copies.append(BlockPayload(p.key, p.dtype, dst))
+            staged = staging.describe(copies, staging_node())
+            assert staged is not None  # every copy lies in the slot
             # The slot is reused only once the call has answered (the device has
             # copied); an interrupt mid-call leaves it taken rather than risk that.
             try:
@@ -213,14 +211,8 @@ class MemkvCluster:
         """This process's staging segment, made once a device runs on its node."""
         if not self._staging_checked:
             self._staging_checked = True
-            nbytes = self.config.gateway.put_staging_bytes
-            here = staging_node()
-            devices = list(self.devices.values())
-            if nbytes > 0 and devices and here in ray.get([d.node.remote() for d in devices]):
-                try:
-                    self._staging = PutStaging(nbytes)
-                except OSError as e:
-                    logger.warning("no append staging (%s): blocks go by the object store", e)
+            self._staging = staging_for(self.devices.values(),
+                                        self.config.gateway.put_staging_bytes)
         return self._staging
 
     def _drop_staging(self) -> None:

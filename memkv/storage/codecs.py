@@ -912,22 +912,28 @@ class _SteppedScheme(_Scheme):
         header: FrameHeader,
         settings: _Settings,
     ) -> torch.Tensor:
-        wide = _param(header.params, "wide", bool)
-        clamp = _param(header.params, "clamp", bool)
-        compute = torch.float64 if wide else torch.float32
+        compute = _compute_dtype(header)
         out = torch.empty(header.shape, dtype=header.dtype)
         k_scale, mean, v_scale = (t.to(compute) for t in tables)
         k = torch.from_numpy(codes[0].view(np.int8)).to(compute)
         v = torch.from_numpy(codes[1].view(np.int8)).to(compute)
-        k = torch.addcmul(mean, k, k_scale)
-        v.mul_(v_scale)
-        if clamp:
-            limit = torch.finfo(header.dtype).max
-            k.clamp_(-limit, limit)
-            v.clamp_(-limit, limit)
-        out[:, _K].copy_(k)
-        out[:, _V].copy_(v)
+        _store(out[:, _K], torch.addcmul(mean, k, k_scale), header)
+        _store(out[:, _V], v.mul_(v_scale), header)
         return out
+
+
+def _compute_dtype(header: FrameHeader) -> torch.dtype:
+    """float64 for a frame whose values could overflow fp32 arithmetic ("wide"), else fp32."""
+    return torch.float64 if _param(header.params, "wide", bool) else torch.float32
+
+
+def _store(target: torch.Tensor, x: torch.Tensor, header: FrameHeader) -> None:
+    """Decoded values into the output: clamped to its dtype where the frame says they may
+    pass it, rounded to it (and laid out as ``target``) in one copy."""
+    if _param(header.params, "clamp", bool):
+        limit = torch.finfo(header.dtype).max
+        x.clamp_(-limit, limit)
+    target.copy_(x.reshape(target.shape))
 
 
 def _k_view(k: torch.Tensor, k_grouping: KGrouping) -> torch.Tensor:
@@ -1016,19 +1022,13 @@ class _Group4Scheme(_Scheme):
         settings: _Settings,
     ) -> torch.Tensor:
         group, k_grouping = settings.group, settings.k_grouping
-        wide = _param(header.params, "wide", bool)
-        clamp = _param(header.params, "clamp", bool)
-        compute = torch.float64 if wide else torch.float32
+        compute = _compute_dtype(header)
         out = torch.empty(header.shape, dtype=header.dtype)
-        limit = torch.finfo(header.dtype).max
         targets = (_k_view(out[:, _K], k_grouping), out[:, _V])
         for i, target in enumerate(targets):
             x = kernels.group4_dequantize(codes[i], group, tables[2 * i], tables[2 * i + 1],
                                           compute)
-            if clamp:
-                x.clamp_(-limit, limit)
-            # One pass rounds to the block dtype and un-transposes keys.
-            target.copy_(x.reshape(target.shape))
+            _store(target, x, header)  # one pass: rounds to the block dtype, un-transposes keys
         return out
 
 

@@ -40,32 +40,40 @@ __device__ __forceinline__ long long paged_index(int layout, long long block_id,
   return ((((long long)kv * num_blocks + block_id) * N + t) * H + h) * D + d;
 }
 
+// The two ends of element i of a paged copy: where it sits in the memkv blocks and in
+// the cache. False past the last element.
+__device__ __forceinline__ bool paged_pair(long long i, const long long* __restrict__ block_ids,
+                                           long long n, int L, int layer, int H, int N, int D,
+                                           long long num_blocks, int layout,
+                                           long long* block_at, long long* cache_at) {
+  long long per = 2LL * H * N * D;
+  if (i >= n * per) return false;
+  long long b = i / per, r = i % per;
+  int d = (int)(r % D), t = (int)((r / D) % N), h = (int)((r / ((long long)D * N)) % H);
+  int kv = (int)(r / ((long long)D * N * H));
+  *block_at = (b * L + layer) * per + r;
+  *cache_at = paged_index(layout, block_ids[b], kv, h, t, d, H, N, D, num_blocks);
+  return true;
+}
+
 #define PAGED_KERNELS(suffix, T_)                                                              \
   MEMKV_EXTERN __global__ void paged_write_##suffix(                                           \
       const T_* __restrict__ blocks, const long long* __restrict__ block_ids, long long n,      \
       int L, int layer, int H, int N, int D, long long num_blocks, int layout,                 \
       T_* __restrict__ cache) {                                                                \
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                            \
-    long long per = 2LL * H * N * D;                                                           \
-    if (i >= n * per) return;                                                                  \
-    long long b = i / per, r = i % per;                                                        \
-    int d = (int)(r % D), t = (int)((r / D) % N), h = (int)((r / ((long long)D * N)) % H);      \
-    int kv = (int)(r / ((long long)D * N * H));                                                \
-    long long src = (b * L + layer) * per + r;                                                 \
-    cache[paged_index(layout, block_ids[b], kv, h, t, d, H, N, D, num_blocks)] = blocks[src];  \
+    long long at, c;                                                                           \
+    if (paged_pair((long long)blockIdx.x * blockDim.x + threadIdx.x, block_ids, n, L, layer,   \
+                   H, N, D, num_blocks, layout, &at, &c))                                      \
+      cache[c] = blocks[at];                                                                   \
   }                                                                                            \
   MEMKV_EXTERN __global__ void paged_read_##suffix(                                            \
       const T_* __restrict__ cache, const long long* __restrict__ block_ids, long long n,       \
       int L, int layer, int H, int N, int D, long long num_blocks, int layout,                 \
       T_* __restrict__ blocks) {                                                               \
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                            \
-    long long per = 2LL * H * N * D;                                                           \
-    if (i >= n * per) return;                                                                  \
-    long long b = i / per, r = i % per;                                                        \
-    int d = (int)(r % D), t = (int)((r / D) % N), h = (int)((r / ((long long)D * N)) % H);      \
-    int kv = (int)(r / ((long long)D * N * H));                                                \
-    blocks[(b * L + layer) * per + r] =                                                        \
-        cache[paged_index(layout, block_ids[b], kv, h, t, d, H, N, D, num_blocks)];            \
+    long long at, c;                                                                           \
+    if (paged_pair((long long)blockIdx.x * blockDim.x + threadIdx.x, block_ids, n, L, layer,   \
+                   H, N, D, num_blocks, layout, &at, &c))                                      \
+      blocks[at] = cache[c];                                                                   \
   }
 
 PAGED_KERNELS(u16, unsigned short)
