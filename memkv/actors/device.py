@@ -140,6 +140,9 @@ class RemoteColdTier:
         s = self._call(lambda a: a.stats.remote())
         return ColdStats(int(s["blocks"]), int(s["live_bytes"]), int(s["dead_bytes"]))
 
+    def live_bytes(self) -> int:
+        return self.stats().live_bytes
+
     def close(self) -> None:
         return None
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from memkv.bench.clients import ClientRun, run_clients
 from memkv.bench.context import BenchContext
+from memkv.bench.demotion import TIER_BLOCKS, DemotionRun, measure_demotions
 from memkv.bench.peers import raw_socket_server, redis_server
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
 from memkv.protocol.checksum import CRC32_BACKEND, crc32
@@ -59,6 +60,9 @@ ROUNDS = 3
 SESSION_REPS = 5
 QUICK_SESSION_REPS = 2
 MEMCPY_REPS = 200
+#: Appends in each run of the demotion rows (each moves one block to cold).
+DEMOTIONS = 48
+QUICK_DEMOTIONS = 6
 QUICK_MEMCPY_REPS = 50
 #: Bytes the memcpy ring spans (well past a last-level cache).
 MEMCPY_RING_BYTES = 256 << 20
@@ -313,6 +317,36 @@ def _session_rows(
         ctx.get_cluster().delete_session(sid)
 
 
+def _demotion_rows(runs: list[DemotionRun]) -> list[LevelResult]:
+    rows = []
+    for run in runs:
+        rows.append(
+            _from_latencies(f"append demoting to cold ({run.mode})", "put", run.appends, run.nbytes)
+        )
+        # Throughput over the whole run, drain included: the median append alone
+        # would hide work the writer still had to do.
+        rows[-1] = replace(rows[-1], gb_s=run.gb_s)
+        if run.probes:
+            rows.append(
+                _from_latencies(f"pool reader meanwhile ({run.mode})", "lock wait", run.probes, 0)
+            )
+    return rows
+
+
+def _demotion_note(runs: list[DemotionRun]) -> str:
+    calls = ", ".join(f"{r.mode} {r.cold_calls}" for r in runs)
+    return (
+        "appends demoting to cold (memkv.bench.demotion): a pool with full hot and warm tiers "
+        f"of {TIER_BLOCKS} blocks takes one block per append, so each append demotes one block "
+        "hot -> warm and one warm -> cold (zstd, the pool's own segment files, fsync off); GB/s "
+        "counts the drain of the writer's queue; the runs go inline, write-behind, inline again "
+        "(the repeat shows the machine's drift). 'pool reader meanwhile' is another thread's "
+        "wait for the pool's lock (asking where a block is, once a millisecond): inline the "
+        "cold write holds the lock. Cold-tier calls per run: "
+        f"{calls} (a cluster's archive adds one Ray call to each)."
+    )
+
+
 def h100_prefill_s(tokens: int) -> tuple[float, float]:
     """Seconds one H100 needs to prefill ``tokens`` of Llama-3-8B: at peak, and at PREFILL_MFU."""
     flops = 2 * LLAMA3_8B_PARAMS * tokens + 2 * 32 * tokens**2 * LLAMA3_8B_HIDDEN
@@ -401,6 +435,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         }
     hop_ms = _ray_hop_ms(ctx)
     crc_gb_s = _crc_gb_s(nbytes)
+    demotions = measure_demotions(layout, QUICK_DEMOTIONS if quick else DEMOTIONS)
+    results += _demotion_rows(demotions)
 
     def find(target: str, op: str, c: int = 1) -> LevelResult | None:
         return next(
@@ -431,7 +467,17 @@ def run(ctx: BenchContext) -> SuiteResult:
             )
             vs_base = r.gb_s / mem.gb_s
         rows.append(
-            [r.target, r.op, r.concurrency, r.ops, r.gb_s, r.p50_ms, r.p99_ms, vs_base, vs_redis]
+            [
+                r.target,
+                r.op,
+                r.concurrency,
+                r.ops,
+                r.gb_s if r.block_bytes else None,  # a lock wait moves no bytes
+                r.p50_ms,
+                r.p99_ms,
+                vs_base,
+                vs_redis,
+            ]
         )
     gw_get, raw_get = find("gateway", "get"), find("raw socket", "get")
     gw_put, raw_put = find("gateway", "put"), find("raw socket", "put")
@@ -456,6 +502,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         "(no object store; memkv.staging). In-cluster session reads are timed after an "
         "untimed pass over the object store's worth of bytes (first-touch page faults).",
     ]
+    notes.append(_demotion_note(demotions))
     if real_size:
         sec = real_size["seconds"]
         notes.append(

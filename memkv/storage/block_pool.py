@@ -55,6 +55,7 @@ from memkv.protocol.hashing import BlockHash
 from memkv.protocol.messages import ChainUpdate, PlanEntry
 from memkv.storage.arena import DeviceArena, SharedHostArena
 from memkv.storage.codecs import CODECS, CodecPolicy
+from memkv.storage.cold_writer import ColdWriter, WriterStats
 from memkv.storage.config import StoreConfig
 from memkv.storage.diagnostics import AccessStats, check_refcounts
 from memkv.storage.layout import KVLayout
@@ -171,6 +172,8 @@ class PoolStats:
     prefetch_used: int
     precision_fallbacks: int  # demotions that kept the model dtype (value out of fp16 range)
     lossy_conversions: int = 0  # demotions whose remaining copy went through a lossy step
+    cold_write_batches: int = 0  # backend calls of the cold writer (write-behind)
+    cold_blocks_written: int = 0  # blocks it wrote in them
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -237,10 +240,21 @@ class BlockPool:
                 pin=pin_warm,
             )
             self._warm = MemoryTier(Tier.WARM, warm_arena, config.eviction)
-            self._cold: ColdBackend = (
+            backend: ColdBackend = (
                 cold
                 if cold is not None
                 else ColdTier(archive, config.codecs, config.cold_capacity_bytes)
+            )
+            writer = config.cold_writer
+            self._cold: ColdBackend = (
+                ColdWriter(
+                    backend,
+                    config.codecs,
+                    max_pending_bytes=writer.max_pending_bytes,
+                    max_batch_blocks=writer.max_batch_blocks,
+                )
+                if writer.write_behind
+                else backend
             )
         except BaseException:
             self._hot.close()
@@ -869,6 +883,7 @@ class BlockPool:
                     arena.external_fragmentation,
                 )
             cold = self._cold.stats()
+            writer = self.cold_writer_stats()
             tiers[Tier.COLD] = TierStats(
                 Tier.COLD,
                 self._cold.capacity_bytes,
@@ -893,7 +908,18 @@ class BlockPool:
                 prefetch_used=c["prefetch_used"],
                 precision_fallbacks=c["precision_fallbacks"],
                 lossy_conversions=c["lossy_conversions"],
+                cold_write_batches=writer.batches if writer else 0,
+                cold_blocks_written=writer.blocks_written if writer else 0,
             )
+
+    def cold_writer_stats(self) -> WriterStats | None:
+        """The cold writer's figures; None when demotions write inline."""
+        return self._cold.writer_stats() if isinstance(self._cold, ColdWriter) else None
+
+    def flush_cold(self) -> None:
+        """Wait until every demotion queued so far has reached the cold tier."""
+        if isinstance(self._cold, ColdWriter):
+            self._cold.flush()
 
     # ------------------------------------------------------------------ diagnostics hooks
 

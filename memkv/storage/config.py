@@ -28,6 +28,7 @@ __all__ = [
     "AllocatorConfig",
     "ArchiveConfig",
     "CodecConfig",
+    "ColdWriterConfig",
     "EvictionConfig",
     "PrecisionConfig",
     "PrefetchConfig",
@@ -200,6 +201,22 @@ class CodecConfig(_Frozen):
         return self
 
 
+class ColdWriterConfig(_Frozen):
+    """Write-behind of demoted blocks to the cold tier (memkv.storage.cold_writer)."""
+
+    write_behind: bool = Field(
+        default=True,
+        description="Demotions hand the block to one writer thread that encodes and writes "
+        "in batches outside the pool's lock; false writes each block inline, under the lock.",
+    )
+    max_pending_bytes: int = Field(
+        default=256 * MIB,
+        ge=MIB,
+        description="Copies of queued blocks held before a demotion waits for the writer.",
+    )
+    max_batch_blocks: int = Field(default=64, ge=1, description="Blocks per cold-tier call.")
+
+
 class ArchiveConfig(_Frozen):
     """The cold tier's segment files."""
 
@@ -240,6 +257,9 @@ class EngineSettings(_Frozen):
         default_factory=PrecisionConfig, description="Dtype of blocks by age and sharing."
     )
     codecs: CodecConfig = Field(default_factory=CodecConfig, description="Per-tier codecs.")
+    cold_writer: ColdWriterConfig = Field(
+        default_factory=ColdWriterConfig, description="Write-behind to the cold tier."
+    )
     debug_refcounts: bool = Field(
         default=False, description="Check refcount invariants on every operation (slow)."
     )

@@ -287,6 +287,7 @@ class ColdBackend(Protocol):
     def remove_manifest(self, session_id: str) -> None: ...
     def manifests(self) -> Iterator[dict[str, Any]]: ...
     def stats(self) -> ColdStats: ...
+    def live_bytes(self) -> int: ...
     def close(self) -> None: ...
 
 
@@ -393,6 +394,10 @@ class ColdTier:
     def stats(self) -> ColdStats:
         seg = self.segments.stats()
         return ColdStats(len(self), seg.live_bytes, seg.dead_bytes)
+
+    def live_bytes(self) -> int:
+        """Bytes of live frames (cheap: no walk over the keys)."""
+        return self.segments.stats().live_bytes
 
     def remove(self, key: bytes) -> None:
         self.segments.delete(key)

@@ -43,8 +43,9 @@ def test_a_durable_put_returns_with_every_block_forced_to_the_cold_tier(tmp_path
     owner.create("fast", LAYOUT, namespace="a")
     owner.create("safe", LAYOUT, namespace="a", durable=True)
     synced = []
-    real = pool.cold.sync
-    monkeypatch.setattr(pool.cold, "sync", lambda: synced.append(1) or real())
+    disk = pool.cold.backend  # the segment files behind the cold writer
+    real = disk.sync
+    monkeypatch.setattr(disk, "sync", lambda: synced.append(1) or real())
     fast, _ = append(pool, owner, "fast", 8)
     assert pool.cold.missing(fast) == fast  # in memory only
     assert synced == []

@@ -293,7 +293,7 @@ def test_corrupt_cold_block_is_never_served(tmp_path):
     s.put_kv("s", list(range(8)), *kv(8))
     s.suspend("s")
     key = s.session("s").chain[1]
-    meta = s.pool._cold.segments.meta(key)
+    meta = s.pool.cold.backend.segments.meta(key)
     s.close()
     seg = sorted((tmp_path / "cold").glob("seg-*"))[meta.segment - 1 if meta.segment else 0]
     data = bytearray(seg.read_bytes())

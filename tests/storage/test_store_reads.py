@@ -136,7 +136,7 @@ def test_int8_warm_block_goes_cold_as_int8(tmp_path):
     expected = [dequantize_int8(s.pool._warm.load(k), torch.float32) for k in chain]
     s.suspend("s")
     for key in chain:
-        frame = s.pool._cold.segments.get(key)
+        frame = s.pool.cold.backend.segments.get(key)
         header = peek_header(frame)
         assert header.codec == "int8"
         # No larger than the warm copy (codes + scales) plus the frame header.
