@@ -54,12 +54,18 @@ from memkv.protocol.exactness import worse
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.messages import ChainUpdate, PlanEntry
 from memkv.storage.arena import DeviceArena, SharedHostArena
-from memkv.storage.codecs import CODECS, CodecPolicy
+from memkv.storage.codecs import CODECS, CodecPolicy, decode_frame, encode_stored
 from memkv.storage.cold_writer import ColdWriter, WriterStats
 from memkv.storage.config import StoreConfig
 from memkv.storage.diagnostics import AccessStats, check_refcounts
 from memkv.storage.layout import KVLayout
-from memkv.storage.precision import PrecisionPolicy, QuantizedBlock, convert, quantize_int8
+from memkv.storage.precision import (
+    EncodedBlock,
+    PrecisionPolicy,
+    QuantizedBlock,
+    convert,
+    quantize_int8,
+)
 from memkv.storage.prefetch import MarkovPrefetcher
 from memkv.storage.tiers import ColdBackend, ColdTier, MemoryTier, StoredBlock
 
@@ -238,6 +244,11 @@ class BlockPool:
                 unit,
                 name=warm_name,
                 pin=pin_warm,
+                # Frames come in every length: a few slab classes per doubling
+                # (at most 1/8 rounding) instead of one per 256 bytes.
+                slab_classes_per_doubling=(
+                    8 if config.precision.compact_idle_seconds is not None else None
+                ),
             )
             self._warm = MemoryTier(Tier.WARM, warm_arena, config.eviction)
             backend: ColdBackend = (
@@ -818,7 +829,7 @@ class BlockPool:
         nbytes = entry.layout.block_nbytes(entry.tokens)
         if entry.crc32 is None:
             stored = tier.load(entry.key)
-            if isinstance(stored, QuantizedBlock):
+            if not isinstance(stored, torch.Tensor):
                 return None
             entry.crc32 = _crc32(stored)
         return PlanEntry(
@@ -1063,7 +1074,7 @@ class BlockPool:
             # Not in memory (no room even after eviction): a decoded copy.
             return self._materialize(entry)
         stored = self._tier(entry.tier).load(entry.key)
-        if isinstance(stored, QuantizedBlock) or stored.dtype != entry.layout.torch_dtype:
+        if not isinstance(stored, torch.Tensor) or stored.dtype != entry.layout.torch_dtype:
             return self._materialize(entry)
         return stored
 
@@ -1076,6 +1087,9 @@ class BlockPool:
         """An owned copy of the block in its layout's dtype, on the CPU."""
         stored = self._load_stored(entry)
         dtype = entry.layout.torch_dtype
+        if isinstance(stored, EncodedBlock):
+            decoded = decode_frame(stored.frame.numpy().data)
+            return decoded if decoded.dtype == dtype else decoded.to(dtype)
         if isinstance(stored, QuantizedBlock):
             from memkv.storage.precision import dequantize_int8
 
@@ -1101,9 +1115,13 @@ class BlockPool:
     def _put_memory(
         self, tier: MemoryTier, entry: _Block, block: StoredBlock, now: float, evict: bool = True
     ) -> bool:
-        # A partial block reserves a full block's slot (see Arena.view).
-        data = block.data if isinstance(block, QuantizedBlock) else block
-        reserve = entry.layout.block_nbytes(itemsize=data.element_size())
+        # A partial block reserves a full block's slot (see Arena.view); a frame
+        # is as long as its codes came out.
+        if isinstance(block, EncodedBlock):
+            reserve = block.nbytes
+        else:
+            data = block.data if isinstance(block, QuantizedBlock) else block
+            reserve = entry.layout.block_nbytes(itemsize=data.element_size())
         if reserve > tier.arena.max_alloc_bytes:
             return False  # larger than any extent the tier has: it lives one tier down
         while True:
@@ -1149,8 +1167,8 @@ class BlockPool:
         return True
 
     def _to_warm_precision(self, entry: _Block, block: StoredBlock, now: float) -> StoredBlock:
-        if isinstance(block, QuantizedBlock) or entry.exact_only:
-            return block  # already int8 (nothing more to lose), or no lossy step allowed
+        if not isinstance(block, torch.Tensor) or entry.exact_only:
+            return block  # already int8 or a frame (nothing more to lose), or no lossy step
         choice = self._precision_for(entry.layout).choose(
             turn=entry.turn_created,
             refcount=entry.refcount,
@@ -1159,6 +1177,11 @@ class BlockPool:
         try:
             if choice == "int8":
                 return quantize_int8(block)
+            if choice == "compact":
+                codec = self.config.codecs.cold_lossy_codec
+                frame = encode_stored(self.config.codecs, codec, block)
+                return EncodedBlock(torch.frombuffer(bytearray(frame), dtype=torch.uint8),
+                                    block.dtype, codec)
             if block.dtype == _TORCH_DTYPES[choice]:
                 return block
             return convert(block, choice)
@@ -1212,7 +1235,12 @@ class BlockPool:
         entry.in_cold = True
         # An int8 block goes down as its codes and scales (the int8 codec), never
         # dequantised first: its cold frame is no larger than its warm copy.
-        entry.cold_codec = "int8" if isinstance(stored, QuantizedBlock) else codec
+        if isinstance(stored, QuantizedBlock):
+            entry.cold_codec = "int8"
+        elif isinstance(stored, EncodedBlock):
+            entry.cold_codec = stored.codec  # its frame goes down as it is
+        else:
+            entry.cold_codec = codec
 
     def _promote(self, entry: _Block, block: torch.Tensor, now: float, evict: bool = True) -> bool:
         """Move a block to the hot tier (``block`` is its materialised copy)."""
@@ -1255,6 +1283,8 @@ def _precision_step(converted: StoredBlock, original: StoredBlock) -> str | None
         return None
     if isinstance(converted, QuantizedBlock):
         return "int8"
+    if isinstance(converted, EncodedBlock):
+        return "delta_rl"
     return "float16"
 
 

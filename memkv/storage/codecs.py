@@ -58,6 +58,7 @@ from memkv.storage.config import CodecConfig
 from memkv.storage.layout import DTYPES, KV_AXIS_SIZE
 from memkv.storage.precision import (
     INT8_LEVELS,
+    EncodedBlock,
     QuantizedBlock,
     dequantize_int8,
     finite_absmax,
@@ -1413,15 +1414,19 @@ class Int8Codec(Codec):
         return QuantizedBlock(data=codes, k_scale=k_scale, v_scale=v_scale, dtype=header.dtype)
 
 
-def encode_stored(config: CodecConfig, codec: str, block: torch.Tensor | QuantizedBlock) -> bytes:
+def encode_stored(
+    config: CodecConfig, codec: str, block: torch.Tensor | QuantizedBlock | EncodedBlock
+) -> bytes:
     """The cold frame of a block as a memory tier holds it.
 
     A raw block is encoded with ``codec``; an int8 block keeps its codes and
     scales (:class:`Int8Codec`), whatever ``codec`` says, so quantised blocks
-    stay quantised all the way to disk.
+    stay quantised all the way to disk; an encoded block is its frame already.
     """
     if isinstance(block, QuantizedBlock):
         return Int8Codec().encode_quantized(block)
+    if isinstance(block, EncodedBlock):
+        return block.frame.cpu().numpy().tobytes()  # a frame already
     return get_codec_for(config, codec).encode(block.cpu())
 
 

@@ -44,7 +44,7 @@ from memkv.errors import CapacityError, UnknownBlockError
 from memkv.protocol.enums import Tier
 from memkv.storage.codecs import CODECS, decode_frame, encode_stored
 from memkv.storage.config import CodecConfig
-from memkv.storage.precision import QuantizedBlock
+from memkv.storage.precision import EncodedBlock, QuantizedBlock
 from memkv.storage.tiers import ColdBackend, ColdStats, StoredBlock, stored_nbytes
 
 __all__ = ["ColdWriter", "WriterStats"]
@@ -84,6 +84,8 @@ def _owned_copy(block: StoredBlock) -> StoredBlock:
             v_scale=block.v_scale.to("cpu", copy=True),
             dtype=block.dtype,
         )
+    if isinstance(block, EncodedBlock):
+        return EncodedBlock(block.frame.to("cpu", copy=True), block.dtype, block.codec)
     return block.to("cpu", copy=True)
 
 
@@ -233,6 +235,8 @@ class ColdWriter:
         block = write.block
         if isinstance(block, QuantizedBlock):
             return block  # type: ignore[return-value]  # as the int8 frame decodes
+        if isinstance(block, EncodedBlock):
+            return decode_frame(block.frame.numpy().data)
         if CODECS[write.codec].lossless:
             return block
         # A lossy codec: serve exactly what the cold frame will hold.

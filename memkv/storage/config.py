@@ -138,6 +138,13 @@ class PrecisionConfig(_Frozen):
     int8_max_refcount: int = Field(
         default=1, ge=0, description="Only blocks with refcount <= this may drop to int8."
     )
+    compact_idle_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="Idle time after which a block leaving the hot tier is kept in the warm "
+        "tier as a Delta+RL frame (codecs.cold_lossy_codec: stepped codes, ~2.5 bits a value, "
+        "decoded on read); same refcount rule as int8. None: never.",
+    )
 
 
 class CodecConfig(_Frozen):

@@ -29,6 +29,7 @@ from memkv.storage.layout import DTYPES, KV_AXIS_SIZE
 
 __all__ = [
     "INT8_LEVELS",
+    "EncodedBlock",
     "ErrorStats",
     "PrecisionPolicy",
     "QuantizedBlock",
@@ -56,6 +57,7 @@ class StoredPrecision(StrEnum):
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
     INT8 = "int8"
+    COMPACT = "compact"  # a Delta+RL frame (memkv.storage.codecs), decoded on read
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -145,6 +147,25 @@ def convert(t: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
             f"max |x| = {amax:.6g} overflows {target} (finite range ±{torch.finfo(target).max:.6g})"
         )
     return t.to(target)
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedBlock:
+    """A block kept as a codec frame, decoded when read.
+
+    Attributes:
+        frame: the frame's bytes, 1-D uint8 (a view into an arena while resident).
+        dtype: the dtype the frame decodes to.
+        codec: the codec's registry name (a lossy one: the point is its size).
+    """
+
+    frame: torch.Tensor
+    dtype: torch.dtype
+    codec: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.frame.numel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,8 +405,11 @@ class PrecisionPolicy:
             idle_seconds = float(idle_seconds)
         _check_non_negative("idle_seconds", idle_seconds, float)
         cfg = self._config
-        if idle_seconds >= cfg.int8_idle_seconds and refcount <= cfg.int8_max_refcount:
-            return StoredPrecision.INT8
+        if refcount <= cfg.int8_max_refcount:
+            if cfg.compact_idle_seconds is not None and idle_seconds >= cfg.compact_idle_seconds:
+                return StoredPrecision.COMPACT
+            if idle_seconds >= cfg.int8_idle_seconds:
+                return StoredPrecision.INT8
         if turn == 0:
             return self._model
         return self._later

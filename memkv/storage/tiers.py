@@ -29,7 +29,7 @@ from memkv.storage.arena import Allocation, Arena, ArenaStats
 from memkv.storage.codecs import decode_frame, encode_stored, peek_header
 from memkv.storage.config import ArchiveConfig, CodecConfig, EvictionConfig
 from memkv.storage.eviction import EvictionPolicy, make_policy
-from memkv.storage.precision import QuantizedBlock
+from memkv.storage.precision import EncodedBlock, QuantizedBlock
 from memkv.storage.segments import SegmentStore
 
 __all__ = [
@@ -43,8 +43,9 @@ __all__ = [
 ]
 
 
-#: A block as a memory tier holds it: raw in a float dtype, or int8 with scales.
-StoredBlock = torch.Tensor | QuantizedBlock
+#: A block as a memory tier holds it: raw in a float dtype, int8 with scales, or
+#: a codec frame.
+StoredBlock = torch.Tensor | QuantizedBlock | EncodedBlock
 
 
 @dataclass(slots=True)
@@ -59,15 +60,25 @@ class _Resident:
     float_dtype: torch.dtype  # what the block dequantises to
     priority: Priority
     parent: Hashable | None  # the previous block of its chain (for prefix-aware eviction)
+    codec: str | None = None  # the bytes are a frame of this codec
 
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
 
 
+def stored_data(block: StoredBlock) -> torch.Tensor:
+    """The tensor of a stored block that lives in an arena (scales are kept beside it)."""
+    if isinstance(block, QuantizedBlock):
+        return block.data
+    if isinstance(block, EncodedBlock):
+        return block.frame
+    return block
+
+
 def stored_nbytes(block: StoredBlock) -> int:
-    """Bytes a stored block occupies in an arena (scales are kept beside it)."""
-    data = block.data if isinstance(block, QuantizedBlock) else block
+    """Bytes a stored block occupies in an arena."""
+    data = stored_data(block)
     return data.numel() * data.element_size()
 
 
@@ -138,7 +149,7 @@ class MemoryTier:
         """
         if key in self._residents:
             raise InvalidInputError(f"block {_short(key)} is already in the {self.tier} tier")
-        data = block.data if isinstance(block, QuantizedBlock) else block
+        data = stored_data(block)
         nbytes = stored_nbytes(block)
         if reserve_bytes is not None:
             if reserve_bytes < nbytes:
@@ -156,7 +167,7 @@ class MemoryTier:
             float_dtype = block.dtype
         else:
             k_scale = v_scale = None
-            float_dtype = data.dtype
+            float_dtype = block.dtype if isinstance(block, EncodedBlock) else data.dtype
         self._residents[key] = _Resident(
             allocation,
             tuple(data.shape),
@@ -166,6 +177,7 @@ class MemoryTier:
             float_dtype,
             priority,
             parent,
+            block.codec if isinstance(block, EncodedBlock) else None,
         )
         self._used_bytes += allocation.nbytes
         self._insert(key, self._residents[key], now)
@@ -180,17 +192,20 @@ class MemoryTier:
         """The resident copy as views into the arena (no copy): valid until removed."""
         r = self._residents[key]
         data = self.arena.view(r.data, r.shape, r.dtype, prefix=True)
+        if r.codec is not None:
+            return EncodedBlock(frame=data, dtype=r.float_dtype, codec=r.codec)
         if r.k_scale is None or r.v_scale is None:
             return data
         return QuantizedBlock(data=data, k_scale=r.k_scale, v_scale=r.v_scale, dtype=r.float_dtype)
 
     def location(self, key: Hashable) -> tuple[int, tuple[int, ...], torch.dtype] | None:
-        """Byte offset, shape and dtype of a raw resident copy; None for an int8 one.
+        """Byte offset, shape and dtype of a raw resident copy; None for an int8 or
+        encoded one.
 
         For readers that map the arena's segment themselves (the same-node path).
         """
         r = self._residents[key]
-        if r.k_scale is not None:
+        if r.k_scale is not None or r.codec is not None:
             return None
         return r.data.offset, r.shape, r.dtype
 

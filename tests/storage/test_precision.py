@@ -251,6 +251,16 @@ def test_policy_long_idle_low_refcount_drops_to_int8() -> None:
     assert policy.choose(3, refcount=1, idle_seconds=59) is StoredPrecision.FLOAT16
 
 
+def test_policy_compacts_after_its_own_idle_time_before_int8_and_by_the_same_refcount() -> None:
+    cfg = PrecisionConfig(int8_idle_seconds=60.0, compact_idle_seconds=600.0, int8_max_refcount=1)
+    policy = PrecisionPolicy(cfg, "float16")
+    assert policy.choose(3, refcount=1, idle_seconds=60.0) is StoredPrecision.INT8
+    assert policy.choose(3, refcount=1, idle_seconds=600.0) is StoredPrecision.COMPACT
+    assert policy.choose(3, refcount=2, idle_seconds=1e6) is StoredPrecision.FLOAT16
+    off = PrecisionPolicy(PrecisionConfig(int8_idle_seconds=60.0), "float16")
+    assert off.choose(3, refcount=0, idle_seconds=1e9) is StoredPrecision.INT8
+
+
 def test_policy_never_up_converts_and_keeps_bf16_unless_configured() -> None:
     up = PrecisionPolicy(PrecisionConfig(later_dtype="float32"), "float16")
     assert up.choose(5, refcount=2, idle_seconds=0.0) is StoredPrecision.FLOAT16
