@@ -28,8 +28,22 @@ def _row(doc: _Doc, first: Any) -> list[Any] | None:
 
 
 def _context(docs: dict[str, _Doc]) -> str:
-    return ("not measured yet: the tokens held per GiB of hot + warm memory at <= 0.5% "
-            "perplexity needs the capacity figure of issue [6/6] (warm blocks at <= 4 bits)")
+    codecs = docs.get("codecs")
+    capacity = codecs["figures"].get("capacity") if codecs else None
+    if not capacity:
+        return "not measured (no codecs result with the capacity figure)"
+    default = _row(codecs, "delta_rl default")
+    frames = [r for r in capacity if r["mode"].startswith("Delta+RL")]
+    parts = [(f"{r['vs_fp16']:.2f}x at hot {r['hot_bytes'] >> 20} : warm "
+              f"{r['warm_bytes'] >> 20} MiB" if r["hot_bytes"] else
+              f"{r['vs_fp16']:.2f}x in a warm tier alone") for r in frames]
+    rise = ""
+    if default is not None:
+        worst = default[_col(codecs, "worst ppl rise %")]
+        rise = f", frames at {worst:+.3f}% perplexity (worst of two trained models)"
+    return ("tokens per GiB of hot + warm memory vs raw fp16, warm blocks kept as Delta+RL "
+            "frames after idle (precision.compact_idle_seconds): " + "; ".join(parts) + rise
+            + "; the hot tier stays in the model dtype [codecs]")
 
 
 def _ttft(docs: dict[str, _Doc]) -> str:

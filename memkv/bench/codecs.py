@@ -45,6 +45,7 @@ from memkv.bench.accuracy import (
     train_byte_llama,
     trained_kv_blocks,
 )
+from memkv.bench.capacity import CapacityRow, measure_capacity
 from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track
 from memkv.protocol.checksum import CRC32_BACKEND
@@ -72,6 +73,11 @@ QUICK_CASES = ("zstd-3+shuffle", "delta_rl 8b +delta+rl+zstd", "delta_rl stepped
                "delta_rl default")
 #: The perplexity a lossy archive may cost (issue [6/6]'s goal), on every model.
 PPL_BUDGET_PCT = 0.5
+#: Hot + warm bytes of the capacity pools (memkv.bench.capacity).
+CAPACITY_BYTES = 96 << 20
+CAPACITY_UNIT = 4 << 20  # memkv.yaml's default buddy unit
+QUICK_CAPACITY_BYTES = 2 << 20
+QUICK_CAPACITY_UNIT = 256 << 10
 INT8_LABEL = "int8 (precision.py)"
 #: Precision rows: label -> (dtype the cache is kept in, its error bound).
 PRECISIONS: dict[str, tuple[torch.dtype, str]] = {
@@ -178,6 +184,31 @@ def _default_label(cases: Sequence[Any]) -> str | None:
     return None
 
 
+def _capacity_note(capacity: list[CapacityRow], rows: list[list[Any]], columns: list[str],
+                   layout: KVLayout) -> str:
+    by_split: dict[tuple[int, int], list[CapacityRow]] = {}
+    for r in capacity:
+        by_split.setdefault((r.hot_bytes, r.warm_bytes), []).append(r)
+    parts = []
+    for (hot, warm), group in by_split.items():
+        split = f"hot {hot >> 20} : warm {warm >> 20} MiB" if hot else f"warm only {warm >> 20} MiB"
+        parts.append(split + ": " + ", ".join(f"{r.mode} {r.vs_fp16:.2f}x" for r in group))
+    default = next((r for r in rows if r[0] == "delta_rl default"), None)
+    rise = ""
+    if default is not None:
+        worst, upper = (default[columns.index(c)] for c in ("worst ppl rise %",
+                                                             "worst rise + 95% CI %"))
+        rise = (f" Frames are the default Delta+RL, measured above at {worst:+.3f}% worst "
+                f"(95% upper {upper:.3f}%) when every cached token is one; hot tokens stay "
+                "exact, so a mix rises less.")
+    kib = layout.block_nbytes() >> 10
+    return ("Capacity (memkv.bench.capacity): tokens held in hot + warm memory per byte, vs raw "
+            f"fp16, a real block pool filled with the first model's KV ({kib} KiB blocks, idle "
+            "before each append) until blocks go cold; slab and buddy rounding "
+            "included: " + "; ".join(parts) + "." + rise + " The hot tier holds what engines read "
+            "next, in the model dtype; the multiplier grows with the warm tier's share.")
+
+
 def run(ctx: BenchContext) -> SuiteResult:
     """Every codec case and precision on the trained models' KV, plus ratios on random KV."""
     from memkv.bench import codec_measure as bc
@@ -220,6 +251,10 @@ def run(ctx: BenchContext) -> SuiteResult:
     finally:
         torch.set_num_threads(threads)
 
+    capacity = measure_capacity(
+        layout, trained_blocks,
+        memory_bytes=QUICK_CAPACITY_BYTES if ctx.quick else CAPACITY_BYTES,
+        unit=QUICK_CAPACITY_UNIT if ctx.quick else CAPACITY_UNIT)
     names = list(ppl)
     columns = ["codec", "ratio vs fp16", "worst ppl rise %", "worst rise + 95% CI %"]
     for name in names:
@@ -271,6 +306,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         f"{bc.SEED}), {len(blocks)} blocks of {list(rlayout.block_shape())} fp16: "
         "near-Gaussian, so lossy ratios there are a floor.",
     ]
+    notes.append(_capacity_note(capacity, rows, columns, layout))
     for kind, chains in stages.items():
         for name, steps in chains.items():
             notes.append(f"{name} ratio by stage ({kind} KV): "
@@ -287,6 +323,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             "prefix": prefix, "cont": cont, "ppl_budget_pct": PPL_BUDGET_PCT,
             "best_within_budget": best[0] if best else None, "default": default,
             "step_fit": fit,
+            "capacity": [asdict(r) for r in capacity],
             "results": [asdict(r) for r in random_rows],
             "trained_results": [asdict(r) for r in trained_rows],
             "stage_contributions": stages,

@@ -98,6 +98,13 @@ def test_codecs_quick(ctx: BenchContext) -> None:
         assert p["windows"] == 2 and math.isfinite(p["rise_pct"])
         assert 0 <= p["greedy_agreement"] <= 1 and p["rise_ci_pct"] >= 0
     assert ppl["delta_rl default"]["ratio_vs_fp16"] > ppl["int8 (precision.py)"]["ratio_vs_fp16"]
+    # Capacity: a real pool holds more tokens per byte as its warm precision drops.
+    capacity = result.figures["capacity"]
+    for split in {(r["hot_bytes"], r["warm_bytes"]) for r in capacity}:
+        by_mode = {r["mode"]: r for r in capacity if (r["hot_bytes"], r["warm_bytes"]) == split}
+        fp16, int8, frames = (by_mode[m]["vs_fp16"] for m in (
+            "fp16 (no idle step)", "int8 after idle", "Delta+RL frames after idle"))
+        assert 0.5 < fp16 <= 1.0 < int8 < frames
     # Stepped int8 codes entropy-code to fewer bytes than plain int8 with zstd.
     assert ppl["delta_rl stepped 0.5"]["ratio_vs_fp16"] > ppl["delta_rl 8b +delta+rl+zstd"][
         "ratio_vs_fp16"]
@@ -222,6 +229,8 @@ def test_eviction_quick_on_a_trace_file(ctx: BenchContext, tmp_path: Path) -> No
             assert ratios["Belady (optimum)"] >= ratios["LRU (libcachesim)"]
             # The same LRU through two implementations: the replays agree exactly.
             assert ratios["memkv LRU"] == pytest.approx(ratios["LRU (libcachesim)"])
+        # Keeping only blocks that return: at least LRU's hits on this (fixed) trace.
+        assert ratios["memkv LRU"] <= ratios["LRU + oracle admission"]
 
 
 def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path) -> None:
@@ -239,7 +248,9 @@ def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path
     status = run("eviction", quick=True, trace=trace, out=ctx.out, markdown=md, ctx=ctx)
     assert status == 0
     row = load_results(ctx.out)[0]["figures"]["rows"][0]
-    assert set(row["policies"]) == {"memkv LRU-K", "memkv LRU-K (K=2)", "memkv LRU"}
+    # Below the reference minimum: memkv's own policies and the offline admission bound.
+    assert set(row["policies"]) == {"memkv LRU-K", "memkv LRU-K (K=2)", "memkv LRU",
+                                    "LRU + oracle admission"}
     text = md.read_text()
     assert "## eviction" in text and "| capacity |" in text
     assert [d["suite"] for d in load_results(ctx.out)] == ["eviction"]
