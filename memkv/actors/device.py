@@ -458,6 +458,11 @@ class DeviceCache:
         """Prefetch what the Markov model expects after ``key``."""
         return self.pool.prefetch_predicted(BlockHash(bytes(key)))
 
+    def flush_cold(self) -> None:
+        """Wait until every demotion queued so far has reached the archive (benchmarks,
+        drains)."""
+        self.pool.flush_cold()
+
     # -- stats -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ interval it ran in. Throughput is bytes over the union of those intervals
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,22 +30,32 @@ class ClientRun:
 def _worker(kind: str, params: dict[str, Any], index: int, barrier: Any, queue: Any) -> None:
     try:
         op = _OPS[kind](params, index)
-        barrier.wait()
+        barrier.wait()  # prepared
+        barrier.wait()  # the parent's before_start has run: go
         start = time.perf_counter()
         latencies = op()
         queue.put((index, ClientRun(latencies, start, time.perf_counter()), None))
     except BaseException as e:  # reported to the parent, which raises it
+        barrier.abort()  # nobody waits at the barrier for a client that is gone
         queue.put((index, None, f"{type(e).__name__}: {e}"))
 
 
-def run_clients(kind: str, params: dict[str, Any], concurrency: int) -> list[ClientRun]:
+def run_clients(
+    kind: str,
+    params: dict[str, Any],
+    concurrency: int,
+    before_start: Callable[[], None] | None = None,
+) -> list[ClientRun]:
     """Run ``concurrency`` client processes of ``kind`` with ``params``; their results.
+
+    ``before_start`` runs once every client has prepared and before any is
+    timed (e.g. to let background work of the servers finish).
 
     Raises:
         RuntimeError: a client failed (its error is in the message).
     """
     ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(concurrency)
+    barrier = ctx.Barrier(concurrency + 1)
     queue = ctx.Queue()
     procs = [
         ctx.Process(target=_worker, args=(kind, params, i, barrier, queue), daemon=True)
@@ -53,6 +64,13 @@ def run_clients(kind: str, params: dict[str, Any], concurrency: int) -> list[Cli
     for p in procs:
         p.start()
     try:
+        try:
+            barrier.wait(timeout=_JOIN_TIMEOUT_S)
+            if before_start is not None:
+                before_start()
+            barrier.wait(timeout=_JOIN_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            pass  # a client failed while preparing: its error is on the queue
         results: dict[int, ClientRun] = {}
         for _ in procs:
             index, run, error = queue.get(timeout=_JOIN_TIMEOUT_S)
