@@ -50,6 +50,10 @@ _DEVICE_COUNTERS = {
     "precision_fallbacks": (
         "precision_fallbacks", "Demotions that kept the model dtype (values out of range)."
     ),
+    "cold_write_batches": ("cold_write_batches", "Cold-tier calls of the cold writer."),
+    "cold_blocks_written": (
+        "cold_blocks_written", "Blocks the cold writer wrote behind their demotions."
+    ),
 }
 
 

@@ -27,6 +27,7 @@ STATS = {
             "misses": 4, "promotions": 6, "demotions": 3, "prefetched": 8, "prefetch_used": 6,
             "dedup_hits": 7, "dedup_bytes_saved": 700, "lossy_conversions": 2,
             "precision_fallbacks": 1, "unique_bytes": 140,
+            "cold_write_batches": 2, "cold_blocks_written": 5,
             "leases": {"active": 1, "granted": 9, "expired": 0},
             "kernels": "cpu",
         }
@@ -59,6 +60,7 @@ def test_engine_figures_become_metrics():
     assert got[("memkv_prefetch_accuracy", device)] == 0.75
     assert got[("memkv_dedup_bytes_saved_total", device)] == 700
     assert got[("memkv_lossy_conversions_total", device)] == 2
+    assert got[("memkv_cold_blocks_written_total", device)] == 5
     assert got[("memkv_leases_granted_total", device)] == 9
     assert got[("memkv_kernels_backend", (("backend", "cpu"), ("device", "dev-0")))] == 1
     assert got[("memkv_tenant_bytes", (("tenant", "acme"),))] == 3000
