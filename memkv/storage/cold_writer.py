@@ -14,9 +14,10 @@ Ordering, so the backend ends as the calls ordered it:
   keeps its copy, and ``load``, ``contains`` and ``missing`` answer from it.
 * A delete cancels the queued write of its key, and a batch applies its
   deletes before its writes (a key freed and then demoted again ends present).
-* Synchronous callers (durable appends, suspend, ``sync``, ``stats``,
-  ``block_keys``, ``close``) wait for the queue to drain first, so what they
-  write or report comes after every earlier demotion.
+* Synchronous callers (durable appends, suspend, ``sync``, ``block_keys``,
+  ``close``) wait for the queue to drain first, so what they write or report
+  comes after every earlier demotion. ``stats`` does not wait (the pool asks for
+  it under its lock): it counts queued writes at their raw size.
 
 Backpressure: the copies held are bounded by ``max_pending_bytes``; a demotion
 past it waits for the writer. A backend with a capacity is checked when a block
@@ -262,13 +263,24 @@ class ColdWriter:
     # ------------------------------------------------------------------ state
 
     def stats(self) -> ColdStats:
-        """The backend's figures once the queue has drained (a failed batch: as it stands)."""
-        self.flush(raise_errors=False)
-        return self.backend.stats()
+        """The backend's figures plus the queued writes (at their raw size, an upper bound).
+
+        Never waits for the queue: the pool asks under its lock, and a drain can
+        take a while. A batch landing meanwhile may be counted twice for an instant;
+        queued deletes are not subtracted until they are applied.
+        """
+        landed = self.backend.stats()
+        with self._cv:
+            return ColdStats(
+                landed.blocks + len(self._writes),
+                landed.live_bytes + self._pending_bytes,
+                landed.dead_bytes,
+            )
 
     def live_bytes(self) -> int:
-        self.flush(raise_errors=False)
-        return self.backend.live_bytes()
+        with self._cv:
+            pending = self._pending_bytes
+        return self.backend.live_bytes() + pending
 
     def writer_stats(self) -> WriterStats:
         with self._cv:

@@ -88,6 +88,21 @@ def test_a_queued_block_is_served_before_it_lands_and_written_in_one_batch(tmp_p
     w.close()
 
 
+def test_stats_count_queued_writes_without_waiting_for_them(tmp_path):
+    backend = disk(tmp_path)
+    backend.gate.clear()
+    w = writer(backend)
+    w.put(key(0), block(0), fingerprint=FP, codec="none")
+    backend.entered.wait()  # stuck in the backend with block 0
+    w.put(key(1), block(1), fingerprint=FP, codec="none")
+    queued = w.stats()  # answers although the writer is stuck
+    assert queued.blocks == 2 and queued.live_bytes == 2 * block(0).nbytes
+    backend.gate.set()
+    w.flush()
+    assert w.stats().blocks == 2 and w.writer_stats().pending_blocks == 0
+    w.close()
+
+
 def test_the_writer_keeps_its_own_copy_of_the_block(tmp_path):
     backend = disk(tmp_path)
     backend.gate.clear()
@@ -209,6 +224,7 @@ def test_a_slow_cold_write_does_not_hold_the_pool(tmp_path):
     threading.Thread(target=lambda: (p.get(hot), done.set())).start()
     assert done.wait(timeout=30)  # ...and readers still get the pool
     cold = [k for k in chain if p.locate(k) is Tier.COLD]
+    assert p.stats().tiers[Tier.COLD].blocks >= len(cold)  # stats do not wait either
     assert cold and p.get(cold[0]) is not None  # a queued block reads back
     backend.gate.set()
     p.flush_cold()
