@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from memkv.bench.single_block import OneBlockSessions
 from memkv.protocol.enums import Tier
-from memkv.protocol.hashing import chain_hashes
 from memkv.storage.block_pool import BlockPool
 from memkv.storage.config import (
     MIB,
@@ -30,7 +30,6 @@ from memkv.storage.config import (
     StoreConfig,
 )
 from memkv.storage.layout import KVLayout
-from memkv.storage.sessions import SessionTable
 
 __all__ = ["CapacityRow", "WARM_MODES", "measure_capacity"]
 
@@ -79,19 +78,13 @@ def _fill(layout: KVLayout, blocks: Sequence[torch.Tensor], precision: Precision
         prefault=False,
     )
     pool = BlockPool(config, clock=clock)
-    owner = SessionTable()
+    sessions = OneBlockSessions(pool, layout, "c")  # distinct keys for the same bytes
     tokens = layout.block_tokens
     keys: list[bytes] = []
     try:
         for i in range(1_000_000):
-            sid = f"c{i}"
-            owner.create(sid, layout, namespace=sid)  # distinct keys for the same bytes
-            chain = [bytes(k) for k in chain_hashes(range(tokens), layout, sid)]
-            update = owner.plan_append(sid, tokens, chain)
             clock.t += IDLE_STEP_S
-            pool.put(update, [blocks[i % len(blocks)]])
-            owner.commit_append(sid, update)
-            keys.append(chain[0])
+            keys.append(sessions.append(blocks[i % len(blocks)])[0])
             if pool.locate(keys[0]) is Tier.COLD:  # the oldest went cold: full
                 break
         where = [pool.locate(k) for k in keys]  # type: ignore[arg-type]

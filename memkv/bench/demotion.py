@@ -23,11 +23,10 @@ from pathlib import Path
 
 import torch
 
-from memkv.protocol.hashing import chain_hashes
+from memkv.bench.single_block import OneBlockSessions
 from memkv.protocol.layout import KVLayout
 from memkv.storage.block_pool import BlockPool
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, ColdWriterConfig, StoreConfig
-from memkv.storage.sessions import SessionTable
 
 __all__ = ["DemotionRun", "measure_demotions"]
 
@@ -69,10 +68,9 @@ def _pool(directory: Path, layout: KVLayout, write_behind: bool) -> BlockPool:
 
 
 def _one(layout: KVLayout, blocks: list[torch.Tensor], write_behind: bool) -> DemotionRun:
-    owner = SessionTable()
-    tokens = layout.block_tokens
     with tempfile.TemporaryDirectory(prefix="memkv-demotion-") as tmp:
         pool = _pool(Path(tmp), layout, write_behind)
+        sessions = OneBlockSessions(pool, layout, "d")
         stop = threading.Event()
         probes: list[float] = []
 
@@ -83,25 +81,16 @@ def _one(layout: KVLayout, blocks: list[torch.Tensor], write_behind: bool) -> De
                 probes.append(time.perf_counter() - t0)
                 time.sleep(PROBE_INTERVAL_S)
 
-        def append(i: int) -> float:
-            sid = f"d{i}"
-            owner.create(sid, layout, namespace=sid)
-            chain = [bytes(k) for k in chain_hashes(range(tokens), layout, sid)]
-            update = owner.plan_append(sid, tokens, chain)
-            t0 = time.perf_counter()
-            pool.put(update, [blocks[i % len(blocks)]])
-            elapsed = time.perf_counter() - t0
-            owner.commit_append(sid, update)
-            return elapsed
-
         warm_up = 2 * TIER_BLOCKS  # fill hot and warm: from here on each append demotes
-        for i in range(warm_up):
-            append(i)
+        first, _ = sessions.append(blocks[0])
+        for i in range(1, warm_up):
+            sessions.append(blocks[i % len(blocks)])
         pool.flush_cold()
-        thread = threading.Thread(target=probe, args=(bytes(owner.get("d0").chain[0]),))
+        thread = threading.Thread(target=probe, args=(first,))
         thread.start()
         t0 = time.perf_counter()
-        appends = [append(i) for i in range(warm_up, warm_up + len(blocks))]
+        appends = [sessions.append(blocks[i % len(blocks)])[1]
+                   for i in range(warm_up, warm_up + len(blocks))]
         pool.flush_cold()
         wall = time.perf_counter() - t0
         stop.set()

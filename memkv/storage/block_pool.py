@@ -67,7 +67,7 @@ from memkv.storage.precision import (
     quantize_int8,
 )
 from memkv.storage.prefetch import MarkovPrefetcher
-from memkv.storage.tiers import ColdBackend, ColdTier, MemoryTier, StoredBlock
+from memkv.storage.tiers import ColdBackend, ColdTier, MemoryTier, StoredBlock, stored_data
 
 __all__ = [
     "BlockLocation",
@@ -1120,8 +1120,7 @@ class BlockPool:
         if isinstance(block, EncodedBlock):
             reserve = block.nbytes
         else:
-            data = block.data if isinstance(block, QuantizedBlock) else block
-            reserve = entry.layout.block_nbytes(itemsize=data.element_size())
+            reserve = entry.layout.block_nbytes(itemsize=stored_data(block).element_size())
         if reserve > tier.arena.max_alloc_bytes:
             return False  # larger than any extent the tier has: it lives one tier down
         while True:

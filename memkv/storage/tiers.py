@@ -40,6 +40,8 @@ __all__ = [
     "Priority",
     "StoredBlock",
     "Tier",
+    "stored_data",
+    "stored_nbytes",
 ]
 
 

@@ -68,12 +68,18 @@ def block(i):
     return torch.full((2, 64), float(i))
 
 
-def test_a_queued_block_is_served_before_it_lands_and_written_in_one_batch(tmp_path):
+def stuck_writer(tmp_path, codec):
+    """A writer whose thread is held inside the backend with block 0, a batch of its own."""
     backend = disk(tmp_path)
     backend.gate.clear()
     w = writer(backend)
-    w.put(key(0), block(0), fingerprint=FP, codec="zstd")
-    backend.entered.wait()  # the thread holds block 0 in a batch of its own
+    w.put(key(0), block(0), fingerprint=FP, codec=codec)
+    backend.entered.wait()
+    return backend, w
+
+
+def test_a_queued_block_is_served_before_it_lands_and_written_in_one_batch(tmp_path):
+    backend, w = stuck_writer(tmp_path, "zstd")
     for i in range(1, 5):
         w.put(key(i), block(i), fingerprint=FP, codec="zstd")
     assert all(key(i) in w for i in range(5))
@@ -89,11 +95,7 @@ def test_a_queued_block_is_served_before_it_lands_and_written_in_one_batch(tmp_p
 
 
 def test_stats_count_queued_writes_without_waiting_for_them(tmp_path):
-    backend = disk(tmp_path)
-    backend.gate.clear()
-    w = writer(backend)
-    w.put(key(0), block(0), fingerprint=FP, codec="none")
-    backend.entered.wait()  # stuck in the backend with block 0
+    backend, w = stuck_writer(tmp_path, "none")
     w.put(key(1), block(1), fingerprint=FP, codec="none")
     queued = w.stats()  # answers although the writer is stuck
     assert queued.blocks == 2 and queued.live_bytes == 2 * block(0).nbytes
@@ -117,11 +119,7 @@ def test_the_writer_keeps_its_own_copy_of_the_block(tmp_path):
 
 
 def test_a_delete_cancels_a_queued_write_and_comes_before_a_later_one(tmp_path):
-    backend = disk(tmp_path)
-    backend.gate.clear()
-    w = writer(backend)
-    w.put(key(0), block(0), fingerprint=FP, codec="none")
-    backend.entered.wait()
+    backend, w = stuck_writer(tmp_path, "none")
     w.put(key(1), block(1), fingerprint=FP, codec="none")
     w.remove(key(1))  # freed before its write
     assert key(1) not in w and w.missing([key(1)]) == [key(1)]
