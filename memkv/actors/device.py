@@ -255,6 +255,7 @@ class DeviceCache:
         blocks: Sequence[BlockPayload | StagedBlock | ray.ObjectRef],
         checksums: Sequence[int] | None = None,
         durable: bool = False,
+        owner: str = "",
     ) -> dict[str, int]:
         """Apply one append: its new blocks (payloads, refs to them, or staged) and references.
 
@@ -267,6 +268,8 @@ class DeviceCache:
                 caller (the gateway): kept and served with the block.
             durable: answer only once every block of the chain is fsynced in
                 the archive (an ``archive``-mode session).
+            owner: the router shard whose session this is (each shard's
+                references are its own: see :meth:`resync`).
         """
         self.leases.sweep()
         refs = [i for i, b in enumerate(blocks) if isinstance(b, ray.ObjectRef)]
@@ -277,7 +280,9 @@ class DeviceCache:
                 resolved[i] = value
         tensors = [from_payload(self._unstage(p) if isinstance(p, StagedBlock) else p)
                    for p in resolved]
-        outcome = self.pool.put(update, tensors, checksums=checksums, durable=durable)
+        outcome = self.pool.put(
+            update, tensors, checksums=checksums, durable=durable, owner=owner
+        )
         return {
             "new_blocks": outcome.new_blocks,
             "deduplicated_blocks": outcome.deduplicated_blocks,
@@ -308,35 +313,42 @@ class DeviceCache:
         tokens: Sequence[int],
         priority: str,
         exact_only: bool = False,
+        owner: str = "",
     ) -> None:
         """Hold an archived chain again (after this device restarted, or moved here).
 
         Raises:
             BlockLostError: some block is in no tier (nothing is held).
         """
-        self.pool.adopt(layout, chain, tokens, Priority(priority), exact_only)
+        self.pool.adopt(layout, chain, tokens, Priority(priority), exact_only, owner)
 
-    def resync(self, holders: Sequence[Holder]) -> list[int]:
-        """Set every block's references from the router's table (a restarted router).
+    def resync(self, holders: Sequence[Holder], owner: str = "") -> list[int]:
+        """Set ``owner``'s block references from its table (a restarted router shard).
+
+        The references of other shards stay as they are.
 
         Returns:
             Indices of holders some of whose blocks are in no tier (lost).
         """
-        return self.pool.resync(holders)
+        return self.pool.resync(holders, owner)
 
-    def release(self, keys: Sequence[bytes], active: bool) -> int:
+    def release(self, keys: Sequence[bytes], active: bool, owner: str = "") -> int:
         """A holder of ``keys`` went (session deleted). Returns the blocks freed."""
-        return self.pool.release(keys, active=active)
+        return self.pool.release(keys, active=active, owner=owner)
 
     def deactivate(
-        self, keys: Sequence[bytes], offline: bool = False, was_active: bool = True
+        self,
+        keys: Sequence[bytes],
+        offline: bool = False,
+        was_active: bool = True,
+        owner: str = "",
     ) -> bool:
         """A session suspended: its blocks go cold; True if some stay in memory."""
-        return self.pool.deactivate(keys, offline=offline, was_active=was_active)
+        return self.pool.deactivate(keys, offline=offline, was_active=was_active, owner=owner)
 
-    def activate(self, keys: Sequence[bytes]) -> list[tuple[bytes, str, int]]:
+    def activate(self, keys: Sequence[bytes], owner: str = "") -> list[tuple[bytes, str, int]]:
         """A session resumed: its blocks count as in use. Answers ``(key, tier, tokens)``."""
-        self.pool.activate(keys)
+        self.pool.activate(keys, owner)
         return self.tiers_of(keys)
 
     def tiers_of(self, keys: Sequence[bytes]) -> list[tuple[bytes, str, int]]:

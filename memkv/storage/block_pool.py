@@ -277,6 +277,11 @@ class BlockPool:
         self._prefetcher: MarkovPrefetcher[BlockHash] = MarkovPrefetcher(config.prefetch)
         self.access_stats = AccessStats()
         self._blocks: dict[BlockHash, _Block] = {}
+        # Each owner's share of the references: owner -> block -> [refs, active refs].
+        # One owner unless the session table is sharded (memkv.protocol.shards):
+        # then every router shard holds its own sessions' references, and a
+        # restarted shard resets only its own (:meth:`resync`).
+        self._owner_refs: dict[str, dict[BlockHash, list[int]]] = {}
         self._hits: Counter[Tier] = Counter()
         self._counters: Counter[str] = Counter()
         self._closed = False
@@ -336,6 +341,7 @@ class BlockPool:
         *,
         checksums: Sequence[int] | None = None,
         durable: bool = False,
+        owner: str = "",
     ) -> PutOutcome:
         """Apply one append: store its new blocks and count the references it moves.
 
@@ -349,6 +355,7 @@ class BlockPool:
             durable: return only once every block of the chain has a cold copy
                 forced to disk (the ``archive`` acknowledgement mode), written
                 with the lossless online codec.
+            owner: whose references these are (a router shard; "" for one owner).
 
         Raises:
             LayoutMismatchError: a block's shape/dtype disagrees with the layout
@@ -392,16 +399,17 @@ class BlockPool:
                     )
             for held_key in update.hold:
                 entry = self._blocks[BlockHash(held_key)]
-                self._hold(entry, update.priority, update.was_active, now, update.exact_only)
+                self._hold(entry, update.priority, update.was_active, now, update.exact_only,
+                           owner)
             for kept_key in update.kept:
                 self._blocks[BlockHash(kept_key)].rounds += 1
             for dropped_key in update.drop:
-                self._release(BlockHash(dropped_key), active=update.was_active)
+                self._release(BlockHash(dropped_key), active=update.was_active, owner=owner)
             if counts and counts[-1] < layout.block_tokens:
                 tail = self._blocks[chain[-1]]
                 tail.rewrites = max(tail.rewrites, update.tail_rewrites)
             if not update.was_active:
-                self._activate(chain)
+                self._activate(chain, owner)
             if durable:
                 entries = [self._blocks[k] for k in dict.fromkeys(chain)]
                 self._ensure_cold_many(entries, offline=False, durable=True)
@@ -416,6 +424,7 @@ class BlockPool:
         tokens: Sequence[int],
         priority: Priority,
         exact_only: bool = False,
+        owner: str = "",
     ) -> None:
         """Hold, for an inactive holder, a chain whose blocks are all in the cold tier.
 
@@ -435,19 +444,24 @@ class BlockPool:
                     f"{len(missing)} of {len(keys)} blocks are in no tier "
                     f"(first missing {bytes(missing[0]).hex()})"
                 )
-            self._hold_chain(layout, keys, tokens, priority, False, exact_only, self._clock())
+            self._hold_chain(
+                layout, keys, tokens, priority, False, exact_only, self._clock(), owner
+            )
             self._debug_check()
 
-    def resync(self, holders: Sequence[Holder]) -> list[int]:
-        """Set every block's references from the owner's table, after the owner restarted.
+    def resync(self, holders: Sequence[Holder], owner: str = "") -> list[int]:
+        """Set ``owner``'s references from its table, after the owner restarted.
 
         The owner may have died between this pool applying an append and the
-        owner recording it; its table is the truth. Blocks no holder lists and
-        no reader pins are freed; a holder's block that is only in the cold
-        tier gets a cold-only entry (as :meth:`adopt` does).
+        owner recording it; its table is the truth. Other owners' references
+        (the other shards of a sharded table) stay as they are. Blocks no
+        holder of any owner lists and no reader pins are freed; a holder's
+        block that is only in the cold tier gets a cold-only entry (as
+        :meth:`adopt` does).
 
         Args:
             holders: every session the owner places on this pool.
+            owner: whose table it is ("" for one owner).
 
         Returns:
             Indices of holders with a block in no tier (those hold nothing).
@@ -459,9 +473,9 @@ class BlockPool:
                 dict.fromkeys(k for chain in wanted for k in chain if k not in self._blocks)
             )
             missing = set(self._cold.missing(unknown)) if unknown else set()
-            for entry in self._blocks.values():
-                entry.refcount = 0
-                entry.active_refs = 0
+            # The new references are taken before the old ones go, so a block
+            # both hold is never freed in between.
+            previous = self._owner_refs.pop(owner, {})
             now = self._clock()
             lost: list[int] = []
             for i, (chain, holder) in enumerate(zip(wanted, holders, strict=True)):
@@ -476,13 +490,18 @@ class BlockPool:
                     holder.active,
                     holder.exact_only,
                     now,
+                    owner,
                 )
+            for key, (refs, active) in previous.items():
+                entry = self._blocks[key]
+                entry.refcount -= refs
+                entry.active_refs -= active
             for key in [k for k, e in self._blocks.items() if e.refcount == 0 and e.pins == 0]:
                 self._free(self._blocks[key])
             self._debug_check()
             return lost
 
-    def release(self, keys: Sequence[bytes], *, active: bool) -> int:
+    def release(self, keys: Sequence[bytes], *, active: bool, owner: str = "") -> int:
         """Drop one reference to each key (a holder went); blocks left unheld are freed.
 
         Returns how many blocks were freed (unpinned ones at once, pinned ones
@@ -492,12 +511,17 @@ class BlockPool:
             self.ensure_open()
             before = len(self._blocks)
             for key in dict.fromkeys(BlockHash(bytes(k)) for k in keys):
-                self._release(key, active=active)
+                self._release(key, active=active, owner=owner)
             self._debug_check()
             return before - len(self._blocks)
 
     def deactivate(
-        self, keys: Sequence[bytes], *, offline: bool = False, was_active: bool = True
+        self,
+        keys: Sequence[bytes],
+        *,
+        offline: bool = False,
+        was_active: bool = True,
+        owner: str = "",
     ) -> bool:
         """An active holder of ``keys`` went idle (a session suspended).
 
@@ -521,6 +545,7 @@ class BlockPool:
             if was_active:
                 for key in unique:
                     self._blocks[key].active_refs -= 1
+                    self._count(owner, key, 0, -1)
             self._ensure_cold_many(
                 [self._blocks[k] for k in unique if not self._blocks[k].in_cold], offline=offline
             )
@@ -535,11 +560,11 @@ class BlockPool:
             self._debug_check()
             return any(self._blocks[k].tier is not None for k in unique)
 
-    def activate(self, keys: Sequence[bytes]) -> None:
+    def activate(self, keys: Sequence[bytes], owner: str = "") -> None:
         """An idle holder of ``keys`` is active again (a session resumed)."""
         with self._lock:
             self.ensure_open()
-            self._activate([BlockHash(bytes(k)) for k in keys])
+            self._activate([BlockHash(bytes(k)) for k in keys], owner)
 
     def set_priority(self, keys: Sequence[bytes], priority: Priority) -> None:
         """Move blocks to ``priority``'s eviction queue (a session changed its class)."""
@@ -965,6 +990,20 @@ class BlockPool:
                     raise_invariant(f"block {key.hex()} thinks it is {entry.tier} but is not")
                 if entry.tier is None and not entry.in_cold:
                     raise_invariant(f"block {key.hex()} is in no tier")
+            shared: dict[BlockHash, list[int]] = {}
+            for shares in self._owner_refs.values():
+                for key, (refs, active) in shares.items():
+                    total = shared.setdefault(key, [0, 0])
+                    total[0] += refs
+                    total[1] += active
+            for key, entry in self._blocks.items():
+                if shared.pop(key, [0, 0]) != [entry.refcount, entry.active_refs]:
+                    raise_invariant(
+                        f"block {key.hex()}: the owners' shares do not add up to its "
+                        f"{entry.refcount} references ({entry.active_refs} active)"
+                    )
+            if shared:
+                raise_invariant(f"{len(shared)} freed blocks still have owners' references")
 
     # ------------------------------------------------------------------ internals
 
@@ -996,6 +1035,7 @@ class BlockPool:
         active: bool,
         exact_only: bool,
         now: float,
+        owner: str = "",
     ) -> None:
         """One holder's reference to each block of ``chain``; blocks not in memory get
         cold-only entries (the caller made sure the cold tier has them)."""
@@ -1016,20 +1056,37 @@ class BlockPool:
                     in_cold=True,
                 )
                 self._blocks[key] = entry
-            self._hold(entry, priority, active, now, exact_only)
+            self._hold(entry, priority, active, now, exact_only, owner)
 
     def _hold(
-        self, entry: _Block, priority: Priority, active: bool, now: float, exact_only: bool = False
+        self,
+        entry: _Block,
+        priority: Priority,
+        active: bool,
+        now: float,
+        exact_only: bool = False,
+        owner: str = "",
     ) -> None:
         entry.refcount += 1
         entry.exact_only = entry.exact_only or exact_only
         if active:
             entry.active_refs += 1
+        self._count(owner, entry.key, 1, int(active))
         self._raise_priority(entry, priority, now)
 
-    def _activate(self, keys: Sequence[BlockHash]) -> None:
+    def _activate(self, keys: Sequence[BlockHash], owner: str = "") -> None:
         for key in dict.fromkeys(keys):
             self._blocks[key].active_refs += 1
+            self._count(owner, key, 0, 1)
+
+    def _count(self, owner: str, key: BlockHash, refs: int, active: int) -> None:
+        """Move ``owner``'s share of ``key``'s references (kept beside the totals)."""
+        shares = self._owner_refs.setdefault(owner, {})
+        share = shares.setdefault(key, [0, 0])
+        share[0] += refs
+        share[1] += active
+        if share == [0, 0]:
+            del shares[key]
 
     def _raise_priority(
         self, entry: _Block, priority: Priority, now: float, force: bool = False
@@ -1041,11 +1098,12 @@ class BlockPool:
         if entry.tier is not None and entry.pins == 0:
             self._tier(entry.tier).reclassify(entry.key, priority, now)
 
-    def _release(self, key: BlockHash, *, active: bool) -> None:
+    def _release(self, key: BlockHash, *, active: bool, owner: str = "") -> None:
         entry = self._blocks[key]
         entry.refcount -= 1
         if active:
             entry.active_refs -= 1
+        self._count(owner, key, -1, -int(active))
         if entry.refcount == 0 and entry.pins == 0:
             self._free(entry)
 

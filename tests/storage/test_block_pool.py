@@ -121,3 +121,35 @@ def test_a_block_larger_than_a_tier_lives_one_tier_down(tmp_path):
     expected = split_kv(big, keys, values)
     assert all(torch.equal(pool.get(k), e) for k, e in zip(chain, expected, strict=True))
     pool.close()
+
+
+def test_each_owner_resyncs_only_its_own_references(tmp_path):
+    # Two router shards' sessions share a prefix on one pool; the first shard
+    # restarts and resyncs from its table: the second shard's holds stay.
+    pool = make_pool(tmp_path)
+    shard_0, shard_1 = SessionTable(), SessionTable()
+    shard_0.create("a", LAYOUT, namespace="n")
+    shard_1.create("b", LAYOUT, namespace="n")
+    keys, values = kv(12, LAYOUT, seed=0)
+    blocks = split_kv(LAYOUT, keys, values)
+    chain = [bytes(k) for k in chain_hashes(range(12), LAYOUT, "n")]
+    update_a = shard_0.plan_append("a", 8, chain[:2])
+    pool.put(update_a, blocks[:2], owner="shard-0")
+    shard_0.commit_append("a", update_a)
+    update_b = shard_1.plan_append("b", 12, chain)
+    pool.put(update_b, blocks, owner="shard-1")  # a's two blocks deduplicated
+    shard_1.commit_append("b", update_b)
+    # Shard 0 forgot its session (it died before recording it): its table is empty.
+    assert pool.resync([], owner="shard-0") == []
+    assert [pool.refcounts()[k][0] for k in chain] == [1, 1, 1]
+    assert all(torch.equal(pool.get(k), b) for k, b in zip(chain, blocks, strict=True))
+    pool.check_invariants({"b": chain})
+    # Shard 1 resyncs with a shorter chain: only its third block goes.
+    counts = block_token_count(LAYOUT, 8)
+    assert pool.resync([Holder(LAYOUT, chain[:2], counts, True, Priority.NORMAL)],
+                       owner="shard-1") == []
+    with pytest.raises(UnknownBlockError):
+        pool.get(chain[2])
+    pool.release(chain[:2], active=True, owner="shard-1")
+    assert pool.refcounts() == {}
+    pool.close()
