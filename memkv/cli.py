@@ -58,6 +58,7 @@ def up(
         "devices": sorted(cluster.devices),
         "archives": sorted(cluster.archives),
         "router": cluster.config.cluster.router_name,
+        "router_shards": len(cluster.routers),
         "namespace": cluster.config.cluster.namespace,
     }
     if not gateway:
@@ -131,8 +132,10 @@ def _stats_over_ray(address: str | None, config: Path | None) -> dict[str, Any]:
     cfg = load_config(config)
     ray.init(address=address, namespace=cfg.cluster.namespace, logging_level=logging.ERROR)
     try:
-        router = ray.get_actor(cfg.cluster.router_name, namespace=cfg.cluster.namespace)
-        return dict(ray.get(router.stats.remote()))
+        from memkv.actors.router_shards import RouterShards, merge_stats
+
+        routers = RouterShards.find(cfg.cluster.router_name, cfg.cluster.namespace)
+        return dict(merge_stats(ray.get(routers.stats())))
     finally:
         ray.shutdown()
 

@@ -388,6 +388,14 @@ class RouterSettings(_Frozen):
         description="fsync the journal (group commit) before answering changes of archive-"
         "mode sessions, suspends and deletes.",
     )
+    shards: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Router actors the session table is split across, by a hash of the "
+        "session id (each owns its sessions; clients find the owner themselves). Fixed for a "
+        "deployment's life: its journals are kept per shard count.",
+    )
 
 
 class ClusterSettings(_Frozen):

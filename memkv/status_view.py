@@ -43,6 +43,8 @@ def _summary(stats: dict[str, Any]) -> Table:
     )
     table.add_row("sessions", f"{stats.get('sessions', 0)}  ({states or 'none'})")
     table.add_row("by priority", priorities or "-")
+    if len(stats.get("shard_sessions", ())) > 1:  # a sharded table: sessions per shard
+        table.add_row("router shards", " / ".join(str(n) for n in stats["shard_sessions"]))
     table.add_row("KV held (logical)", human_bytes(stats.get("logical_bytes", 0)))
     table.add_row("devices / archives", f"{len(devices)} / {len(stats.get('archives', {}))}")
     served = f"{reads} of {reads + misses} ({_ratio(reads, reads + misses)})"

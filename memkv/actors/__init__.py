@@ -4,4 +4,6 @@
 * :mod:`memkv.actors.archive` — :class:`ArchiveService`, one per NVMe node: the cold tier.
 * :mod:`memkv.actors.router` — :class:`RouterState` (plain) and the named
   ``SessionRouterActor``: sessions, placement, hotness, priority, prefetch, recovery.
+* :mod:`memkv.actors.router_shards` — :class:`RouterShards`, the client's view of a
+  session table split across router shards (which shard owns a session; merged answers).
 """

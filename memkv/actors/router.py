@@ -28,7 +28,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from memkv.actors.packed import pack_answer, unpack
-from memkv.actors.router_state import RouterState
+from memkv.actors.router_state import RouterState, tenant_of
 from memkv.errors import (
     BlockLostError,
     ClosedError,
@@ -41,6 +41,7 @@ from memkv.protocol.enums import SessionState
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ReadRoute
+from memkv.protocol.shards import shard_name, shard_of, shard_owner
 from memkv.storage.block_pool import Holder
 from memkv.storage.journal import Journal
 from memkv.storage.sessions import SessionRecord
@@ -82,6 +83,13 @@ class SessionRouter:
         journal_fsync: fsync the journal (group-committed) before answering a
             change of an ``archive``-mode session, a suspend or a delete.
         default_ack: the acknowledgement mode of a session created without one.
+        shard, shards: this router is shard ``shard`` of ``shards``
+            (:mod:`memkv.protocol.shards`): it owns the sessions whose ids hash
+            to it and refuses the others. Its block references on every
+            device are its own; before the archive deletes a block, the other
+            shards (found by name, ``router_name``) are asked whether one of
+            their sessions still holds it.
+        router_name: the Ray name of shard 0 (the others' names follow from it).
     """
 
     def __init__(
@@ -95,7 +103,16 @@ class SessionRouter:
         journal_dir: str | None = None,
         journal_fsync: bool = True,
         default_ack: str = "memory",
+        shard: int = 0,
+        shards: int = 1,
+        router_name: str = "memkv-router",
     ) -> None:
+        if not 0 <= shard < shards:
+            raise InvalidInputError(f"shard must be in 0..{shards - 1}, got {shard}")
+        self.shard, self.shards = shard, shards
+        self._owner = shard_owner(shard, shards)
+        self._peer_names = [shard_name(router_name, i) for i in range(shards) if i != shard]
+        self._peers: list[Any] | None = None
         journal = (
             Journal(Path(journal_dir), fsync=journal_fsync) if journal_dir is not None else None
         )
@@ -155,6 +172,23 @@ class SessionRouter:
     async def ping(self) -> str:
         return "ok"
 
+    async def shard_info(self) -> dict[str, int]:
+        """Which shard this is, of how many (clients find the others by name)."""
+        return {"shard": self.shard, "shards": self.shards}
+
+    # -- questions from the other shards -------------------------------------------------
+
+    async def referenced(self, keys: list[bytes]) -> list[bool]:
+        """Whether a session of this shard holds each block (before another shard's
+        archive delete)."""
+        await self._ready()
+        return [self.state.referenced(k) for k in keys]
+
+    async def tenant_totals(self, tenant: str) -> tuple[int, int]:
+        """The sessions and KV bytes ``tenant`` holds on this shard (quotas span shards)."""
+        await self._ready()
+        return self.state.tenant_sessions[tenant], self.state.tenant_bytes[tenant]
+
     # -- session lifecycle -------------------------------------------------------------
 
     async def create_session(
@@ -176,11 +210,13 @@ class SessionRouter:
             quota: the tenant's ``(max sessions, max bytes)`` (None: no limit).
         """
         await self._ready()
+        self._check_owned(session_id)
         ack = self._default_ack if ack is None else ack
         if ack not in ACK_MODES:
             raise InvalidInputError(f"ack must be one of {list(ACK_MODES)}, got {ack!r}")
         if quota is not None:
-            self.state.check_quota(session_id, max_sessions=quota[0], new_session=True)
+            self.state.check_quota(session_id, max_sessions=quota[0], new_session=True,
+                                   elsewhere=await self._usage_elsewhere(session_id, quota))
         record = self.state.create(
             session_id,
             layout,
@@ -201,12 +237,17 @@ class SessionRouter:
         self,
         specs: list[dict[str, Any]],
         quota: tuple[int | None, int | None] | None = None,
+        indices: list[int] | None = None,
     ) -> list[dict[str, Any]]:
         """Many new sessions in one call (bulk work: a fleet starting up, a restore).
 
         Each spec has ``session_id`` and ``layout``, and optionally ``namespace``,
         ``priority``, ``ack`` and ``exact_only`` (as :meth:`create_session`). The
         journal is made durable once, for all of them.
+
+        Args:
+            indices: each spec's index in the caller's whole list (a client that
+                split one list across shards), for the error messages.
 
         Raises:
             InvalidInputError, ConflictError, CapacityError: naming the spec's index;
@@ -216,16 +257,19 @@ class SessionRouter:
         records: list[dict[str, Any]] = []
         durable = False
         try:
-            for i, spec in enumerate(specs):
+            for at, spec in enumerate(specs):
+                i = indices[at] if indices is not None else at
                 ack = spec.get("ack") or self._default_ack
                 if ack not in ACK_MODES:
                     raise InvalidInputError(
                         f"spec {i}: ack must be one of {list(ACK_MODES)}, got {ack!r}"
                     )
                 try:
+                    self._check_owned(spec["session_id"])
                     if quota is not None:
-                        self.state.check_quota(spec["session_id"], max_sessions=quota[0],
-                                               new_session=True)
+                        self.state.check_quota(
+                            spec["session_id"], max_sessions=quota[0], new_session=True,
+                            elsewhere=await self._usage_elsewhere(spec["session_id"], quota))
                     record = self.state.create(
                         spec["session_id"], spec["layout"], spec.get("namespace", "default"),
                         spec.get("priority", "normal"), durable=ack == "archive",
@@ -340,7 +384,8 @@ class SessionRouter:
         )
         update = self.state.sessions.plan_append(session_id, len(token_ids), chain, start_block)
         if quota is not None:
-            self.state.check_quota(session_id, max_bytes=quota[1], update=update)
+            self.state.check_quota(session_id, max_bytes=quota[1], update=update,
+                                   elsewhere=await self._usage_elsewhere(session_id, quota))
         self._fresh = False
         device_id = self.state.place(session_id, chain)
         if device_id not in self._devices:
@@ -349,7 +394,9 @@ class SessionRouter:
         planned_on = self.state.devices[device_id].incarnation
         try:
             result = await self._call(
-                device_id, session_id, lambda d: d.put.remote(update, blocks, checksums, durable)
+                device_id,
+                session_id,
+                lambda d: d.put.remote(update, blocks, checksums, durable, self._owner),
             )
         except InvalidInputError:
             # Blocks the append builds on missing: the device may have restarted
@@ -364,7 +411,9 @@ class SessionRouter:
                 session_id, len(token_ids), chain, start_block
             )
             result = await self._call(
-                device_id, session_id, lambda d: d.put.remote(update, blocks, checksums, durable)
+                device_id,
+                session_id,
+                lambda d: d.put.remote(update, blocks, checksums, durable, self._owner),
             )
         garbage = self.state.record_put(session_id, update)
         await self._durable(durable)
@@ -455,7 +504,9 @@ class SessionRouter:
         if record.active:
             blocks = await self._call(device_id, session_id, lambda d: d.tiers_of.remote(chain))
         else:
-            blocks = await self._call(device_id, session_id, lambda d: d.activate.remote(chain))
+            blocks = await self._call(
+                device_id, session_id, lambda d: d.activate.remote(chain, self._owner)
+            )
             self.state.record_state(session_id, SessionState.ACTIVE)
         self.state.touch(session_id)
         device.prefetch.remote(chain[: self._head_blocks])  # fire and forget
@@ -471,7 +522,9 @@ class SessionRouter:
         record = self.state.get(session_id)
         chain, was_active = list(record.chain), record.active
         in_memory = await self._call(
-            device_id, session_id, lambda d: d.deactivate.remote(chain, offline, was_active)
+            device_id,
+            session_id,
+            lambda d: d.deactivate.remote(chain, offline, was_active, self._owner),
         )
         self.state.record_state(
             session_id, SessionState.SUSPENDED if in_memory else SessionState.ARCHIVED
@@ -498,15 +551,21 @@ class SessionRouter:
             raise UnknownSessionError(f"no session {session_id!r}")
         if record.device_id in self._devices and record.chain and not record.lost:
             chain, active = list(record.chain), record.active
-            await self._call(record.device_id, None, lambda d: d.release.remote(chain, active))
+            await self._call(
+                record.device_id, None, lambda d: d.release.remote(chain, active, self._owner)
+            )
         garbage = self.state.delete(session_id)
         await self._durable(True)
         await self._collect(garbage)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, members: bool = True) -> dict[str, Any]:
+        """The table's figures; ``members``: with every device's and archive's stats
+        (a client merging shards asks one shard for them)."""
         await self._ready()
-        devices = {d: await h.stats.remote() for d, h in self._devices.items()}
-        archives = {a: await h.stats.remote() for a, h in self._archives.items()}
+        devices = {d: await h.stats.remote() for d, h in self._devices.items()} if members else {}
+        archives = (
+            {a: await h.stats.remote() for a, h in self._archives.items()} if members else {}
+        )
         states = Counter("lost" if r.lost else r.state.value for r in self.state.sessions)
         logical = sum(
             r.layout.block_nbytes(n)
@@ -515,6 +574,8 @@ class SessionRouter:
         )
         priorities = Counter(r.priority.value for r in self.state.sessions)
         return {
+            "shard": self.shard,
+            "shards": self.shards,
             "sessions": len(self.state.sessions),
             "logical_bytes": logical,
             "session_states": dict(states),
@@ -605,7 +666,7 @@ class SessionRouter:
             )
             for r in records
         ]
-        lost = await self._devices[device_id].resync.remote(holders)
+        lost = await self._devices[device_id].resync.remote(holders, self._owner)
         for i in lost:
             self.state.mark_lost(
                 records[i].session_id,
@@ -624,7 +685,7 @@ class SessionRouter:
                 self.state.move(record.session_id, target)
                 continue
             try:
-                await _adopt(self._devices[target], record)
+                await _adopt(self._devices[target], record, self._owner)
             except BlockLostError as e:
                 self.state.mark_lost(
                     record.session_id,
@@ -640,7 +701,12 @@ class SessionRouter:
 
         Only right while no append is in flight (its blocks reach the archive
         before the router records them): at start, before the first append.
+        A sharded table skips it: the other shards may have appends in flight
+        whatever this one's state (leftovers cost disk until deleted, never a
+        session).
         """
+        if self._peer_names:
+            return
         for handle in archives:
             keys = await handle.keys.remote()
             garbage = [k for k in keys if not self.state.referenced(k)]
@@ -659,7 +725,60 @@ class SessionRouter:
 
     async def _collect(self, garbage: list[bytes]) -> None:
         if garbage and self._archives:
+            garbage = await self._unreferenced_anywhere(garbage)
+        if garbage and self._archives:
             await asyncio.gather(*(a.delete.remote(garbage) for a in self._archives.values()))
+
+    # -- the other shards ----------------------------------------------------------------
+
+    def _check_owned(self, session_id: str) -> None:
+        owner = shard_of(session_id, self.shards)
+        if owner != self.shard:
+            raise InvalidInputError(
+                f"session {session_id!r} belongs to router shard {owner} of {self.shards}, "
+                f"not to this one ({self.shard}): find its owner with memkv.protocol.shards"
+            )
+
+    async def _peer_handles(self) -> list[Any]:
+        """The other shards, found by name once they all answer."""
+        if self._peers is None:
+            namespace = ray.get_runtime_context().namespace
+            self._peers = [ray.get_actor(n, namespace=namespace) for n in self._peer_names]
+        return self._peers
+
+    async def _unreferenced_anywhere(self, keys: list[bytes]) -> list[bytes]:
+        """Of blocks no session of this shard holds, those no other shard's session holds.
+
+        A block stays when a peer cannot be asked: an archived block kept too
+        long costs disk, one deleted too early costs a session.
+        """
+        if not keys or not self._peer_names:
+            return keys
+        try:
+            peers = await self._peer_handles()
+            answers = await asyncio.gather(*(p.referenced.remote(keys) for p in peers))
+        except (ValueError, RayActorError) as e:
+            self._peers = None
+            logger.warning("kept %d archive blocks: a router shard did not answer (%s)",
+                           len(keys), e)
+            return []
+        return [k for i, k in enumerate(keys) if not any(a[i] for a in answers)]
+
+    async def _usage_elsewhere(
+        self, session_id: str, quota: tuple[int | None, int | None]
+    ) -> tuple[int, int]:
+        """The tenant's sessions and bytes on the other shards (quotas span them).
+
+        Only asked when a quota applies; two shards admitting at once may each
+        see the other's use before it grew (an overshoot of at most the
+        requests in flight).
+        """
+        if not self._peer_names or quota == (None, None):
+            return 0, 0
+        tenant = tenant_of(session_id)
+        peers = await self._peer_handles()
+        totals = await asyncio.gather(*(p.tenant_totals.remote(tenant) for p in peers))
+        return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
     async def _call(
         self, device_id: str, session_id: str | None, call: Callable[[Any], Any]
@@ -733,7 +852,7 @@ class SessionRouter:
             if record.lost or not record.chain:
                 continue
             try:
-                await _adopt(device, record)
+                await _adopt(device, record, self._owner)
             except BlockLostError as e:
                 reason = (
                     f"device {device_id} restarted before all of the session's blocks reached "
@@ -779,7 +898,7 @@ class SessionRouter:
         return moved
 
 
-async def _adopt(device: Any, record: SessionRecord) -> None:
+async def _adopt(device: Any, record: SessionRecord, owner: str) -> None:
     """Have ``device`` hold ``record``'s archived chain (BlockLostError: not all archived)."""
     await device.adopt.remote(
         record.layout,
@@ -787,6 +906,7 @@ async def _adopt(device: Any, record: SessionRecord) -> None:
         block_token_count(record.layout, record.tokens),
         record.priority.value,
         record.exact_only,
+        owner,
     )
 
 

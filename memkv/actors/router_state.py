@@ -302,23 +302,29 @@ class RouterState:
         max_bytes: int | None = None,
         new_session: bool = False,
         update: ChainUpdate | None = None,
+        elsewhere: tuple[int, int] = (0, 0),
     ) -> None:
         """Refuse a create or an append that would take a tenant over its quota.
+
+        Args:
+            elsewhere: the sessions and bytes the tenant holds in other shards
+                of the table (:mod:`memkv.protocol.shards`).
 
         Raises:
             CapacityError: naming the tenant's use and its quota (HTTP 507).
         """
         tenant = tenant_of(session_id)
         if new_session and max_sessions is not None:
-            if self.tenant_sessions[tenant] >= max_sessions:
+            sessions = self.tenant_sessions[tenant] + elsewhere[0]
+            if sessions >= max_sessions:
                 raise CapacityError(
-                    f"tenant {tenant!r} has {self.tenant_sessions[tenant]} sessions, its quota "
+                    f"tenant {tenant!r} has {sessions} sessions, its quota "
                     f"is {max_sessions}: delete some first"
                 )
         if update is not None and max_bytes is not None:
             record = self.get(session_id)
             after = sum(update.layout.block_nbytes(n) for n in update.tokens)
-            total = self.tenant_bytes[tenant] - chain_bytes(record) + after
+            total = self.tenant_bytes[tenant] + elsewhere[1] - chain_bytes(record) + after
             if total > max_bytes:
                 raise CapacityError(
                     f"tenant {tenant!r} would hold {total} bytes of KV, its quota is "

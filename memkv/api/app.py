@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memkv.actors.packed import pack, unpack
 from memkv.actors.payload import BlockPayload
+from memkv.actors.router_shards import RouterShards, merge_located, merge_prefix, merge_stats
 from memkv.api.auth import Authenticator, Principal
 from memkv.api.blocks import (
     FRAMES_MEDIA_TYPE,
@@ -239,7 +240,7 @@ def _error_response(exc: BaseException) -> JSONResponse:
 
 
 def create_app(
-    router: Any,
+    router: Any | RouterShards,
     *,
     max_body_bytes: int = 1 << 30,
     same_node_reads: bool = True,
@@ -252,10 +253,11 @@ def create_app(
     max_json_bytes: int = 16 << 20,
     max_inflight_body_bytes: int | None = None,
 ) -> FastAPI:
-    """The gateway app for a router actor handle.
+    """The gateway app for a router actor handle, or a sharded table's routers.
 
     Args:
-        router: the SessionRouter actor.
+        router: the SessionRouter actor, or :class:`RouterShards` (each
+            session's calls go to the shard that owns it).
         auth: who may call it; None serves every caller as one trusted user
             (``memkv up`` always passes the deployment's authenticator).
         body_timeout_s: an append body that sends nothing for this long is
@@ -299,7 +301,12 @@ def create_app(
         "memkv_http_errors", "Error responses by route and error type", ["route", "type"],
         registry=registry,
     )
-    snapshot = StatsSnapshot(lambda: router.stats.remote())
+    routers = router if isinstance(router, RouterShards) else RouterShards([router])
+
+    async def whole_table_stats() -> dict[str, Any]:
+        return merge_stats(list(await asyncio.gather(*routers.stats())))
+
+    snapshot = StatsSnapshot(whole_table_stats)
     inflight = _BodyBudget(
         max_inflight_body_bytes if max_inflight_body_bytes is not None else 2 * max_body_bytes
     )
@@ -314,7 +321,7 @@ def create_app(
     )
 
     routes = _RouteCache(SESSION_CACHE_ENTRIES)
-    touches = _Touches(router, TOUCH_FLUSH_S)
+    touches = _Touches(routers, TOUCH_FLUSH_S)
     fetcher = BlockFetcher(
         SegmentMaps() if same_node_reads else None,
         (node_id or _this_node()) if same_node_reads else None,
@@ -392,7 +399,7 @@ def create_app(
     async def readyz() -> JSONResponse:
         """The router answers (the cluster can serve; no token needed)."""
         try:
-            await router.ping.remote()
+            await asyncio.gather(*(r.ping.remote() for r in routers))
         except RayError as e:
             return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
         return JSONResponse({"status": "ready"})
@@ -423,13 +430,13 @@ def create_app(
         # Packed: one argument each way (Ray's cost per argument is most of a create's).
         arguments = pack(sid, layout.to_dict(), namespace, body.priority, body.ack, who.quota,
                          body.exact_only)
-        record = unpack(await router.create_session_packed.remote(arguments))
+        record = unpack(await routers.of(sid).create_session_packed.remote(arguments))
         return _session_out(record, body.session_id)
 
     @app.get("/v1/sessions/{session_id}", tags=["sessions"])
     async def get_session(session_id: SessionIdPath, who: Principal = Reader) -> dict[str, Any]:
         sid = scoped(who, session_id, "read")
-        return _session_out(await router.session.remote(sid), session_id)
+        return _session_out(await routers.of(sid).session.remote(sid), session_id)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"])
     async def delete_session(session_id: SessionIdPath, who: Principal = Reader) -> Response:
@@ -437,7 +444,7 @@ def create_app(
         await _let_go_of(sid)
         sessions.drop(sid)
         routes.drop(sid)
-        await router.delete_session.remote(sid)
+        await routers.of(sid).delete_session.remote(sid)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/suspend", tags=["sessions"])
@@ -447,11 +454,12 @@ def create_app(
         sid = scoped(who, session_id, "write")
         offline = body.offline if body is not None else False
         await _let_go_of(sid)
-        return _session_out(await router.suspend.remote(sid, offline), session_id)
+        return _session_out(await routers.of(sid).suspend.remote(sid, offline), session_id)
 
     @app.post("/v1/sessions/{session_id}/resume", tags=["sessions"])
     async def resume(session_id: SessionIdPath, who: Principal = Reader) -> dict[str, Any]:
-        handle = await router.resume.remote(scoped(who, session_id, "write"))
+        sid = scoped(who, session_id, "write")
+        handle = await routers.of(sid).resume.remote(sid)
         return {
             "session_id": session_id,
             "device_id": handle["device_id"],
@@ -466,7 +474,7 @@ def create_app(
     async def input_end(session_id: SessionIdPath, who: Principal = Reader) -> dict[str, int]:
         """A turn's input is complete: prefetch the session's cache now."""
         sid = scoped(who, session_id, "read")
-        return {"prefetched": int(await router.notify_input_end.remote(sid))}
+        return {"prefetched": int(await routers.of(sid).notify_input_end.remote(sid))}
 
     # -- KV data -----------------------------------------------------------------------
 
@@ -517,7 +525,7 @@ def create_app(
         head = frames[0].header
         known = sessions.get(sid)
         if known is None:
-            record = await router.session.remote(sid)
+            record = await routers.of(sid).session.remote(sid)
             known = (KVLayout.from_dict(record["layout"]), record["namespace"])
             sessions.put(sid, known)
         layout, namespace = known
@@ -558,7 +566,7 @@ def create_app(
             payload_bytes.labels("in").inc(array.nbytes)
 
         def put(blocks: list[Any]) -> Any:
-            return router.put_blocks.remote(
+            return routers.of(sid).put_blocks.remote(
                 sid, tokens, blocks, start, [bytes(k) for k in chain], turn, checksums,
                 (layout.to_dict(), namespace), who.quota,
             )
@@ -657,7 +665,8 @@ def create_app(
             else:
                 touches.add(sid)  # hotness, told to the router in batches
                 return response
-        whole = await router.read_route.remote(sid, 0, None)
+        owner = routers.of(sid)
+        whole = await owner.read_route.remote(sid, 0, None)
         try:
             response = await opened(whole)
         except NotFoundError:
@@ -665,8 +674,8 @@ def create_app(
                 raise
             # Blocks of the route missing on its device: it may have restarted
             # since the router last looked. Have it check, then ask again.
-            await router.device_failed.remote(whole.device_id)
-            whole = await router.read_route.remote(sid, 0, None)
+            await owner.device_failed.remote(whole.device_id)
+            whole = await owner.read_route.remote(sid, 0, None)
             response = await opened(whole)
         routes.put(sid, whole)
         return response
@@ -695,7 +704,7 @@ def create_app(
             keys = list(dict.fromkeys(bytes.fromhex(k) for k in body.keys))
         except ValueError as e:
             raise InvalidInputError(f"keys must be hex strings: {e}") from e
-        groups = await router.locate_blocks.remote(keys, namespace)
+        groups = merge_located(list(await asyncio.gather(*routers.locate_blocks(keys, namespace))))
         if len(groups) == 1:
             # One device holds them all (the usual case: a prefix lives where its
             # sessions do): stream them the way session reads go, through read
@@ -766,7 +775,8 @@ def create_app(
         namespace = who.read_namespace(body.namespace)
         layout = KVLayout.from_dict(body.layout.model_dump())
         token_array(body.token_ids)  # validate before asking the router
-        result = await router.match_prefix.remote(layout.to_dict(), namespace, body.token_ids)
+        result = merge_prefix(list(await asyncio.gather(
+            *routers.match_prefix(layout.to_dict(), namespace, body.token_ids))))
         return {"tokens": result["tokens"], "blocks": [bytes(k).hex() for k in result["blocks"]]}
 
     @app.get("/v1/stats", tags=["cluster"])
@@ -931,8 +941,8 @@ TOUCH_FLUSH_S = 0.5
 class _Touches:
     """Session ids read since the last flush; flushed by a task the first add starts."""
 
-    def __init__(self, router: Any, interval_s: float) -> None:
-        self._router = router
+    def __init__(self, routers: RouterShards, interval_s: float) -> None:
+        self._routers = routers
         self._interval_s = interval_s
         self._pending: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -946,7 +956,7 @@ class _Touches:
         await asyncio.sleep(self._interval_s)
         pending, self._pending = self._pending, set()
         if pending:
-            await self._router.touch_sessions.remote(sorted(pending))
+            await asyncio.gather(*self._routers.touch_sessions(sorted(pending)))
 
 
 _background_tasks: set[asyncio.Task[Any]] = set()

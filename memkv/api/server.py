@@ -66,7 +66,7 @@ class GatewayServer:
         """Bind ``host:port`` (0 = any free port) and serve until :meth:`stop`.
 
         Args:
-            cluster: a :class:`memkv.cluster.MemkvCluster` (its router is used).
+            cluster: a :class:`memkv.cluster.MemkvCluster` (its router shards are used).
             put_staging_bytes: shared memory for append bodies (memkv.staging),
                 made only where a device runs on this node; 0 = none.
             same_node_reads, plan_cache_bytes, auth: see :func:`memkv.api.app.create_app`.
@@ -74,7 +74,7 @@ class GatewayServer:
         staging = staging_for(ray.get(cluster.router.devices.remote()).values(),
                               put_staging_bytes) if put_staging_bytes > 0 else None
         app = create_app(
-            cluster.router,
+            cluster.routers,
             max_body_bytes=max_body_bytes,
             same_node_reads=same_node_reads,
             plan_cache_bytes=plan_cache_bytes,

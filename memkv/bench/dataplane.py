@@ -210,7 +210,7 @@ def _store_session(ctx: BenchContext, layout: KVLayout, tokens: int, tag: str) -
         cluster.put_blocks(
             sid, token_ids[: min(tokens, (i + 1) * layout.block_tokens)], [block], start_block=i
         )
-    route = ray.get(cluster.router.read_route.remote(sid, 0, None))
+    route = ray.get(cluster.routers.of(sid).read_route.remote(sid, 0, None))
     return sid, route
 
 

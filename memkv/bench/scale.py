@@ -10,7 +10,10 @@ system prompt, measures:
 * gateway requests per second for small requests (session lookups) from
   client threads;
 * the router process' resident memory per idle session (from /proc, same node);
-* the hot tier's occupancy after the burst.
+* the hot tier's occupancy after the burst;
+* router shards: session creates per second with the table split over 1, 2
+  and 4 router actors (100,000 sessions each; ``--quick``: 2,000), beside bare
+  calls spread over the same shards, all from one driver.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import ray
 import torch
 
 from memkv.actors.packed import pack
+from memkv.actors.router import SessionRouterActor
+from memkv.actors.router_shards import RouterShards
 from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
 from memkv.protocol.layout import KVLayout
@@ -48,6 +53,11 @@ NAMESPACE = "bench-scale"
 _KIB = 1024
 _MS = 1000.0
 _P50, _P99 = 50, 99
+#: Shard counts of the scale-out rows, and the sessions each creates.
+SHARD_COUNTS = (1, 2, 4)
+SHARD_SESSIONS = 100_000
+QUICK_SHARD_SESSIONS = 2_000
+BARE_CALLS = 20_000
 
 
 def _rss_bytes(pid: int) -> int | None:
@@ -104,6 +114,40 @@ def _gateway_rate(url: str, sids: list[str], requests: int) -> dict[str, float]:
     wall = time.perf_counter() - start
     return {"requests": len(lat), "req_s": len(lat) / wall,
             "p50_ms": percentile(lat, _P50) * _MS, "p99_ms": percentile(lat, _P99) * _MS}
+
+
+def _shard_scaling(n: int, run_id: str, namespace: str) -> dict[int, dict[str, Any]]:
+    """Creates/s and bare calls/s at each shard count, on shards of their own."""
+    return {shards: _on_shards(shards, n, run_id, namespace) for shards in SHARD_COUNTS}
+
+
+def _on_shards(shards: int, n: int, run_id: str, namespace: str) -> dict[str, Any]:
+    """``n`` creates over ``shards`` fresh router actors (no devices, no journal: a
+    create touches only the table), named apart from the deployment's, killed after."""
+    name = f"bench-shards-{run_id}-{shards}"
+    handles = [
+        SessionRouterActor.options(
+            name=name if i == 0 else f"{name}-{i}", namespace=namespace, num_cpus=0
+        ).remote(background_prefetch_interval_s=3600, shard=i, shards=shards, router_name=name)
+        for i in range(shards)
+    ]
+    try:
+        ray.get([h.ping.remote() for h in handles])
+        routers = RouterShards(handles)
+        sids = [f"shard-{run_id}-{shards}-{i}" for i in range(n)]
+        layout = LAYOUT.to_dict()
+        # The ceiling at this count; a rate needs fewer calls than the table.
+        bare = _rate(lambda i: handles[i % shards].ping.remote(), min(n, BARE_CALLS),
+                     f"scale: bare calls over {shards} shard(s)")
+        creates = _rate(lambda i: routers.of(sids[i]).create_session_packed.remote(
+            pack(sids[i], layout, NAMESPACE, "normal")), n,
+            f"scale: creates over {shards} shard(s)")
+        held = ray.get([h.stats.remote(False) for h in handles])
+        return {"create_ops_s": creates, "bare_call_ops_s": bare,
+                "sessions_per_shard": [int(h["sessions"]) for h in held]}
+    finally:
+        for h in handles:
+            ray.kill(h, no_restart=True)
 
 
 def _table_bytes_per_session(n: int) -> float:
@@ -184,6 +228,9 @@ def run(ctx: BenchContext) -> SuiteResult:
     per_session = ((rss_idle - rss_before) / n
                    if rss_idle is not None and rss_before is not None else None)
     table_bytes = _table_bytes_per_session(n)
+    shard_n = QUICK_SHARD_SESSIONS if ctx.quick else SHARD_SESSIONS
+    scaling = _shard_scaling(shard_n, run_id, cluster.config.cluster.namespace)
+    one = scaling[SHARD_COUNTS[0]]
     rows: list[list[Any]] = [
         ["bare actor call (router.ping)", ping_s, f"{IN_FLIGHT} in flight: the ceiling"],
         ["create session (router)", create_s,
@@ -200,6 +247,14 @@ def run(ctx: BenchContext) -> SuiteResult:
          f"P99 {gateway['p99_ms']:.2f} ms"],
         ["delete session (router)", delete_s, f"{IN_FLIGHT} in flight"],
     ]
+    for shards, fig in scaling.items():
+        rows.append([
+            f"create session, {shards} router shard(s)", fig["create_ops_s"],
+            f"{shard_n} sessions, {IN_FLIGHT} in flight from one driver; "
+            f"{fig['create_ops_s'] / one['create_ops_s']:.2f}x one shard; bare calls over "
+            f"the same shards {fig['bare_call_ops_s']:.0f}/s; per shard "
+            f"{fig['sessions_per_shard']}",
+        ])
     notes = [
         f"{n} sessions, layout {list(LAYOUT.block_shape())} fp16 ({LAYOUT.block_nbytes()} B "
         f"blocks); every session's first block is the same shared prefix (stored once).",
@@ -209,6 +264,9 @@ def run(ctx: BenchContext) -> SuiteResult:
         f"router session table per idle session (tracemalloc, {n} sessions after a "
         f"warm-up): {table_bytes:.0f} B (target <= 2048 B).",
         f"hot-tier occupancy after the burst: {hot_usage}; dedup hits: {dedup}.",
+        f"router shards: this machine has {os.cpu_count()} cores for the driver, raylet and "
+        f"every shard; a shard count beyond the free cores cannot scale here (see "
+        f"BENCHMARKS.md for the profile).",
     ]
     return SuiteResult(
         suite="scale",
@@ -222,7 +280,9 @@ def run(ctx: BenchContext) -> SuiteResult:
                  "router_bytes_per_idle_session": per_session,
                  "table_bytes_per_idle_session": table_bytes, "bare_call_ops_s": ping_s,
                  "create_vs_bare_calls": create_s / ping_s, "hot_usage": hot_usage,
-                 "dedup_hits": dedup},
+                 "dedup_hits": dedup,
+                 "shard_scaling": {str(k): v for k, v in scaling.items()},
+                 "shard_sessions": shard_n},
         notes=notes,
         plot=PlotSpec(PlotKind.BAR, "operation", "operations / s", [r[0] for r in rows],
                       {"ops/s": [float(r[1]) for r in rows]}, log_y=True),

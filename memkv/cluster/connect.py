@@ -34,9 +34,17 @@ from memkv.actors.payload import (
     to_payload,
 )
 from memkv.actors.router import SessionRouterActor
+from memkv.actors.router_shards import (
+    RouterShards,
+    merge_created,
+    merge_located,
+    merge_prefix,
+    merge_stats,
+)
 from memkv.config import MemkvConfig, load_config
 from memkv.errors import ConfigError, InvalidInputError, UnknownBlockError, WrongNodeError
 from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.shards import shard_name
 from memkv.same_node import SameNodeReader
 from memkv.staging import PutStaging, staging_for, staging_node
 from memkv.storage.layout import KVLayout, split_kv
@@ -68,7 +76,7 @@ class MemkvCluster:
     def __init__(
         self,
         config: MemkvConfig,
-        router: Any,
+        router: Any | RouterShards,
         devices: dict[str, Any],
         archives: dict[str, Any],
         *,
@@ -76,7 +84,9 @@ class MemkvCluster:
         started_ray: bool,
     ) -> None:
         self.config = config
-        self.router = router
+        # The session table's shards; each session's calls go to its owner.
+        self.routers = router if isinstance(router, RouterShards) else RouterShards([router])
+        self.router = self.routers.first
         self.devices = devices
         self.archives = archives
         self._owned = owned
@@ -104,7 +114,8 @@ class MemkvCluster:
         """A new session; ``ack`` (``memory`` / ``archive``) and ``exact_only``:
         see docs/durability.md."""
         arguments = pack(session_id, layout.to_dict(), namespace, priority, ack, None, exact_only)
-        return dict(unpack(ray.get(self.router.create_session_packed.remote(arguments))))
+        return dict(unpack(ray.get(
+            self.routers.of(session_id).create_session_packed.remote(arguments))))
 
     def create_sessions(self, specs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Many sessions in one router call: each spec as :meth:`create_session`'s
@@ -115,10 +126,11 @@ class MemkvCluster:
             if isinstance(spec.get("layout"), KVLayout) else dict(spec)
             for spec in specs
         ]
-        return [dict(r) for r in ray.get(self.router.create_sessions.remote(wire))]
+        indices, refs = self.routers.create_sessions(wire)
+        return [dict(r) for r in merge_created(indices, ray.get(refs))]
 
     def session(self, session_id: str) -> dict[str, Any]:
-        return dict(ray.get(self.router.session.remote(session_id)))
+        return dict(ray.get(self.routers.of(session_id).session.remote(session_id)))
 
     def put_kv(
         self,
@@ -174,7 +186,7 @@ class MemkvCluster:
         payloads = [to_payload(chain[start_block + i], b) for i, b in enumerate(blocks)]
 
         def put(sent: list[Any]) -> dict[str, Any]:
-            return dict(ray.get(self.router.put_blocks.remote(
+            return dict(ray.get(self.routers.of(session_id).put_blocks.remote(
                 session_id, tokens, sent, start_block, [bytes(k) for k in chain])))
 
         staging = self._put_staging()
@@ -222,7 +234,7 @@ class MemkvCluster:
 
     def resume(self, session_id: str) -> dict[str, Any]:
         """Answers at once with the chain and each block's tier; blocks follow lazily."""
-        return dict(ray.get(self.router.resume.remote(session_id)))
+        return dict(ray.get(self.routers.of(session_id).resume.remote(session_id)))
 
     def read_session(
         self, session_id: str, start: int = 0, end: int | None = None
@@ -238,8 +250,9 @@ class MemkvCluster:
         """
         position = start
         attempt = 0
+        router = self.routers.of(session_id)
         while True:
-            route = ray.get(self.router.read_route.remote(session_id, position, end))
+            route = ray.get(router.read_route.remote(session_id, position, end))
             device_id, device = route.device_id, route.device
             try:
                 for payload in _pipelined(device, list(route.keys), session_id):
@@ -250,13 +263,14 @@ class MemkvCluster:
                 if attempt >= _DEVICE_RETRIES:
                     raise
                 attempt += 1
-                ray.get(self.router.device_failed.remote(device_id))
+                ray.get(router.device_failed.remote(device_id))
 
     def get_blocks(self, session_id: str, keys: Sequence[bytes]) -> list[torch.Tensor]:
         """Blocks by key from the session's device (retried once if the device restarted)."""
         attempt = 0
+        router = self.routers.of(session_id)
         while True:
-            device_id, device = ray.get(self.router.device_of.remote(session_id))
+            device_id, device = ray.get(router.device_of.remote(session_id))
             try:
                 payloads = ray.get(device.get_blocks.remote([bytes(k) for k in keys], session_id))
                 return [from_payload(p) for p in payloads]
@@ -264,14 +278,15 @@ class MemkvCluster:
                 if attempt >= _DEVICE_RETRIES:
                     raise
                 attempt += 1
-                ray.get(self.router.device_failed.remote(device_id))
+                ray.get(router.device_failed.remote(device_id))
 
     def match_prefix(
         self, layout: KVLayout, namespace: str, token_ids: Sequence[int]
     ) -> tuple[int, list[bytes]]:
         """Leading tokens of ``token_ids`` that sessions of ``namespace`` cached, and their keys."""
         tokens = [int(t) for t in token_ids]
-        result = ray.get(self.router.match_prefix.remote(layout.to_dict(), namespace, tokens))
+        result = merge_prefix(
+            ray.get(self.routers.match_prefix(layout.to_dict(), namespace, tokens)))
         return int(result["tokens"]), [bytes(k) for k in result["blocks"]]
 
     def blocks_by_key(
@@ -288,7 +303,7 @@ class MemkvCluster:
             UnknownBlockError: a key that no device of the namespace holds.
         """
         wanted = [bytes(k) for k in keys]
-        groups = ray.get(self.router.locate_blocks.remote(wanted, namespace))
+        groups = merge_located(ray.get(self.routers.locate_blocks(wanted, namespace)))
         found: dict[bytes, BlockPayload] = {}
         for device_id, device, group in groups:
             if same_node and device_id not in self._remote_devices:
@@ -318,19 +333,19 @@ class MemkvCluster:
         return reader
 
     def suspend(self, session_id: str, *, offline: bool = False) -> dict[str, Any]:
-        return dict(ray.get(self.router.suspend.remote(session_id, offline)))
+        return dict(ray.get(self.routers.of(session_id).suspend.remote(session_id, offline)))
 
     def set_priority(self, session_id: str, priority: str) -> dict[str, Any]:
-        return dict(ray.get(self.router.set_priority.remote(session_id, priority)))
+        return dict(ray.get(self.routers.of(session_id).set_priority.remote(session_id, priority)))
 
     def delete_session(self, session_id: str) -> None:
-        ray.get(self.router.delete_session.remote(session_id))
+        ray.get(self.routers.of(session_id).delete_session.remote(session_id))
 
     def stats(self) -> dict[str, Any]:
-        return dict(ray.get(self.router.stats.remote()))
+        return dict(merge_stats(ray.get(self.routers.stats())))
 
     def device_of(self, session_id: str) -> str:
-        device_id, _ = ray.get(self.router.device_of.remote(session_id))
+        device_id, _ = ray.get(self.routers.of(session_id).device_of.remote(session_id))
         return str(device_id)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -356,7 +371,7 @@ class MemkvCluster:
         self._close_readers()
         # Close first: devices unlink their shared-memory warm pools and the
         # archive flushes; ray.kill alone would leave both behind.
-        closing = [h.close.remote() for h in self._owned if h is not self.router]
+        closing = [h.close.remote() for h in self._owned if h not in self.routers.handles]
         try:
             ray.get(closing, timeout=_CLOSE_TIMEOUT_S)
         except (RayActorError, ray.exceptions.GetTimeoutError) as e:
@@ -420,14 +435,14 @@ def attach(address: str, *, namespace: str | None = None) -> MemkvCluster:
             os.environ.setdefault(name, value)
         ray.init(address=address, namespace=ns, logging_level=logging.WARNING)
     try:
-        router = ray.get_actor(cfg.cluster.router_name, namespace=ns)
+        routers = RouterShards.find(cfg.cluster.router_name, ns)
     except ValueError as e:
         raise ConfigError(
             f"no memkv router {cfg.cluster.router_name!r} in Ray namespace {ns!r} at {address}: "
             f"start memkv there first (memkv up), or name its namespace"
         ) from e
-    devices = dict(ray.get(router.devices.remote()))
-    return MemkvCluster(cfg, router, devices, {}, owned=[], started_ray=False)
+    devices = dict(ray.get(routers.first.devices.remote()))
+    return MemkvCluster(cfg, routers, devices, {}, owned=[], started_ray=False)
 
 
 def connect(
@@ -549,25 +564,71 @@ def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCl
             f"least one device"
         )
 
-    router = SessionRouterActor.options(name=settings.router_name, **common).remote(
-        hotness_half_life_s=cfg.router.hotness_half_life_s,
-        prefix_affinity=cfg.router.prefix_affinity,
-        background_prefetch_interval_s=cfg.router.background_prefetch_interval_s,
-        hot_idle_fraction=cfg.device.prefetch.hot_idle_fraction,
-        head_blocks=cfg.device.prefetch.max_prefetch_blocks,
-        journal_dir=str(router_journal_dir(cfg)) if cfg.router.journal else None,
-        journal_fsync=cfg.router.journal_fsync,
-        default_ack=cfg.router.default_ack,
-    )
-    ray.get([router.register_archive.remote(n, h) for n, h in archives.items()])
-    ray.get([router.register_device.remote(n, h) for n, h in devices.items()])
+    shards = cfg.router.shards
+    if cfg.router.journal:
+        check_journal_layout(router_journal_dir(cfg), shards)
+    handles: list[Any] = [
+        SessionRouterActor.options(name=shard_name(settings.router_name, i), **common).remote(
+            hotness_half_life_s=cfg.router.hotness_half_life_s,
+            prefix_affinity=cfg.router.prefix_affinity,
+            background_prefetch_interval_s=cfg.router.background_prefetch_interval_s,
+            hot_idle_fraction=cfg.device.prefetch.hot_idle_fraction,
+            head_blocks=cfg.device.prefetch.max_prefetch_blocks,
+            journal_dir=str(router_journal_dir(cfg, i, shards)) if cfg.router.journal else None,
+            journal_fsync=cfg.router.journal_fsync,
+            default_ack=cfg.router.default_ack,
+            shard=i,
+            shards=shards,
+            router_name=settings.router_name,
+        )
+        for i in range(shards)
+    ]
+    # get_if_exists: a running deployment's shards answer; their count must match.
+    for i, info in enumerate(ray.get([h.shard_info.remote() for h in handles])):
+        if info != {"shard": i, "shards": shards}:
+            raise ConfigError(
+                f"router {shard_name(settings.router_name, i)!r} runs as shard "
+                f"{info['shard']} of {info['shards']}, this config says {shards} shards: the "
+                f"shard count is fixed for a deployment's life"
+            )
+    routers = RouterShards(handles)
+    # Every shard knows every archive and device (each places its own sessions).
+    ray.get([r.register_archive.remote(n, h) for r in routers for n, h in archives.items()])
+    ray.get([r.register_device.remote(n, h) for r in routers for n, h in devices.items()])
     if embedded:
-        owned = [router, *devices.values(), *archives.values()]
-    return MemkvCluster(cfg, router, devices, archives, owned=owned, started_ray=started_ray)
+        owned = [*routers, *devices.values(), *archives.values()]
+    return MemkvCluster(cfg, routers, devices, archives, owned=owned, started_ray=started_ray)
 
 
-def router_journal_dir(cfg: MemkvConfig) -> Path:
-    """Where the router keeps its journal: ``router.journal_dir``, else beside the archive."""
-    if cfg.router.journal_dir is not None:
-        return cfg.router.journal_dir.expanduser()
-    return cfg.archive.directory.expanduser() / "router"
+def router_journal_dir(cfg: MemkvConfig, shard: int = 0, shards: int = 1) -> Path:
+    """Where a router shard keeps its journal: under ``router.journal_dir``, else beside
+    the archive; one shard uses the directory itself, N shards ``shard-<i>-of-<N>``."""
+    base = (
+        cfg.router.journal_dir.expanduser()
+        if cfg.router.journal_dir is not None
+        else cfg.archive.directory.expanduser() / "router"
+    )
+    return base if shards == 1 else base / f"shard-{shard}-of-{shards}"
+
+
+def check_journal_layout(base: Path, shards: int) -> None:
+    """Refuse to start N shards over journals written by another shard count.
+
+    Their sessions hash to other shards: starting anyway would serve none of
+    them (and a later start with the old count would find them stale).
+
+    Raises:
+        ConfigError: naming the journals found and the count they were written with.
+    """
+    if not base.is_dir():
+        return
+    found = {1} if any(p.is_file() for p in base.iterdir()) else set()
+    for p in base.glob("shard-*-of-*"):
+        found.add(int(p.name.rsplit("-", 1)[1]))
+    other = sorted(found - {shards})
+    if other:
+        raise ConfigError(
+            f"{base} holds router journals of {other} shard(s), this config says {shards}: "
+            f"the shard count is fixed for a deployment's life (start with router.shards: "
+            f"{other[0]}, or move those journals away)"
+        )

@@ -1,0 +1,184 @@
+"""The router shards of one deployment, seen from a client (a gateway, the in-cluster API).
+
+A session operation goes straight to the shard that owns the session
+(:func:`memkv.protocol.shards.shard_of`): no central hop. The few questions
+about the whole table — stats, a prefix match across sessions, where blocks
+are by key, bulk creates — are asked of every shard at once and merged here.
+With one shard every call goes to it unchanged.
+
+Calls return Ray object references (or lists of them), so the same code
+serves an async gateway (``await asyncio.gather(*refs)``) and a sync client
+(``ray.get(refs)``); the ``merge_*`` functions then combine the answers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from memkv.actors.router_state import OTHER_TENANTS, STATS_TENANTS
+from memkv.protocol.shards import shard_name, shard_of
+
+__all__ = ["RouterShards", "merge_created", "merge_located", "merge_prefix", "merge_stats"]
+
+
+class RouterShards:
+    """Handles of the N router shards, in shard order, and which one owns a session."""
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        if not handles:
+            raise ValueError("a deployment has at least one router shard")
+        self.handles = tuple(handles)
+
+    @classmethod
+    def find(cls, router_name: str, namespace: str) -> RouterShards:
+        """Look every shard up by name: shard 0 says how many there are.
+
+        Raises:
+            ValueError: a shard is not running (as ``ray.get_actor``).
+        """
+        import ray
+
+        first: Any = ray.get_actor(router_name, namespace=namespace)
+        count = int(ray.get(first.shard_info.remote())["shards"])
+        return cls([first] + [
+            ray.get_actor(shard_name(router_name, i), namespace=namespace)
+            for i in range(1, count)
+        ])
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.handles)
+
+    @property
+    def first(self) -> Any:
+        """Shard 0: asked for what every shard knows alike (devices, liveness)."""
+        return self.handles[0]
+
+    def of(self, session_id: str) -> Any:
+        """The shard that owns ``session_id``."""
+        return self.handles[shard_of(session_id, len(self.handles))]
+
+    def split(self, session_ids: Sequence[str]) -> dict[int, list[int]]:
+        """Shard -> the indices of ``session_ids`` it owns (in order)."""
+        groups: dict[int, list[int]] = {}
+        for i, sid in enumerate(session_ids):
+            groups.setdefault(shard_of(sid, len(self.handles)), []).append(i)
+        return groups
+
+    # -- questions about the whole table: one call per shard ---------------------------
+
+    def stats(self) -> list[Any]:
+        """Refs of every shard's stats (devices' and archives' from shard 0 only)."""
+        if len(self.handles) == 1:
+            return [self.first.stats.remote()]
+        return [h.stats.remote(i == 0) for i, h in enumerate(self.handles)]
+
+    def match_prefix(self, layout: dict[str, Any], namespace: str, tokens: list[int]) -> list[Any]:
+        return [h.match_prefix.remote(layout, namespace, tokens) for h in self.handles]
+
+    def locate_blocks(self, keys: list[bytes], namespace: str | None) -> list[Any]:
+        return [h.locate_blocks.remote(keys, namespace) for h in self.handles]
+
+    def touch_sessions(self, session_ids: Sequence[str]) -> list[Any]:
+        return [
+            self.handles[shard].touch_sessions.remote([session_ids[i] for i in at])
+            for shard, at in self.split(session_ids).items()
+        ]
+
+    def create_sessions(
+        self, specs: Sequence[dict[str, Any]], quota: tuple[int | None, int | None] | None = None
+    ) -> tuple[list[list[int]], list[Any]]:
+        """Each shard's share of a bulk create, in one call per shard.
+
+        Returns the indices each call covers and its ref: the answers, put back
+        in order by :func:`merge_created`, are one record per spec. An error
+        names the spec's index in ``specs``; specs of other shards may have
+        been created meanwhile (their retry answers ConflictError).
+        """
+        if len(self.handles) == 1:
+            everything = list(range(len(specs)))
+            return [everything], [self.first.create_sessions.remote(list(specs), quota)]
+        groups = self.split([str(s.get("session_id", "")) for s in specs])
+        order = sorted(groups)
+        refs = [
+            self.handles[shard].create_sessions.remote(
+                [specs[i] for i in groups[shard]], quota, groups[shard]
+            )
+            for shard in order
+        ]
+        return [groups[shard] for shard in order], refs
+
+
+def merge_created(indices: list[list[int]], answers: list[list[Any]]) -> list[Any]:
+    """The records of a split bulk create, in the order of the specs."""
+    out: list[Any] = [None] * sum(len(at) for at in indices)
+    for at, records in zip(indices, answers, strict=True):
+        for i, record in zip(at, records, strict=True):
+            out[i] = record
+    return out
+
+
+def merge_prefix(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The longest cached prefix any shard's sessions hold."""
+    if len(answers) == 1:
+        return answers[0]
+    return max(answers, key=lambda a: int(a["tokens"]))
+
+
+def merge_located(
+    answers: list[list[tuple[str, Any, list[bytes]]]],
+) -> list[tuple[str, Any, list[bytes]]]:
+    """One ``(device, handle, keys)`` group per device; a key several shards found
+    (content-addressed, so the same bytes) is read from the first."""
+    if len(answers) == 1:
+        return answers[0]
+    groups: dict[str, tuple[str, Any, list[bytes]]] = {}
+    seen: set[bytes] = set()
+    for answer in answers:
+        for device_id, handle, keys in answer:
+            fresh = [k for k in keys if k not in seen]
+            seen.update(fresh)
+            if fresh:
+                groups.setdefault(device_id, (device_id, handle, []))[2].extend(fresh)
+    return list(groups.values())
+
+
+def merge_stats(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One stats document for the whole table (sums; devices and archives from shard 0)."""
+    if len(answers) == 1:
+        return answers[0]
+    first = answers[0]
+    states: Counter[str] = Counter()
+    priorities: Counter[str] = Counter()
+    tenants: dict[str, dict[str, int]] = {}
+    for a in answers:
+        states.update(a.get("session_states", {}))
+        priorities.update(a.get("session_priorities", {}))
+        for name, use in a.get("tenants", {}).items():
+            total = tenants.setdefault(name, {"sessions": 0, "bytes": 0})
+            total["sessions"] += use["sessions"]
+            total["bytes"] += use["bytes"]
+    named = sorted((t for t in tenants if t != OTHER_TENANTS),
+                   key=lambda t: (-tenants[t]["bytes"], t))
+    merged_tenants = {t: tenants[t] for t in named[:STATS_TENANTS]}
+    rest = named[STATS_TENANTS:] + ([OTHER_TENANTS] if OTHER_TENANTS in tenants else [])
+    if rest:
+        merged_tenants[OTHER_TENANTS] = {
+            "sessions": sum(tenants[t]["sessions"] for t in rest),
+            "bytes": sum(tenants[t]["bytes"] for t in rest),
+        }
+    return {
+        **first,
+        "shard": None,
+        "sessions": sum(a["sessions"] for a in answers),
+        "shard_sessions": [a["sessions"] for a in answers],
+        "logical_bytes": sum(a["logical_bytes"] for a in answers),
+        "session_states": dict(states),
+        "session_priorities": dict(priorities),
+        "tenants": merged_tenants,
+        "background_prefetched": sum(a.get("background_prefetched", 0) for a in answers),
+    }
