@@ -478,20 +478,24 @@ class BlockPool:
             previous = self._owner_refs.pop(owner, {})
             now = self._clock()
             lost: list[int] = []
-            for i, (chain, holder) in enumerate(zip(wanted, holders, strict=True)):
-                if any(k in missing for k in chain):
-                    lost.append(i)
-                    continue
-                self._hold_chain(
-                    holder.layout,
-                    chain,
-                    holder.tokens,
-                    holder.priority,
-                    holder.active,
-                    holder.exact_only,
-                    now,
-                    owner,
-                )
+            try:
+                for i, (chain, holder) in enumerate(zip(wanted, holders, strict=True)):
+                    if any(k in missing for k in chain):
+                        lost.append(i)
+                        continue
+                    self._hold_chain(
+                        holder.layout,
+                        chain,
+                        holder.tokens,
+                        holder.priority,
+                        holder.active,
+                        holder.exact_only,
+                        now,
+                        owner,
+                    )
+            except BaseException:
+                self._undo_holds(owner, previous, created=unknown)
+                raise
             for key, (refs, active) in previous.items():
                 entry = self._blocks[key]
                 entry.refcount -= refs
@@ -565,6 +569,7 @@ class BlockPool:
         with self._lock:
             self.ensure_open()
             self._activate([BlockHash(bytes(k)) for k in keys], owner)
+            self._debug_check()
 
     def set_priority(self, keys: Sequence[bytes], priority: Priority) -> None:
         """Move blocks to ``priority``'s eviction queue (a session changed its class)."""
@@ -1079,6 +1084,20 @@ class BlockPool:
             self._blocks[key].active_refs += 1
             self._count(owner, key, 0, 1)
 
+    def _undo_holds(
+        self, owner: str, previous: dict[BlockHash, list[int]], created: Sequence[BlockHash]
+    ) -> None:
+        """Take back the holds a failed :meth:`resync` made; ``owner``'s old ones stand."""
+        for key, (refs, active) in self._owner_refs.pop(owner, {}).items():
+            entry = self._blocks[key]
+            entry.refcount -= refs
+            entry.active_refs -= active
+        self._owner_refs[owner] = previous
+        for key in created:  # cold-only entries it made: the cold copy stays
+            made = self._blocks.get(key)
+            if made is not None and made.refcount == 0 and made.pins == 0:
+                del self._blocks[key]
+
     def _count(self, owner: str, key: BlockHash, refs: int, active: int) -> None:
         """Move ``owner``'s share of ``key``'s references (kept beside the totals)."""
         shares = self._owner_refs.setdefault(owner, {})
@@ -1113,6 +1132,12 @@ class BlockPool:
         if entry.in_cold:
             self._cold.remove(entry.key)
         del self._blocks[entry.key]
+        # No references are left, but an owner's active count may be: a release
+        # that said "active" for a holder the pool had as idle (its suspend failed
+        # after the pool applied it). The entry took that miscount with it; its
+        # shares go too, or a block stored again under the key would inherit it.
+        for shares in self._owner_refs.values():
+            shares.pop(entry.key, None)
 
     def _pin(self, entry: _Block) -> None:
         entry.pins += 1

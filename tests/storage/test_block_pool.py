@@ -153,3 +153,52 @@ def test_each_owner_resyncs_only_its_own_references(tmp_path):
     pool.release(chain[:2], active=True, owner="shard-1")
     assert pool.refcounts() == {}
     pool.close()
+
+
+def test_a_miscounted_last_release_leaves_no_share_behind(tmp_path):
+    # A suspend the pool applied but its owner never recorded (the cold write after
+    # it failed): the owner then deletes the session as active. The block is freed
+    # with its active count off by one; stored again, it must start from zero.
+    pool = make_pool(tmp_path)
+    owner = SessionTable()
+    owner.create("a", LAYOUT, namespace="n")
+    chain, _ = append(pool, owner, "a", 4)
+    pool.deactivate(chain)
+    pool.release(chain, active=True, owner="")  # the owner still had it active
+    assert pool.refcounts() == {}
+    owner.create("b", LAYOUT, namespace="n")  # the same tokens: the same block again
+    again, _ = append(pool, owner, "b", 4)
+    assert again == chain
+    pool.check_invariants({"b": chain})
+    pool.close()
+
+
+def test_a_resync_that_fails_halfway_changes_nothing(tmp_path, monkeypatch):
+    pool = make_pool(tmp_path)
+    owner = SessionTable()
+    owner.create("a", LAYOUT, namespace="n")
+    owner.create("b", LAYOUT, namespace="n")
+    chain_a, _ = append(pool, owner, "a", 8)
+    chain_b, _ = append(pool, owner, "b", 12)
+    before = pool.refcounts()
+    holders = [
+        Holder(LAYOUT, chain_a, block_token_count(LAYOUT, 8), True, Priority.NORMAL),
+        Holder(LAYOUT, chain_b, block_token_count(LAYOUT, 12), True, Priority.NORMAL),
+    ]
+    real, calls = pool._hold_chain, []
+
+    def fails_on_the_second(*args, **kwargs):
+        if calls:
+            raise RuntimeError("the second holder's blocks could not be held")
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "_hold_chain", fails_on_the_second)
+    with pytest.raises(RuntimeError):
+        pool.resync(holders)
+    assert pool.refcounts() == before
+    pool.check_invariants({"a": chain_a, "b": chain_b})
+    monkeypatch.undo()
+    assert pool.resync(holders) == []
+    pool.check_invariants({"a": chain_a, "b": chain_b})
+    pool.close()
