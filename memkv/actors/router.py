@@ -40,7 +40,7 @@ from memkv.errors import (
 from memkv.protocol.enums import SessionState
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.layout import KVLayout, block_token_count
-from memkv.protocol.messages import ReadRoute
+from memkv.protocol.messages import ChainUpdate, ReadRoute
 from memkv.protocol.shards import shard_name, shard_of, shard_owner
 from memkv.storage.block_pool import Holder
 from memkv.storage.journal import Journal
@@ -139,6 +139,10 @@ class SessionRouter:
         self._background: asyncio.Task[None] | None = None
         self._recovering: dict[str, asyncio.Future[None]] = {}
         self._session_locks: dict[str, _SessionLock] = {}
+        # Blocks of appends between their device put and their record: a delete
+        # meanwhile must not send them to the archive's delete (the device may have
+        # deduplicated the append against the very copy being collected).
+        self._in_flight: Counter[bytes] = Counter()
         self._checked: dict[str, float] = {}  # device -> when it last answered a ping
         self.background_prefetched = 0
 
@@ -182,7 +186,7 @@ class SessionRouter:
         """Whether a session of this shard holds each block (before another shard's
         archive delete)."""
         await self._ready()
-        return [self.state.referenced(k) for k in keys]
+        return [self.state.referenced(k) or k in self._in_flight for k in keys]
 
     async def tenant_totals(self, tenant: str) -> tuple[int, int]:
         """The sessions and KV bytes ``tenant`` holds on this shard (quotas span shards)."""
@@ -390,7 +394,36 @@ class SessionRouter:
         device_id = self.state.place(session_id, chain)
         if device_id not in self._devices:
             raise ClosedError(f"session {session_id!r} is being recovered; retry")
-        durable = record.durable
+        protected = list(dict.fromkeys(bytes(k) for k in update.chain))
+        self._in_flight.update(protected)
+        try:
+            result, update = await self._apply_put(
+                session_id, device_id, update, blocks, checksums, record.durable, token_ids,
+                chain, start_block,
+            )
+            garbage = self.state.record_put(session_id, update)
+        finally:
+            self._in_flight.subtract(protected)
+            for key in protected:
+                if self._in_flight[key] <= 0:
+                    del self._in_flight[key]
+        await self._durable(record.durable)
+        await self._collect(garbage)
+        return {**result, "chain": list(update.chain), "turn": self.state.get(session_id).turn}
+
+    async def _apply_put(
+        self,
+        session_id: str,
+        device_id: str,
+        update: ChainUpdate,
+        blocks: list[Any],
+        checksums: list[int] | None,
+        durable: bool,
+        token_ids: Sequence[int] | np.ndarray,
+        chain: list[bytes],
+        start_block: int,
+    ) -> tuple[dict[str, Any], ChainUpdate]:
+        """The device's put of one append; planned again once if the device restarted."""
         planned_on = self.state.devices[device_id].incarnation
         try:
             result = await self._call(
@@ -406,7 +439,7 @@ class SessionRouter:
             await self._check_incarnation(device_id, force=True)
             if self.state.devices[device_id].incarnation == planned_on:
                 raise  # the same process as planned on: the request was wrong
-            record = self.state.get(session_id)
+            self.state.get(session_id)  # lost in the recovery: BlockLostError
             update = self.state.sessions.plan_append(
                 session_id, len(token_ids), chain, start_block
             )
@@ -415,10 +448,7 @@ class SessionRouter:
                 session_id,
                 lambda d: d.put.remote(update, blocks, checksums, durable, self._owner),
             )
-        garbage = self.state.record_put(session_id, update)
-        await self._durable(durable)
-        await self._collect(garbage)
-        return {**result, "chain": list(update.chain), "turn": record.turn}
+        return dict(result), update
 
     async def read_route(
         self, session_id: str, start: int = 0, end: int | None = None
@@ -724,6 +754,9 @@ class SessionRouter:
         self.state.compact_journal(every=JOURNAL_SNAPSHOT_RECORDS)
 
     async def _collect(self, garbage: list[bytes]) -> None:
+        # A block an append in flight holds stays (if that append fails, it stays
+        # archived unreferenced until a start-up sweep: disk, never a session).
+        garbage = [k for k in garbage if k not in self._in_flight]
         if garbage and self._archives:
             garbage = await self._unreferenced_anywhere(garbage)
         if garbage and self._archives:
