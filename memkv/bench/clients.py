@@ -126,6 +126,40 @@ def _raw(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
     return lambda: _timed(get if op == "get" else put, ops)
 
 
+def _bare_http(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
+    """The bare ASGI server over ``http.client``, as memkv.client moves block bodies.
+
+    GET reads the payload with ``readinto`` straight into a reused buffer; PUT
+    sends the body as one memoryview.
+    """
+    import http.client
+
+    import numpy as np
+
+    nbytes, ops, op = params["nbytes"], params["ops"], params["op"]
+    conn = http.client.HTTPConnection("127.0.0.1", params["port"])
+    dst = memoryview(np.empty(nbytes, dtype=np.uint8))
+    src = memoryview(np.random.default_rng(index).integers(0, 255, nbytes, dtype=np.uint8))
+
+    def get(_: int) -> None:
+        conn.request("GET", "/block")
+        response = conn.getresponse()
+        filled = 0
+        while filled < nbytes:
+            got = response.readinto(dst[filled:])
+            if not got:
+                raise RuntimeError("the bare ASGI server cut its response short")
+            filled += got
+        response.read()
+
+    def put(_: int) -> None:
+        conn.request("PUT", "/block", body=src, headers={"content-length": str(nbytes)})
+        if conn.getresponse().read() != b"ok":
+            raise RuntimeError("the bare ASGI server did not acknowledge")
+
+    return lambda: _timed(get if op == "get" else put, ops)
+
+
 def _redis(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
     import numpy as np
     import redis
@@ -215,6 +249,7 @@ def _gateway_session(params: dict[str, Any], index: int) -> Callable[[], list[fl
 
 _OPS: dict[str, Callable[[dict[str, Any], int], Callable[[], list[float]]]] = {
     "raw": _raw,
+    "bare_http": _bare_http,
     "redis": _redis,
     "gateway": _gateway,
     "gateway_session": _gateway_session,

@@ -6,6 +6,9 @@ machine's absolute speed drifts with load):
 * **memcpy (1 core)**: copying the same bytes between buffers, the physical ceiling.
 * **raw socket**: a 16-byte request and the 4 MiB payload over loopback TCP,
   server and client in processes of their own: the transport's ceiling.
+* **bare ASGI (uvicorn)**: a no-op ASGI app under uvicorn with the gateway's
+  settings, read and written over ``http.client`` as memkv.client does: the
+  ceiling of the HTTP stack the gateway is built on.
 * **Redis** (Debian's redis-server, redis-py with hiredis): LMCache's remote tier.
 * **gateway (HTTP)**: ``append_turn`` of one block per turn in 4096-token
   sessions, and ``read_blocks`` of one block into a reused buffer, each client
@@ -29,7 +32,7 @@ import numpy as np
 from memkv.bench.clients import ClientRun, run_clients
 from memkv.bench.context import BenchContext
 from memkv.bench.demotion import TIER_BLOCKS, DemotionRun, measure_demotions
-from memkv.bench.peers import raw_socket_server, redis_server
+from memkv.bench.peers import bare_asgi_server, raw_socket_server, redis_server
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
 from memkv.protocol.checksum import CRC32_BACKEND, crc32
 from memkv.protocol.layout import KVLayout
@@ -68,6 +71,7 @@ QUICK_MEMCPY_REPS = 50
 MEMCPY_RING_BYTES = 256 << 20
 MEMCPY_RING_MAX_BUFFERS = 256
 NAMESPACE = "bench-dataplane"
+BARE_ASGI = "bare ASGI (uvicorn)"
 #: One H100 SXM: 989 TFLOPS dense BF16 (NVIDIA H100 Tensor Core GPU datasheet; 1,979
 #: is the sparse figure). Prefill FLOPs of Llama-3-8B (8.03e9 parameters) for T
 #: tokens: 2*N*T for the weights plus 2*L*T^2*d for causal attention (QK^T and AV).
@@ -392,13 +396,21 @@ def _levels(
             for k in range(rounds)
         ]
 
-    with raw_socket_server(nbytes) as raw_port:
+    with raw_socket_server(nbytes) as raw_port, bare_asgi_server(nbytes) as bare_port:
         for c in track(levels, "dataplane: concurrency levels"):
             for op in ("get", "put"):
                 base = {"nbytes": nbytes, "ops": ops, "op": op}
                 out.append(
                     _from_runs(
                         "raw socket", op, measure("raw", {**base, "port": raw_port}, c), nbytes
+                    )
+                )
+                out.append(
+                    _from_runs(
+                        BARE_ASGI,
+                        op,
+                        measure("bare_http", {**base, "port": bare_port}, c),
+                        nbytes,
                     )
                 )
                 if redis_port is not None:
@@ -473,11 +485,15 @@ def run(ctx: BenchContext) -> SuiteResult:
     for r in results:
         vs_base: float | None = None
         vs_redis: float | None = None
-        if r.target == "gateway (HTTP)":
+        vs_bare: float | None = None
+        if r.target in ("gateway (HTTP)", BARE_ASGI):
             raw = find("raw socket", r.op, r.concurrency)
-            redis = find("redis", r.op, r.concurrency)
             vs_base = r.gb_s / raw.gb_s if raw else None
+        if r.target == "gateway (HTTP)":
+            redis = find("redis", r.op, r.concurrency)
+            bare = find(BARE_ASGI, r.op, r.concurrency)
             vs_redis = r.gb_s / redis.gb_s if redis else None
+            vs_bare = r.gb_s / bare.gb_s if bare else None
         elif r.op == "read":
             mem = next(
                 m
@@ -498,22 +514,31 @@ def run(ctx: BenchContext) -> SuiteResult:
                 r.p99_ms,
                 vs_base,
                 vs_redis,
+                vs_bare,
             ]
         )
     gw_get, raw_get = find("gateway", "get"), find("raw socket", "get")
     gw_put, raw_put = find("gateway", "put"), find("raw socket", "put")
+    bare_get, bare_put = find(BARE_ASGI, "get"), find(BARE_ASGI, "put")
     notes += [
         f"blocks of {nbytes / (1 << 20):.3g} MiB ({list(layout.block_shape())} fp16); every "
         f"client is a process of its own; each level runs {ROUNDS} rounds and GB/s is clients x "
         "block bytes / median latency (stalls of this shared machine would decide a wall-time "
         "figure); the gateway, the router and the device actor share "
         f"the {os.cpu_count()} cores with them. 'vs ceiling' is the ratio to the raw socket "
-        "(gateway rows) or to memcpy of the same bytes (session reads).",
+        "(gateway and bare ASGI rows) or to memcpy of the same bytes (session reads); 'vs "
+        "bare ASGI' is the gateway's ratio to a no-op ASGI app under uvicorn with the "
+        "gateway's settings (uvloop, httptools), read over http.client as memkv.client "
+        "reads: what the HTTP stack itself costs, before memkv does anything.",
         f"where the time goes, per 4 MiB operation at 1 client: raw transport "
         f"{raw_get.p50_ms if raw_get else float('nan'):.2f} ms get / "
         f"{raw_put.p50_ms if raw_put else float('nan'):.2f} ms put; gateway "
         f"{gw_get.p50_ms if gw_get else float('nan'):.2f} ms get / "
-        f"{gw_put.p50_ms if gw_put else float('nan'):.2f} ms put; one Ray call to the device "
+        f"{gw_put.p50_ms if gw_put else float('nan'):.2f} ms put; bare ASGI under uvicorn "
+        f"{bare_get.p50_ms if bare_get else float('nan'):.2f} ms get / "
+        f"{bare_put.p50_ms if bare_put else float('nan'):.2f} ms put (uvicorn hands a body "
+        "over in uvloop's 256 KiB reads, each copied by the parser, joined into the cycle's "
+        "buffer and copied again into the ASGI message); one Ray call to the device "
         f"{hop_ms:.2f} ms round trip; CRC32 ({CRC32_BACKEND}) {crc_gb_s:.1f} GB/s "
         f"({nbytes / crc_gb_s / 1e6:.2f} ms per block, made by the writer, checked by the "
         "reader). A get the gateway can serve from a read plan it holds costs no Ray call "
@@ -545,7 +570,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             f"{real_size['break_even_gb_s']:.1f} GB/s."
         )
     series: dict[str, list[float | None]] = {}
-    for target in ("gateway (HTTP)", "raw socket", "redis"):
+    for target in ("gateway (HTTP)", BARE_ASGI, "raw socket", "redis"):
         for op in ("get", "put"):
             vals = [(find(target, op, c).gb_s if find(target, op, c) else None) for c in levels]
             if any(v is not None for v in vals):
@@ -565,6 +590,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             "P99 ms",
             "vs ceiling",
             "vs redis",
+            "vs bare ASGI",
         ],
         rows=rows,
         figures={

@@ -2,6 +2,10 @@
 
 * A raw-socket request/response server and client: the transport's ceiling
   (a 16-byte request, then the 4 MiB payload one way and a 2-byte answer).
+* A bare ASGI app under uvicorn, set up as the gateway's server is (uvloop,
+  httptools): GET answers the payload in one ``send``, PUT copies the body into
+  a reused buffer. Nothing memkv does is in it, so it is the ceiling of the
+  HTTP stack the gateway is built on, measured beside the raw socket.
 * Redis from Debian's package (``redis-server``, installed with apt when it is
   missing and this process may), driven by redis-py with hiredis, which is how
   LMCache's remote tier talks to it.
@@ -18,10 +22,18 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
-__all__ = ["RAW_GET", "RAW_PUT", "ensure_redis_server", "raw_socket_server", "redis_server"]
+__all__ = [
+    "RAW_GET",
+    "RAW_PUT",
+    "bare_asgi_server",
+    "ensure_redis_server",
+    "raw_socket_server",
+    "redis_server",
+]
 
 RAW_GET = b"G"
 RAW_PUT = b"P"
@@ -66,28 +78,82 @@ def raw_server_main(port_file: str, nbytes: int) -> None:
         threading.Thread(target=_serve_raw, args=(conn, nbytes), daemon=True).start()
 
 
+def bare_asgi_main(port_file: str, nbytes: int) -> None:
+    """Entry point of the bare-ASGI server process: uvicorn as the gateway runs it."""
+    import asyncio
+
+    import numpy as np
+    import uvicorn
+    import uvloop
+
+    payload = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
+    sink = memoryview(bytearray(nbytes))
+    length = [(b"content-length", str(nbytes).encode())]
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] == "GET":
+            await send({"type": "http.response.start", "status": 200, "headers": length})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        got = 0
+        while True:
+            message = await receive()
+            body = message.get("body", b"")
+            sink[got : got + len(body)] = body
+            got += len(body)
+            if not message.get("more_body", False):
+                break
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+        )
+        await send({"type": "http.response.body", "body": RAW_ACK})
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    with open(port_file, "w") as f:
+        f.write(str(sock.getsockname()[1]))
+    # The gateway's own settings (memkv.api.server.GatewayServer).
+    config = uvicorn.Config(
+        app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
+        lifespan="off",
+    )
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(uvicorn.Server(config).serve(sockets=[sock]))
+
+
 @contextmanager
-def raw_socket_server(nbytes: int) -> Iterator[int]:
-    """A raw-socket server in a process of its own on 127.0.0.1; yields its port."""
+def _server_process(main: Callable[[str, int], None], nbytes: int, what: str) -> Iterator[int]:
+    """``main(port_file, nbytes)`` in a process of its own on 127.0.0.1; yields its port."""
     import multiprocessing
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="memkv-raw-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="memkv-peer-") as tmp:
         port_file = os.path.join(tmp, "port")
         ctx = multiprocessing.get_context("spawn")
-        proc = ctx.Process(target=raw_server_main, args=(port_file, nbytes), daemon=True)
+        proc = ctx.Process(target=main, args=(port_file, nbytes), daemon=True)
         proc.start()
         try:
             deadline = time.monotonic() + _START_TIMEOUT_S
             while not (os.path.exists(port_file) and os.path.getsize(port_file)):
                 if time.monotonic() > deadline or not proc.is_alive():
-                    raise RuntimeError("the raw-socket server did not start")
+                    raise RuntimeError(f"the {what} server did not start")
                 time.sleep(_POLL_S)
             with open(port_file) as f:
                 yield int(f.read())
         finally:
             proc.terminate()
             proc.join()
+
+
+def raw_socket_server(nbytes: int) -> AbstractContextManager[int]:
+    """A raw-socket server in a process of its own on 127.0.0.1; yields its port."""
+    return _server_process(raw_server_main, nbytes, "raw-socket")
+
+
+def bare_asgi_server(nbytes: int) -> AbstractContextManager[int]:
+    """A bare ASGI app under uvicorn (uvloop, httptools) in a process of its own; its port."""
+    return _server_process(bare_asgi_main, nbytes, "bare ASGI")
 
 
 def ensure_redis_server(*, install: bool = True) -> tuple[str | None, str]:

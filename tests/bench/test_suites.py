@@ -61,6 +61,10 @@ def test_dataplane_quick(ctx: BenchContext) -> None:
     found = {(r["target"], r["op"], r["concurrency"]) for r in doc["figures"]["results"]}
     for op in ("get", "put"):
         assert {("gateway (HTTP)", op, 1), ("raw socket", op, 1)} <= found
+        assert ("bare ASGI (uvicorn)", op, 1) in found
+    by_target = {(row[0], row[1]): row for row in doc["rows"]}
+    vs_bare = doc["columns"].index("vs bare ASGI")
+    assert _positive(by_target[("gateway (HTTP)", "put")][vs_bare])
     reads = {r["target"].split(" (")[0] for r in doc["figures"]["results"] if r["op"] == "read"}
     assert reads == {"same-node", "in-cluster", "gateway"}
     for r in result.figures["results"]:
