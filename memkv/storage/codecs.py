@@ -916,11 +916,37 @@ class _SteppedScheme(_Scheme):
         compute = _compute_dtype(header)
         out = torch.empty(header.shape, dtype=header.dtype)
         k_scale, mean, v_scale = (t.to(compute) for t in tables)
-        k = torch.from_numpy(codes[0].view(np.int8)).to(compute)
-        v = torch.from_numpy(codes[1].view(np.int8)).to(compute)
-        _store(out[:, _K], torch.addcmul(mean, k, k_scale), header)
-        _store(out[:, _V], v.mul_(v_scale), header)
+        k = torch.from_numpy(codes[0].view(np.int8))
+        v = torch.from_numpy(codes[1].view(np.int8))
+        # A few layers at a time through one reused buffer: a fresh fp32 temporary
+        # the size of a half block faults in its pages on every decode, which
+        # measured as much as the arithmetic itself (1 MiB blocks: 0.43 -> 0.20 ms).
+        for layers in _layer_chunks(k.shape, compute):
+            x = _decode_scratch(k[layers].shape, compute)
+            torch.addcmul(mean[layers], x.copy_(k[layers]), k_scale[layers], out=x)
+            _store(out[layers, _K], x, header)
+            _store(out[layers, _V], x.copy_(v[layers]).mul_(v_scale[layers]), header)
         return out
+
+
+#: Elements of the reused decode buffer (fp32: 16 MiB); larger blocks go a few layers at a time.
+_DECODE_SCRATCH_ELEMENTS = 4 << 20
+
+
+def _layer_chunks(shape: torch.Size, dtype: torch.dtype) -> list[slice]:
+    """Ranges of the leading (layer) axis that fit the decode buffer (at least one layer)."""
+    per_layer = max(1, math.prod(shape[1:]))
+    step = max(1, _DECODE_SCRATCH_ELEMENTS // per_layer)
+    return [slice(i, i + step) for i in range(0, shape[0], step)] or [slice(0, 0)]
+
+
+def _decode_scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's reused buffer, viewed as ``shape`` of ``dtype`` (grown when needed)."""
+    need = math.prod(shape) * _itemsize(dtype)
+    buf: torch.Tensor | None = getattr(_local, "decode_scratch", None)
+    if buf is None or buf.numel() < need:
+        buf = _local.decode_scratch = torch.empty(max(need, 1), dtype=torch.uint8)
+    return buf[:need].view(dtype).view(shape)
 
 
 def _compute_dtype(header: FrameHeader) -> torch.dtype:

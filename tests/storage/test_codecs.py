@@ -285,6 +285,26 @@ def test_delta_rl_stepped_shrinks_with_the_step_and_keeps_outliers() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_delta_rl_stepped_decodes_a_few_layers_at_a_time_the_same(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block larger than the decode buffer goes through it in layer chunks, bit for bit."""
+    import memkv.storage.codecs as codecs
+
+    g = torch.Generator().manual_seed(5)
+    block = (torch.randn(5, 2, 2, 16, 8, generator=g) + torch.randn(8, generator=g)).to(dtype)
+    frame = DeltaRLCodec(bits=8, step=0.5).encode(block)
+    whole = decode_frame(frame)
+    per_layer = 2 * 16 * 8
+    monkeypatch.setattr(codecs, "_DECODE_SCRATCH_ELEMENTS", 2 * per_layer)  # 2 layers a chunk
+    assert len(codecs._layer_chunks(torch.Size((5, 2, 16, 8)), torch.float32)) == 3
+    chunked = decode_frame(frame)
+    assert torch.equal(whole.view(torch.uint8), chunked.view(torch.uint8))
+    err = (chunked.double() - block.double()).abs()
+    assert (err <= _stepped_bound(block, 0.5)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_delta_rl_stepped_at_the_dtype_limits(dtype: torch.dtype) -> None:
     fi = torch.finfo(dtype)
     block = _small_block(torch.float32).clamp(-1, 1).to(dtype)
