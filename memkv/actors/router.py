@@ -260,6 +260,9 @@ class SessionRouter:
         await self._ready()
         records: list[dict[str, Any]] = []
         durable = False
+        # Other shards' use, asked once per tenant and call: this shard's own count
+        # grows as the loop creates, theirs is as it was when the call began.
+        elsewhere: dict[str, tuple[int, int]] = {}
         try:
             for at, spec in enumerate(specs):
                 i = indices[at] if indices is not None else at
@@ -271,9 +274,13 @@ class SessionRouter:
                 try:
                     self._check_owned(spec["session_id"])
                     if quota is not None:
+                        tenant = tenant_of(spec["session_id"])
+                        if tenant not in elsewhere:
+                            elsewhere[tenant] = await self._usage_elsewhere(
+                                spec["session_id"], quota)
                         self.state.check_quota(
                             spec["session_id"], max_sessions=quota[0], new_session=True,
-                            elsewhere=await self._usage_elsewhere(spec["session_id"], quota))
+                            elsewhere=elsewhere[tenant])
                     record = self.state.create(
                         spec["session_id"], spec["layout"], spec.get("namespace", "default"),
                         spec.get("priority", "normal"), durable=ack == "archive",

@@ -144,6 +144,28 @@ def test_a_quota_counts_the_tenants_sessions_on_every_shard(sharded):
     assert {shard_of(s, 2) for s in created} == {0, 1}  # the five span both shards
 
 
+def test_a_bulk_create_asks_the_other_shards_for_a_tenants_use_once(sharded, monkeypatch):
+    _, _, routers, loop = sharded
+    ids = [f"tenant-b/s{i}" for i in range(40)]
+    mine = [sid for sid in ids if shard_of(sid, 2) == 0]
+    theirs = next(sid for sid in ids if shard_of(sid, 2) == 1)
+    loop.run_until_complete(routers[1].create_session(theirs, LAYOUT.to_dict()))
+    asked = []
+    totals = routers[1].tenant_totals
+
+    async def counted(tenant):
+        asked.append(tenant)
+        return await totals(tenant)
+
+    monkeypatch.setattr(routers[1], "tenant_totals", counted)
+    specs = [{"session_id": sid, "layout": LAYOUT.to_dict()} for sid in mine[:6]]
+    # The other shard's session counts: five more fit under a quota of six.
+    with pytest.raises(CapacityError, match="spec 5 .*has 6 sessions, its quota is 6"):
+        loop.run_until_complete(routers[0].create_sessions(specs, quota=(6, None)))
+    assert asked == ["tenant-b"]
+    assert len(routers[0].state.sessions) == 5
+
+
 async def _gather(calls):
     return list(await asyncio.gather(*calls))
 
