@@ -28,7 +28,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from memkv.actors.packed import pack_answer, unpack
-from memkv.actors.router_state import RouterState, tenant_of
+from memkv.actors.router_state import RouterState, parse_layout, tenant_of
 from memkv.errors import (
     BlockLostError,
     ClosedError,
@@ -39,7 +39,7 @@ from memkv.errors import (
 )
 from memkv.protocol.enums import SessionState
 from memkv.protocol.hashing import chain_hashes
-from memkv.protocol.layout import KVLayout, block_token_count
+from memkv.protocol.layout import block_token_count
 from memkv.protocol.messages import ChainUpdate, ReadRoute
 from memkv.protocol.shards import shard_name, shard_of, shard_owner
 from memkv.storage.block_pool import Holder
@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 ACK_MODES = ("memory", "archive")
 #: The journal is rewritten as a snapshot once it holds this many records.
 JOURNAL_SNAPSHOT_RECORDS = 10_000
+#: The largest answer :meth:`SessionRouter.echo` makes.
+_ECHO_MAX_BYTES = 1 << 16
 
 # How long the router waits for a restarted device to answer before giving up.
 DEVICE_RECOVERY_TIMEOUT_S = 120.0
@@ -175,6 +177,17 @@ class SessionRouter:
 
     async def ping(self) -> str:
         return "ok"
+
+    async def echo(self, payload: bytes, reply_bytes: int) -> bytes:
+        """A call with a payload each way and no work (``reply_bytes`` zero bytes back).
+
+        What Ray's transport costs a session operation before the router does
+        anything: the scale suite sends a packed create's argument here and gets
+        an answer of a packed create's size.
+        """
+        if not 0 <= reply_bytes <= _ECHO_MAX_BYTES:
+            raise InvalidInputError(f"reply_bytes must be 0..{_ECHO_MAX_BYTES}, got {reply_bytes}")
+        return bytes(reply_bytes)
 
     async def shard_info(self) -> dict[str, int]:
         """Which shard this is, of how many (clients find the others by name)."""
@@ -497,7 +510,7 @@ class SessionRouter:
         self, layout: dict[str, Any], namespace: str, token_ids: list[int]
     ) -> dict[str, Any]:
         """How many leading tokens are cached by any session of ``namespace``."""
-        tokens, blocks = self.state.match_prefix(KVLayout.from_dict(layout), namespace, token_ids)
+        tokens, blocks = self.state.match_prefix(parse_layout(layout), namespace, token_ids)
         return {"tokens": tokens, "blocks": blocks}
 
     async def locate_blocks(

@@ -215,6 +215,13 @@ def run(ctx: BenchContext) -> SuiteResult:
     packed_ids = [f"scale-{run_id}-packed-{i}" for i in range(n)]
     packed_s = _rate(lambda i: router.create_session_packed.remote(
         pack(packed_ids[i], LAYOUT.to_dict(), NAMESPACE, "normal")), n, "scale: packed creates")
+    # The transport's share: a no-op call carrying a packed create's argument and
+    # answering as many bytes as a packed create does.
+    probe = pack(f"scale-{run_id}-echo-probe", LAYOUT.to_dict(), NAMESPACE, "normal")
+    answer_bytes = len(ray.get(router.create_session_packed.remote(probe)))
+    echo_s = _rate(lambda i: router.echo.remote(probe, answer_bytes), n,
+                   "scale: no-op calls with a create's bytes")
+    ray.get(router.delete_session.remote(f"scale-{run_id}-echo-probe"))
     rss_idle = _rss_bytes(pid) if pid is not None else None
     # Bulk work in batches: one call per BATCH creates.
     batch_ids = [f"scale-{run_id}-batch-{i}" for i in range(n)]
@@ -256,6 +263,10 @@ def run(ctx: BenchContext) -> SuiteResult:
         ["create session, packed (router)", packed_s,
          f"{IN_FLIGHT} in flight; one bytes argument each way; {packed_s / ping_s:.2f}x bare "
          f"calls"],
+        ["no-op call with a packed create's bytes (router.echo)", echo_s,
+         f"{IN_FLIGHT} in flight; {len(probe)} B argument, {answer_bytes} B answer; "
+         f"{echo_s / ping_s:.2f}x bare calls: Ray's cost of the bytes, before any work; a "
+         f"packed create is {packed_s / echo_s:.2f}x this"],
         ["create sessions, batched (router)", batch_create_s,
          f"{BATCH} per call, one call at a time; {batch_create_s / ping_s:.1f}x bare calls"],
         ["look up session (router)", lookup_s, f"{IN_FLIGHT} in flight"],
@@ -305,7 +316,9 @@ def run(ctx: BenchContext) -> SuiteResult:
                  "router_rss_before": rss_before, "router_rss_idle": rss_idle,
                  "router_bytes_per_idle_session": per_session,
                  "table_bytes_per_idle_session": table_bytes, "bare_call_ops_s": ping_s,
-                 "create_vs_bare_calls": create_s / ping_s, "hot_usage": hot_usage,
+                 "create_vs_bare_calls": create_s / ping_s,
+                 "echo_ops_s": echo_s, "echo_vs_bare_calls": echo_s / ping_s,
+                 "packed_create_vs_echo": packed_s / echo_s, "hot_usage": hot_usage,
                  "dedup_hits": dedup,
                  "shard_scaling": {str(k): v for k, v in scaling.items()},
                  "shard_sessions": shard_n},

@@ -176,3 +176,47 @@ def test_the_journal_rebuilds_the_table_refcounts_and_namespaces(tmp_path):
     u = fresh()
     assert u.get("b").device_id == "d1" and u.known_devices == ["d1"]
     assert u.locate([b"b1"]) == {"d1": [b"b1"]}
+
+
+def test_a_layout_is_parsed_once_and_a_look_alike_value_still_refused():
+    s = state()
+    s.create("a", dict(LAYOUT), "t", "normal")
+    s.create("b", dict(LAYOUT), "t", "normal")
+    assert s.get("a").layout is s.get("b").layout  # one parse for equal dicts
+    # True == 1 and hashes alike: the cache must not hand back the layout of 1.
+    one_layer = {**LAYOUT, "num_layers": 1}
+    s.create("c", one_layer, "t", "normal")
+    with pytest.raises(InvalidInputError, match="num_layers"):
+        s.create("d", {**LAYOUT, "num_layers": True}, "t", "normal")
+    with pytest.raises(InvalidInputError, match="model_id must be a str"):
+        s.create("e", {**LAYOUT, "model_id": ["not", "hashable"]}, "t", "normal")
+    with pytest.raises(InvalidInputError, match="expected a layout dict"):
+        s.create("f", ["num_layers", 2], "t", "normal")
+    assert s.sessions.ids() == ["a", "b", "c"]
+
+
+def test_the_journal_is_rewritten_once_it_is_as_long_as_the_table(tmp_path):
+    from memkv.storage.journal import Journal
+
+    s = RouterState(clock=Clock(), journal=Journal(tmp_path / "router"))
+    for i in range(30):
+        s.create(f"s{i}", LAYOUT, "t", "normal")
+    s.compact_journal(every=10)  # 30 records, 30 sessions: due
+    assert s.journal.records_since_snapshot == 0
+    for i in range(30, 50):
+        s.create(f"s{i}", LAYOUT, "t", "normal")
+    # 20 records past the snapshot, 50 sessions: a table that only grows has
+    # nothing to fold (snapshot + journal are the table, once each).
+    s.compact_journal(every=10)
+    assert s.journal.records_since_snapshot == 20
+    for i in range(29):
+        s.set_priority(f"s{i}", "high")
+    s.compact_journal(every=10)  # 49 records: not yet
+    assert s.journal.records_since_snapshot == 49
+    s.set_priority("s29", "high")
+    s.compact_journal(every=10)  # 50 records, as long as the table: rewritten
+    assert s.journal.records_since_snapshot == 0
+    s.journal.close()
+    restarted = RouterState(clock=Clock(), journal=Journal(tmp_path / "router"))
+    assert len(restarted.sessions.ids()) == 50
+    assert {restarted.get(f"s{i}").priority.value for i in range(30)} == {"high"}

@@ -199,8 +199,9 @@ def test_scale_quick(ctx: BenchContext) -> None:
     _written(ctx, "scale")
     f = result.figures
     for key in ("create_ops_s", "lookup_ops_s", "turn_ops_s", "delete_ops_s",
-                "bare_call_ops_s", "table_bytes_per_idle_session"):
+                "bare_call_ops_s", "echo_ops_s", "table_bytes_per_idle_session"):
         assert _positive(f[key])
+    assert any(row[0].startswith("no-op call with a packed create's bytes") for row in result.rows)
     assert f["gateway"]["requests"] > 0 and _positive(f["gateway"]["req_s"])
     assert all(0 <= u <= 1 for u in f["hot_usage"].values())
 
