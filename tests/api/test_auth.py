@@ -31,6 +31,7 @@ from memkv.errors import (
 )
 from memkv.storage.layout import KVLayout, split_kv
 
+from ..kvdata import random_kv
 from .fakes import FakeHandle, device_and_router
 from .test_gateway_fakes import _Server
 
@@ -87,11 +88,7 @@ def client(server, who):
 
 
 def kv(tokens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shape = (LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
-    keys = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
-    values = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
-    return keys, values
+    return random_kv(LAYOUT, tokens, seed)
 
 
 def test_every_route_but_the_probes_needs_a_token(gateway):

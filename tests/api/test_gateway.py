@@ -19,17 +19,15 @@ from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.wire import encode_frame
 from memkv.storage.layout import KVLayout, split_kv
 
+from ..kvdata import random_kv
+
 LAYOUT = KVLayout("gateway-test", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
 FRAMES = {"content-type": "application/x-memkv-frames"}
 _ids = itertools.count()
 
 
 def kv(tokens, seed):
-    g = torch.Generator().manual_seed(seed)
-    shape = (LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
-    keys = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
-    values = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
-    return keys, values
+    return random_kv(LAYOUT, tokens, seed)
 
 
 @pytest.fixture

@@ -9,13 +9,13 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
 
 from memkv.api.app import create_app
 from memkv.client import Client
 from memkv.errors import ConflictError, InvalidInputError, UnknownSessionError
 from memkv.storage.layout import KVLayout, split_kv
 
+from ..kvdata import random_kv
 from .fakes import FakeHandle, device_and_router
 
 LAYOUT = KVLayout("fake-model", 2, 2, 8, block_tokens=4)
@@ -76,11 +76,7 @@ def gateway(request, tmp_path):
 
 
 def kv(tokens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shape = (LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
-    keys = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
-    values = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
-    return keys, values
+    return random_kv(LAYOUT, tokens, seed)
 
 
 def test_a_session_round_trips_through_the_gateway_without_ray(gateway):

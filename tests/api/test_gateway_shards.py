@@ -10,7 +10,6 @@ shard's blocks alone.
 import asyncio
 
 import pytest
-import torch
 
 from memkv.actors.device import DeviceCache
 from memkv.actors.router import SessionRouter
@@ -23,6 +22,7 @@ from memkv.protocol.shards import shard_of
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
 
+from ..kvdata import with_shared_prefix
 from .fakes import FakeHandle
 from .test_gateway_fakes import _Server
 
@@ -59,19 +59,9 @@ def sharded(tmp_path):
     loop.close()
 
 
-def kv(tokens, seed):
-    g = torch.Generator().manual_seed(seed)
-    shape = (LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
-    return ([torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)],
-            [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)])
-
-
 def session_kv(i):
     """The shared prefix's KV (the same for every session) then the session's own block."""
-    prefix_k, prefix_v = kv(len(PREFIX), seed=0)
-    own_k, own_v = kv(4, seed=1 + i)
-    return ([torch.cat([a, b], dim=1) for a, b in zip(prefix_k, own_k, strict=True)],
-            [torch.cat([a, b], dim=1) for a, b in zip(prefix_v, own_v, strict=True)])
+    return with_shared_prefix(LAYOUT, len(PREFIX), 4, seed=1 + i)
 
 
 def tokens_of(i):

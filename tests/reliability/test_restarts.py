@@ -24,16 +24,14 @@ from memkv.client import Client
 from memkv.errors import BlockLostError
 from memkv.storage.layout import KVLayout, split_kv
 
+from ..kvdata import random_kv
+
 LAYOUT = KVLayout("restart-model", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
 START_TIMEOUT_S = 120
 
 
 def kv(tokens, seed):
-    g = torch.Generator().manual_seed(seed)
-    shape = (LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
-    keys = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
-    values = [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)]
-    return keys, values
+    return random_kv(LAYOUT, tokens, seed)
 
 
 def _wait_for(router, timeout_s=60.0):

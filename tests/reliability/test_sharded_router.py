@@ -21,6 +21,7 @@ from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.shards import shard_name, shard_of
 from memkv.storage.layout import KVLayout, split_kv
 
+from ..kvdata import with_shared_prefix
 from .test_restarts import _wait_for
 
 LAYOUT = KVLayout("shard-test", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
@@ -29,19 +30,9 @@ PREFIX = list(range(8))  # two shared blocks
 ROUTER = "test-sharded-router"
 
 
-def kv(tokens, seed):
-    g = torch.Generator().manual_seed(seed)
-    shape = (LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
-    return ([torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)],
-            [torch.randn(shape, generator=g).half() for _ in range(LAYOUT.num_layers)])
-
-
 def session_kv(seed):
     """The shared prefix's KV (one for all), then the session's own block."""
-    pk, pv = kv(len(PREFIX), 0)
-    ok, ov = kv(4, seed)
-    return ([torch.cat([a, b], 1) for a, b in zip(pk, ok, strict=True)],
-            [torch.cat([a, b], 1) for a, b in zip(pv, ov, strict=True)])
+    return with_shared_prefix(LAYOUT, len(PREFIX), 4, seed)
 
 
 @pytest.fixture

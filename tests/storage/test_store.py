@@ -22,6 +22,8 @@ from memkv.storage.config import (
 from memkv.storage.layout import KVLayout, join_blocks, split_kv
 from memkv.storage.store import TieredStore
 
+from ..kvdata import random_kv
+
 UNIT = 4096
 LAYOUT = KVLayout("test-model", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
 BLOCK_BYTES = LAYOUT.block_nbytes()  # 512 bytes: 8 blocks per 4 KiB unit
@@ -49,15 +51,7 @@ def make_store(tmp_path, hot_blocks=16, warm_blocks=16, clock=None, **kw):
 
 
 def kv(tokens, layout=LAYOUT, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shape = (layout.num_kv_heads, tokens, layout.head_dim)
-    keys = [
-        torch.randn(shape, generator=g).to(layout.torch_dtype) for _ in range(layout.num_layers)
-    ]
-    vals = [
-        torch.randn(shape, generator=g).to(layout.torch_dtype) for _ in range(layout.num_layers)
-    ]
-    return keys, vals
+    return random_kv(layout, tokens, seed)
 
 
 def read_all(store, sid):
