@@ -16,7 +16,16 @@ from memkv.api.app import create_app
 from memkv.api.auth import Authenticator
 from memkv.staging import PutStaging, staging_for
 
-__all__ = ["GatewayServer"]
+__all__ = ["UVICORN_SETTINGS", "GatewayServer"]
+
+#: How the gateway runs uvicorn (the dataplane suite's bare-ASGI ceiling uses the same).
+UVICORN_SETTINGS: dict[str, Any] = {
+    "loop": "uvloop",
+    "http": "httptools",
+    "log_level": "warning",
+    "access_log": False,
+    "lifespan": "off",
+}
 
 # How long start() waits for uvicorn to report that it is serving.
 _STARTUP_TIMEOUT_S = 30.0
@@ -84,15 +93,7 @@ class GatewayServer:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        config = uvicorn.Config(
-            app,
-            loop="uvloop",
-            http="httptools",
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-        )
-        server = uvicorn.Server(config)
+        server = uvicorn.Server(uvicorn.Config(app, **UVICORN_SETTINGS))
 
         loops: list[asyncio.AbstractEventLoop] = []
 

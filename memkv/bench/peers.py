@@ -86,6 +86,8 @@ def bare_asgi_main(port_file: str, nbytes: int) -> None:
     import uvicorn
     import uvloop
 
+    from memkv.api.server import UVICORN_SETTINGS  # the gateway's own settings
+
     payload = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
     sink = memoryview(bytearray(nbytes))
     length = [(b"content-length", str(nbytes).encode())]
@@ -113,13 +115,9 @@ def bare_asgi_main(port_file: str, nbytes: int) -> None:
     sock = socket.create_server(("127.0.0.1", 0))
     with open(port_file, "w") as f:
         f.write(str(sock.getsockname()[1]))
-    # The gateway's own settings (memkv.api.server.GatewayServer).
-    config = uvicorn.Config(
-        app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
-        lifespan="off",
-    )
+    server = uvicorn.Server(uvicorn.Config(app, **UVICORN_SETTINGS))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(uvicorn.Server(config).serve(sockets=[sock]))
+        runner.run(server.serve(sockets=[sock]))
 
 
 @contextmanager
