@@ -336,27 +336,21 @@ class RouterState:
 
     # -- the journal ---------------------------------------------------------------------
 
-    def compaction_due(self, every: int) -> bool:
-        """Whether the journal holds ``every`` records (0: any) and, when ``every`` is
-        given, at least as many as the table has sessions.
-
-        Rewriting the table only once the journal is as long as the table keeps
-        the rewrite's cost per appended record constant as the table grows (at a
-        fixed interval, a table of 100,000 sessions rewrote ten records for each
-        one appended), and replay at start-up within about twice the table.
-        """
-        if self.journal is None:
-            return False
-        threshold = max(every, len(self.sessions)) if every > 0 else 1
-        return self.journal.records_since_snapshot >= threshold
-
     def _log(self, entry: dict[str, Any]) -> None:
         if self.journal is not None and not self._replaying:
             self.journal.append(entry)
 
     def compact_journal(self, every: int = 0) -> None:
-        """Rewrite the journal as a snapshot of the table (see :meth:`compaction_due`)."""
-        if self.journal is None or not self.compaction_due(every):
+        """Rewrite the journal as a snapshot of the table once it holds ``every`` records
+        (0: any) and, when ``every`` is given, at least as many as the table has sessions.
+
+        Rewriting only once the journal is as long as the table keeps the rewrite's
+        cost per appended record constant as the table grows (at a fixed interval, a
+        table of 100,000 sessions rewrote ten records for each one appended), and
+        replay at start-up within about twice the table.
+        """
+        threshold = max(every, len(self.sessions)) if every > 0 else 1
+        if self.journal is None or self.journal.records_since_snapshot < threshold:
             return
         records: list[dict[str, Any]] = [{"op": "device", "name": n} for n in self.known_devices]
         records += [{"op": "archive", "name": n} for n in self.known_archives]
