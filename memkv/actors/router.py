@@ -185,7 +185,8 @@ class SessionRouter:
         anything: the scale suite sends a packed create's argument here and gets
         an answer of a packed create's size.
         """
-        if not 0 <= reply_bytes <= _ECHO_MAX_BYTES:
+        if (isinstance(reply_bytes, bool) or not isinstance(reply_bytes, int)
+                or not 0 <= reply_bytes <= _ECHO_MAX_BYTES):
             raise InvalidInputError(f"reply_bytes must be 0..{_ECHO_MAX_BYTES}, got {reply_bytes}")
         return bytes(reply_bytes)
 
