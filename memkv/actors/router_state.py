@@ -44,9 +44,18 @@ OTHER_TENANTS = "(other)"
 
 @dataclass(slots=True)
 class DeviceLoad:
+    """What placement knows of a device.
+
+    ``live``: registered with this router process (it holds a handle that
+    answered). A journal replay only names devices; placement never chooses
+    one that no live process answers for (a previous run's device would wedge
+    every append to the session placed there).
+    """
+
     sessions: int = 0
     hot_usage: float = 0.0
     incarnation: str | None = None
+    live: bool = False
 
 
 class RouterState:
@@ -103,7 +112,9 @@ class RouterState:
     # -- devices -------------------------------------------------------------------
 
     def add_device(self, device_id: str, incarnation: str | None = None) -> None:
-        self.devices.setdefault(device_id, DeviceLoad()).incarnation = incarnation
+        """A device whose process answered this router (placement may choose it)."""
+        load = self.devices.setdefault(device_id, DeviceLoad())
+        load.incarnation, load.live = incarnation, True
         if device_id not in self.known_devices:
             self.known_devices.append(device_id)
             self._log({"op": "device", "name": device_id})
@@ -178,13 +189,18 @@ class RouterState:
         """
         record = self.get(session_id)
         if record.device_id is not None:
-            return record.device_id
-        if not self.devices:
+            if record.chain or self._is_live(record.device_id):
+                return record.device_id
+            # Placed on a device that is gone before its first block: nothing of it
+            # lives there, so it is placed again (never wedged on a dead name).
+            self._unplace(record)
+        live = [d for d, load in self.devices.items() if load.live]
+        if not live:
             raise MemkvError("no device is registered with the router")
         choice: str | None = None
         if self._prefix_affinity:
             best = 0
-            for device_id in self.devices:
+            for device_id in live:
                 depth = 0
                 for key in chain_hint:
                     if self._block_devices.get(key, Counter())[device_id] == 0:
@@ -194,12 +210,21 @@ class RouterState:
                     best, choice = depth, device_id
         if choice is None:
             choice = min(
-                self.devices,
+                live,
                 key=lambda d: (self.devices[d].sessions, self.devices[d].hot_usage, d),
             )
         record.device_id = choice
         self.devices[choice].sessions += 1
         return choice
+
+    def _is_live(self, device_id: str) -> bool:
+        load = self.devices.get(device_id)
+        return load is not None and load.live
+
+    def _unplace(self, record: SessionRecord) -> None:
+        if record.device_id in self.devices:
+            self.devices[record.device_id].sessions -= 1
+        record.device_id = None
 
     def touch(self, session_id: str) -> None:
         """Count an access in the session's hotness (decayed access rate)."""
@@ -391,8 +416,7 @@ class RouterState:
             if entry["name"] not in self.known_devices:
                 self.known_devices.append(entry["name"])
         elif op == "forget_device":
-            if entry["name"] in self.known_devices:
-                self.known_devices.remove(entry["name"])
+            self.forget_device(entry["name"])
         elif op == "forget_archive":
             if entry["name"] in self.known_archives:
                 self.known_archives.remove(entry["name"])

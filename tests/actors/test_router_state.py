@@ -220,3 +220,52 @@ def test_the_journal_is_rewritten_once_it_is_as_long_as_the_table(tmp_path):
     restarted = RouterState(clock=Clock(), journal=Journal(tmp_path / "router"))
     assert len(restarted.sessions.ids()) == 50
     assert {restarted.get(f"s{i}").priority.value for i in range(30)} == {"high"}
+
+
+def test_placement_names_only_live_devices_after_restarts(tmp_path):
+    """Item 1 of [1/5]: a journal naming a previous run's device never places on it.
+
+    Run 1 appends on ``old``; run 2 forgets ``old`` (gone with the machine),
+    registers ``new`` and moves the session there; the router is killed and
+    replays all of that (the lost session keeps ``old``, as lost ones do). The
+    next new session must land on ``new``, and a session placed on a device
+    that died before its first block is placed again.
+    """
+    from memkv.storage.journal import Journal
+
+    def fresh():
+        return RouterState(clock=Clock(), journal=Journal(tmp_path / "router"))
+
+    run1 = fresh()
+    run1.add_device("old", "inc-old")
+    for sid in ("kept", "lost"):
+        run1.create(sid, LAYOUT, "t", "normal")
+        append(run1, sid, [sid.encode()], 4)
+    run1.create("placed-only", LAYOUT, "t", "normal")
+    run1.place("placed-only")
+    run1.journal.close()
+
+    run2 = fresh()
+    run2.forget_device("old")
+    run2.add_device("new", "inc-new")
+    run2.move("kept", "new")
+    run2.mark_lost("lost", "its device is gone")
+    for i in range(3):  # the second run's own sessions: "new" is now the busier device
+        run2.create(f"run2-{i}", LAYOUT, "t", "normal")
+        append(run2, f"run2-{i}", [f"run2-{i}".encode()], 4)
+    run2.journal.close()
+
+    for replayed in (fresh(), fresh()):  # kill -9 of the router, twice
+        replayed.add_device("new", "inc-new2")
+        replayed.create("next", LAYOUT, "t", "normal")
+        assert replayed.place("next", [b"x"]) == "new"
+        assert replayed.place("placed-only") == "new"
+        replayed.delete("next")
+        replayed.journal.close()
+
+
+def test_placement_with_no_live_device_says_so():
+    s = RouterState(clock=Clock())
+    s.create("a", LAYOUT, "t", "normal")
+    with pytest.raises(MemkvError, match="no device"):
+        s.place("a")
