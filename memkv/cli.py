@@ -87,9 +87,25 @@ def up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    server.stop()
+    server.stop()  # no new appends from here on
+    _drain(cluster)
     cluster.shutdown()
     typer.echo("memkv stopped.")
+
+
+def _drain(cluster: Any) -> None:
+    """Before a planned stop, every held block to the archive (a progress line each batch)."""
+    timeout_s = cluster.config.cluster.stop_drain_timeout_s
+    if not cluster.owns_actors or timeout_s <= 0:
+        return
+    typer.echo(f"memkv is writing its sessions to the archive (at most {timeout_s:.0f} s) ...")
+
+    def progress(device_id: str, written: int, left: int) -> None:
+        typer.echo(f"  {device_id}: {written} blocks written, {left} left")
+
+    complete = cluster.drain_to_archive(timeout_s, progress)
+    typer.echo("  every session is in the archive." if complete else
+               "  the drain did not finish: sessions with blocks left are lost on restart.")
 
 
 @app.command()

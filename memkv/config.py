@@ -436,6 +436,13 @@ class ClusterSettings(_Frozen):
     embedded_num_cpus: int | None = Field(
         default=None, ge=1, description="CPUs the embedded Ray may use; None = all."
     )
+    stop_drain_timeout_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="A planned stop of `memkv up` (SIGTERM, Ctrl-C) first writes every "
+        "session's memory-only blocks to the archive, so that a restart loses nothing in "
+        "either ack mode; this bounds it (0: no drain, as a crash).",
+    )
 
     @field_validator("namespace", "router_name", "device_resource", "nvme_resource")
     @classmethod

@@ -475,6 +475,11 @@ class DeviceCache:
         drains)."""
         self.pool.flush_cold()
 
+    def archive_held(self, limit: int = 64) -> tuple[int, int]:
+        """A planned stop: durable archive copies of up to ``limit`` memory-only held
+        blocks; ``(written, left)`` (see :meth:`BlockPool.archive_held`)."""
+        return self.pool.archive_held(limit)
+
     # -- stats -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:

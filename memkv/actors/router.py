@@ -637,6 +637,11 @@ class SessionRouter:
             "background_prefetched": self.background_prefetched,
         }
 
+    async def flush_journal(self) -> None:
+        """Make every journal record durable now (a planned stop)."""
+        await self._ready()
+        await self._durable(True)
+
     async def device_failed(self, device_id: str) -> None:
         """A client saw ``device_id`` fail: wait for its restart and recover its sessions."""
         if device_id not in self._devices:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +359,55 @@ class MemkvCluster:
         self._close_readers()
         if ray.is_initialized():
             ray.shutdown()
+
+    def drain_to_archive(
+        self,
+        timeout_s: float,
+        progress: Callable[[str, int, int], None] | None = None,
+        batch_blocks: int = 64,
+    ) -> bool:
+        """Give every held block a durable archive copy (a planned stop).
+
+        Devices write, batch by batch, the blocks their sessions hold that live
+        only in memory; the router shards' journals are made durable last. A
+        restart then serves every session again, ``memory`` mode included.
+        Stops at ``timeout_s`` (what is left is lost with the memory, as in a
+        crash). ``progress(device_id, written so far, left)`` after each batch.
+        Returns whether everything was written.
+        """
+        deadline = time.monotonic() + timeout_s
+        complete = True
+        for device_id, handle in sorted(self.devices.items()):
+            written = 0
+            while True:
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    complete = False
+                    break
+                try:
+                    done, left = ray.get(handle.archive_held.remote(batch_blocks),
+                                         timeout=left_s)
+                except (RayActorError, ray.exceptions.GetTimeoutError) as e:
+                    logger.warning("device %s was not drained: %s", device_id, e)
+                    complete = False
+                    break
+                written += int(done)
+                if progress is not None:
+                    progress(device_id, written, int(left))
+                if left == 0:
+                    break
+        try:
+            ray.get([h.flush_journal.remote() for h in self.routers.handles],
+                    timeout=max(deadline - time.monotonic(), 1.0))
+        except (RayActorError, ray.exceptions.GetTimeoutError) as e:
+            logger.warning("a router journal was not made durable: %s", e)
+            complete = False
+        return complete
+
+    @property
+    def owns_actors(self) -> bool:
+        """Whether :meth:`shutdown` stops actors (the embedded default), not only leaves."""
+        return bool(self._owned)
 
     def shutdown(self) -> None:
         """Stop the actors this connection created, and Ray if it started it.

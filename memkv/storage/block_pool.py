@@ -962,6 +962,25 @@ class BlockPool:
         if isinstance(self._cold, ColdWriter):
             self._cold.flush()
 
+    def archive_held(self, limit: int = 64) -> tuple[int, int]:
+        """Give up to ``limit`` held blocks that live only in memory a durable cold copy.
+
+        A planned stop calls this until nothing is left, so that every session,
+        ``memory`` mode included, is served again after the restart (from the
+        cold tier). Blocks are copied as they are stored (no lossy codec: the
+        session's exactness does not change because the process stopped); the
+        memory copies stay, so reads go on meanwhile. Returns ``(written,
+        left)``: blocks copied by this call and held blocks still without one.
+        """
+        self.flush_cold()  # demotions queued behind count as copied once they land
+        with self._lock:
+            self.ensure_open()
+            pending = [e for e in self._blocks.values() if e.refcount > 0 and not e.in_cold]
+            batch = pending[:limit]
+            if batch:
+                self._ensure_cold_many(batch, offline=False, durable=True)
+            return len(batch), len(pending) - len(batch)
+
     # ------------------------------------------------------------------ diagnostics hooks
 
     def refcounts(self) -> dict[BlockHash, tuple[int, int]]:
