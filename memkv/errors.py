@@ -29,6 +29,8 @@ Only the gateway maps these to HTTP status codes.
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "AllocatorMisuseError",
     "BlockLostError",
@@ -49,7 +51,15 @@ __all__ = [
     "UnknownBlockError",
     "UnknownSessionError",
     "WrongNodeError",
+    "plain_message",
 ]
+
+# ANSI colour codes (Ray colours the remote traceback it wraps a cause in).
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+# Absolute paths of two or more components: where the server's files are is its own
+# business (a message that needs one names it relative, or by its setting).
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/(?:[\w.+-]+/)+[\w.+-]*")
+_MESSAGE_LIMIT = 500
 
 
 class MemkvError(Exception):
@@ -131,3 +141,28 @@ class InvariantViolationError(MemkvError):
 
 class ClosedError(MemkvError, RuntimeError):
     """The component was closed and cannot be used any more."""
+
+
+def plain_message(exc: BaseException) -> str:
+    """What a client may read of ``exc``: the message of the cause, one plain line.
+
+    An error raised in a Ray actor arrives as a ``RayTaskError`` whose text is the
+    remote traceback (ANSI colours, the worker's pid, actor id and address, file
+    paths); its ``cause`` holds the error as raised. This takes the cause's own
+    message, keeps its first line, drops ANSI escapes, replaces absolute paths and
+    caps the length. The full error goes to the server's log, never to a client.
+    """
+    seen: set[int] = set()
+    while id(exc) not in seen:  # a cause can be wrapped more than once
+        seen.add(id(exc))
+        cause = getattr(exc, "cause", None)
+        if not isinstance(cause, BaseException) or cause is exc:
+            break
+        exc = cause
+    text = str(exc.args[0]) if len(exc.args) == 1 else str(exc)
+    text = _ANSI.sub("", text)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    first = _ABSOLUTE_PATH.sub("<path>", first)
+    if len(first) > _MESSAGE_LIMIT:
+        first = first[: _MESSAGE_LIMIT - 3] + "..."
+    return first or type(exc).__name__

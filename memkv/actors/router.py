@@ -36,6 +36,7 @@ from memkv.errors import (
     InvalidInputError,
     MemkvError,
     UnknownSessionError,
+    plain_message,
 )
 from memkv.protocol.enums import SessionState
 from memkv.protocol.hashing import chain_hashes
@@ -745,7 +746,8 @@ class SessionRouter:
             except BlockLostError as e:
                 self.state.mark_lost(
                     record.session_id,
-                    f"its device is gone and the archive lacks some of its blocks ({e})",
+                    f"its device is gone and the archive lacks some of its blocks "
+                    f"({plain_message(e)})",
                 )
                 continue
             self.state.move(record.session_id, target)
@@ -915,7 +917,7 @@ class SessionRouter:
             except BlockLostError as e:
                 reason = (
                     f"device {device_id} restarted before all of the session's blocks reached "
-                    f"the archive ({e})"
+                    f"the archive ({plain_message(e)})"
                 )
                 self.state.mark_lost(record.session_id, reason)
                 continue

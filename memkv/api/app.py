@@ -63,6 +63,7 @@ from memkv.errors import (
     NotFoundError,
     UnauthorizedError,
     WrongNodeError,
+    plain_message,
 )
 from memkv.protocol.dtypes import DTYPES
 from memkv.protocol.hashing import chain_hashes, token_array
@@ -232,8 +233,10 @@ def _error_response(exc: BaseException) -> JSONResponse:
         if status == 503
         else None
     )
+    if status >= 500 or shown is not exc:
+        logger.warning("memkv error answered %d: %s", status, exc)
     return JSONResponse(
-        {"error": {"type": name, "message": str(shown), "status": status}},
+        {"error": {"type": name, "message": plain_message(shown), "status": status}},
         status_code=status,
         headers=headers,
     )

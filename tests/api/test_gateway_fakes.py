@@ -155,3 +155,79 @@ def test_errors_keep_one_envelope_and_show_no_internals():
         assert r.status_code == 422 and r.json()["error"]["type"] == "InvalidInputError"
     finally:
         server.stop()
+
+
+def _wrapped_in_ray(cause):
+    """``cause`` as it arrives from an actor: a RayTaskError carrying the remote traceback."""
+    from ray.exceptions import RayTaskError
+
+    return RayTaskError(
+        "adopt",
+        'Traceback (most recent call last):\n  File "/srv/memkv/storage/block_pool.py", '
+        "line 443, in adopt\n    raise BlockLostError(...)",
+        cause,
+        proctitle="ray::DeviceCacheActor.adopt()",
+        pid=4242,
+        ip="127.0.0.1",
+        actor_id="5f3a" * 8,
+        actor_repr="<memkv.actors.device.DeviceCacheActor object at 0x7f00deadbeef>",
+    ).as_instanceof_cause()
+
+
+class _RestartedDevice:
+    """The session's device after a restart: empty, and its adopt fails as a real one's
+    does through Ray (the cause wrapped in the remote traceback)."""
+
+    def __init__(self, device):
+        self._device = device
+
+    def ping(self):
+        return {"device_id": "dev-0", "incarnation": "after-restart"}
+
+    def adopt(self, *args, **kwargs):
+        from memkv.errors import BlockLostError
+
+        raise _wrapped_in_ray(BlockLostError("2 of 3 blocks are in no tier (first missing ab12)"))
+
+    def __getattr__(self, name):
+        return getattr(self._device, name)
+
+
+def test_a_lost_session_says_why_in_plain_words(tmp_path):
+    """Item 8 of [1/5]: the 410 body had ANSI escapes, a pid, an actor id, an object
+    address, server paths and traceback lines (the stored reason was the RayTaskError's
+    text). The body names the cause; the rest goes to the log."""
+    import httpx
+
+    device, router, loop = device_and_router(tmp_path / "cold", "fake-dev-lost", unit=UNIT)
+    server = _Server(create_app(FakeHandle(router), same_node_reads=False,
+                                put_object=lambda payload: payload))
+    try:
+        with Client(server.url) as client:
+            client.create_session("s", LAYOUT, namespace="t")
+            client.append_turn("s", list(range(10)), *kv(10))
+        router._devices["dev-0"] = FakeHandle(_RestartedDevice(device))
+        router._checked.clear()
+        r = httpx.get(server.url + "/v1/sessions/s/blocks")
+        assert r.status_code == 410, r.text
+        message = r.json()["error"]["message"]
+        assert "2 of 3 blocks are in no tier" in message
+        for leak in ("\x1b", "\\u001b", "pid=", "4242", "5f3a", "0x7f00", "/srv", "Traceback",
+                     "ray::", "File "):
+            assert leak not in r.text, (leak, r.text)
+    finally:
+        server.stop()
+        device.close()
+        loop.close()
+
+
+def test_plain_message_keeps_the_cause_and_drops_the_rest():
+    from memkv.errors import BlockLostError, plain_message
+
+    wrapped = _wrapped_in_ray(BlockLostError("3 of 81 blocks are in no tier"))
+    assert plain_message(wrapped) == "3 of 81 blocks are in no tier"
+    assert plain_message(ValueError("\x1b[31mbad\x1b[0m file /etc/memkv/x.yaml\nmore")) == (
+        "bad file <path>"
+    )
+    assert plain_message(ValueError("")) == "ValueError"
+    assert len(plain_message(ValueError("x" * 5000))) == 500
