@@ -414,11 +414,16 @@ def create_app(
         return HTMLResponse(_status_page_html())
 
     @app.get("/metrics", tags=["health"])
-    async def metrics() -> Response:
-        """This gateway's request figures, then the cluster's (tiers, hits, prefetch, ...)."""
+    async def metrics(request: Request) -> Response:
+        """This gateway's request figures, then the cluster's (tiers, hits, prefetch, ...).
+
+        Per-tenant series (sessions and bytes by tenant) only for a token with the
+        ``metrics`` or ``admin`` role: the open endpoint names no tenant."""
+        who = request.scope.get("state", {}).get("principal")
+        tenants = who is not None and who.sees_tenants
         body = generate_latest(registry)
         try:
-            body += engine_metrics(await snapshot.get())
+            body += engine_metrics(await snapshot.get(), tenants=tenants)
         except RayError as e:  # the gateway's own figures still go out
             logger.warning("no cluster figures for /metrics: %s", e)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
@@ -1146,14 +1151,19 @@ class AuthMiddleware:
             scope.setdefault("state", {})["principal"] = Principal.trusted()
             await self._app(scope, receive, send)
             return
-        if self._auth.is_open(scope["path"]):
-            await self._app(scope, receive, send)  # health probes (and docs, metrics)
-            return
         header = None
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 header = value.decode("latin-1")
                 break
+        if self._auth.is_open(scope["path"]):
+            # Health probes (and docs, metrics): no token needed; a valid one still
+            # names its caller (a metrics token's scrape gets per-tenant series).
+            if header is not None:
+                with contextlib.suppress(UnauthorizedError):
+                    scope.setdefault("state", {})["principal"] = self._auth.authenticate(header)
+            await self._app(scope, receive, send)
+            return
         try:
             principal = self._auth.authenticate(header)
         except UnauthorizedError as e:

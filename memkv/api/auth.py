@@ -11,6 +11,8 @@ Roles:
     ``read``  — read its tenant's sessions and blocks, match prefixes.
     ``write`` — also create, append, suspend, resume and delete sessions.
     ``admin`` — cluster-wide statistics and operations (any tenant's figures).
+    ``metrics`` — only ``/metrics`` with its per-tenant series (a Prometheus scraper's
+    token); the open ``/metrics`` carries nothing tenant-specific.
 
 Public namespaces (shared system prompts, tool schemas) are the only way
 tenants share blocks. Only tokens that may **publish** into one write blocks
@@ -63,7 +65,7 @@ __all__ = [
     "new_token",
 ]
 
-ROLES = ("read", "write", "admin")
+ROLES = ("read", "write", "admin", "metrics")
 #: A token document (YAML or JSON) in the environment, e.g. from a Secret.
 TOKENS_ENV = "MEMKV_TOKENS"
 _BEARER = "bearer "
@@ -124,6 +126,11 @@ class Principal:
         if role not in held:
             raise ForbiddenError(f"this token may not {_VERBS[role]} (it needs the {role!r} role)")
 
+    @property
+    def sees_tenants(self) -> bool:
+        """Whether ``/metrics`` shows it per-tenant series (``metrics`` or ``admin`` role)."""
+        return bool(self.roles & {"metrics", "admin"})
+
     def readable(self) -> frozenset[str] | None:
         """Namespaces whose blocks it may read (None: any)."""
         if self.any_namespace:
@@ -159,7 +166,12 @@ class Principal:
         return namespace
 
 
-_VERBS = {"read": "read sessions", "write": "change sessions", "admin": "see the whole cluster"}
+_VERBS = {
+    "read": "read sessions",
+    "write": "change sessions",
+    "admin": "see the whole cluster",
+    "metrics": "see per-tenant metrics",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,8 +85,9 @@ class StatsSnapshot:
 class _Snapshot:
     """A prometheus_client collector over one stats document."""
 
-    def __init__(self, stats: dict[str, Any]) -> None:
+    def __init__(self, stats: dict[str, Any], *, tenants: bool = False) -> None:
         self._stats = stats
+        self._with_tenants = tenants
 
     def collect(self) -> Iterator[Metric]:
         st = self._stats
@@ -108,7 +109,8 @@ class _Snapshot:
             "memkv_background_prefetched", "Blocks the router's background prefetch promoted.",
             value=st.get("background_prefetched", 0),
         )
-        yield from self._tenants(st.get("tenants", {}))
+        if self._with_tenants:
+            yield from self._tenants(st.get("tenants", {}))
         yield from self._devices(st.get("devices", {}))
         yield from self._archives(st.get("archives", {}))
 
@@ -204,8 +206,9 @@ class _Snapshot:
         yield from families.values()
 
 
-def engine_metrics(stats: dict[str, Any]) -> bytes:
-    """The Prometheus text of a router stats document."""
+def engine_metrics(stats: dict[str, Any], *, tenants: bool = False) -> bytes:
+    """The Prometheus text of a router stats document; ``tenants``: with the
+    per-tenant series (for a caller allowed to see every tenant's use)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(stats))
+    registry.register(_Snapshot(stats, tenants=tenants))
     return bytes(generate_latest(registry))

@@ -371,3 +371,31 @@ def test_json_bodies_are_capped(gateway):
     chunks = (b"x" * 1024 for _ in range(100))  # no Content-Length: cut off as it streams
     r = httpx.post(gateway.url + "/v1/match", content=chunks, headers=headers)
     assert r.status_code == 413
+
+
+def test_open_metrics_name_no_tenant_and_a_metrics_token_sees_them(tmp_path):
+    """Item 9 of [1/5]: the open /metrics named every tenant with its sessions and bytes."""
+    device, router, loop = device_and_router(tmp_path / "cold", "auth-dev-metrics", unit=UNIT)
+    scraper = TokenEntry(hash_token("tok-scrape"), "ops", frozenset({"metrics"}))
+    auth = Authenticator([*(entry for _, entry in TOKENS.values()), scraper], open_metrics=True)
+    server = _Server(create_app(FakeHandle(router), same_node_reads=False,
+                                put_object=lambda payload: payload, auth=auth))
+    try:
+        with client(server, "alice") as alice:
+            alice.create_session("s", LAYOUT)
+            alice.append_turn("s", list(range(8)), *kv(8))
+        for token in (None, "tok-alice", "nope"):  # open, a tenant's own, an invalid one
+            headers = {"authorization": f"Bearer {token}"} if token else {}
+            r = httpx.get(server.url + "/metrics", headers=headers)
+            assert r.status_code == 200, token
+            assert "memkv_sessions" in r.text
+            assert "memkv_tenant" not in r.text and "acme" not in r.text, token
+        for token in ("tok-scrape", "tok-admin"):
+            r = httpx.get(server.url + "/metrics", headers={"authorization": f"Bearer {token}"})
+            assert 'memkv_tenant_sessions{tenant="acme"} 1.0' in r.text, token
+        with Client(server.url, token="tok-scrape") as scrape, pytest.raises(ForbiddenError):
+            scrape.create_session("x", LAYOUT)  # a metrics token does nothing else
+    finally:
+        server.stop()
+        device.close()
+        loop.close()

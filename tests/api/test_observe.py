@@ -46,7 +46,7 @@ def samples(text):
 
 
 def test_engine_figures_become_metrics():
-    got = samples(engine_metrics(STATS))
+    got = samples(engine_metrics(STATS, tenants=True))
     assert got[("memkv_sessions", (("state", "active"),))] == 2
     assert got[("memkv_sessions_by_priority", (("priority", "high"),))] == 1
     assert got[("memkv_tier_used_bytes", (("device", "dev-0"), ("tier", "hot")))] == 40
@@ -67,6 +67,8 @@ def test_engine_figures_become_metrics():
     assert got[("memkv_tenant_sessions", (("tenant", "(unscoped)"),))] == 1
     assert got[("memkv_archive_dead_bytes", (("archive", "arc-0"),))] == 40
     assert got[("memkv_background_prefetched_total", ())] == 5
+    # Without leave to see tenants (the open endpoint): no series names one.
+    assert not any(name.startswith("memkv_tenant") for name, _ in samples(engine_metrics(STATS)))
 
 
 def test_tenant_labels_are_bounded():
