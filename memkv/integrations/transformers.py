@@ -280,7 +280,8 @@ def cache_to_kv(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Ten
                 f"cache layer {i}: expected K and V of shape [1, kv_heads, tokens, head_dim] "
                 f"(one sequence), got {tuple(k.shape)} and {tuple(v.shape)}"
             )
-        _check_kept_every_token(layer, i, int(k.shape[_TOKEN_AXIS]))
+        # k still has its batch axis here: tokens are one axis further along.
+        _check_kept_every_token(layer, i, int(k.shape[_TOKEN_AXIS + 1]))
         keys.append(k[0])
         values.append(v[0])
     tokens = {int(k.shape[_TOKEN_AXIS]) for k in keys}

@@ -442,3 +442,27 @@ def test_layouts_of_multi_query_and_latent_attention_models():
     )
     with pytest.raises(LayoutMismatchError, match="keys are 192 wide and its values 128"):
         layout_for(DeepseekV3Config(), model_id="d", dtype="bfloat16")
+
+
+class _SlidingLayer:
+    """A cache layer as transformers' sliding-window layers look: K, V and the count of
+    tokens it has seen (``cumulative_length``)."""
+
+    def __init__(self, kept, seen, heads=2, head_dim=8):
+        self.keys = torch.randn(1, heads, kept, head_dim)
+        self.values = torch.randn(1, heads, kept, head_dim)
+        self.cumulative_length = seen
+
+
+class _Cache:
+    def __init__(self, *layers):
+        self.layers = list(layers)
+
+
+def test_sliding_checks_read_the_token_axis_not_the_heads():
+    """Item 12 of [1/5]: the check read the KV-head axis as the token count, so a
+    sliding layer that dropped nothing was refused, with wrong numbers."""
+    keys, _ = cache_to_kv(_Cache(_SlidingLayer(kept=10, seen=10)))  # dropped nothing
+    assert keys[0].shape == (2, 10, 8)
+    with pytest.raises(LayoutMismatchError, match="only its last 10 of 12 tokens"):
+        cache_to_kv(_Cache(_SlidingLayer(kept=10, seen=12)))
