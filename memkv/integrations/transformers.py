@@ -26,6 +26,7 @@ The client is anything with the methods of :class:`KVClient` (the HTTP
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import time
@@ -240,12 +241,19 @@ def layout_for(
         raise LayoutMismatchError(
             f"{type(config).__name__} does not say its dtype; pass dtype= (one of {sorted(DTYPES)})"
         )
-    return KVLayout.from_model_config(
+    layout = KVLayout.from_model_config(
         config,
         model_id=model_id,
         dtype=_dtype_name(chosen, "dtype"),
         block_tokens=block_tokens,
     )
+    if getattr(config, "model_type", None) == "falcon" and getattr(
+        config, "new_decoder_architecture", False
+    ):
+        # transformers' Falcon with the new decoder architecture caches K and V
+        # already repeated to every attention head, whatever num_kv_heads says.
+        layout = dataclasses.replace(layout, num_kv_heads=config.num_attention_heads)
+    return layout
 
 
 def cache_to_kv(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -236,6 +236,14 @@ class KVLayout:
                 f"{v_width} (multi-head latent attention); memkv's blocks hold keys and values "
                 f"of one width, so this model's KV cannot be stored"
             )
+        if k_width or getattr(config, "kv_lora_rank", None):
+            # Equal widths do not make it storable: what an MLA model caches is its
+            # latent (a compressed KV and a rope part), not heads of K and V.
+            raise LayoutMismatchError(
+                f"{type(config).__name__} uses multi-head latent attention (qk_rope_head_dim / "
+                f"kv_lora_rank): its cache holds a latent, not per-head keys and values, so "
+                f"memkv's blocks cannot hold it"
+            )
         multi_query = bool(getattr(config, "multi_query", False)) and not bool(
             getattr(config, "new_decoder_architecture", False)
         )

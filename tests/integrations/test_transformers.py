@@ -432,16 +432,27 @@ def test_layouts_of_multi_query_and_latent_attention_models():
 
     mqa = layout_for(FalconConfig(multi_query=True), model_id="f", dtype="float32")
     assert mqa.num_kv_heads == 1 and mqa.head_dim == 64
-    gqa = layout_for(
-        FalconConfig(new_decoder_architecture=True, num_kv_heads=4), model_id="f", dtype="float32"
-    )
-    assert gqa.num_kv_heads == 4
+    # Item 11 of [1/5]: the new decoder architecture caches every attention head
+    # (transformers repeats the KV heads first); layout_for said num_kv_heads and the
+    # first save failed. Checked against a real model's cache.
+    from transformers import FalconForCausalLM
+
+    falcon = FalconConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2,
+                          num_attention_heads=8, num_kv_heads=2, new_decoder_architecture=True)
+    gqa = layout_for(falcon, model_id="f", dtype="float32")
+    cache = FalconForCausalLM(falcon).eval()(torch.arange(5)[None], use_cache=True)
+    keys, _ = cache_to_kv(cache.past_key_values)
+    assert (gqa.num_kv_heads, gqa.head_dim) == tuple(keys[0].shape[::2]) == (8, 8)
     assert (
         layout_for(GPTBigCodeConfig(multi_query=True), model_id="g", dtype="float32").num_kv_heads
         == 1
     )
     with pytest.raises(LayoutMismatchError, match="keys are 192 wide and its values 128"):
         layout_for(DeepseekV3Config(), model_id="d", dtype="bfloat16")
+    # Equal K and V widths passed, and the first save failed with a misleading message.
+    equal = DeepseekV3Config(qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
+    with pytest.raises(LayoutMismatchError, match="multi-head latent attention"):
+        layout_for(equal, model_id="d", dtype="bfloat16")
 
 
 class _SlidingLayer:
