@@ -123,6 +123,12 @@ class BlockLike(Protocol):
     @property
     def tier(self) -> Any: ...
 
+    @property
+    def exact(self) -> bool: ...
+
+    @property
+    def lossy(self) -> str: ...
+
 
 class MatchLike(Protocol):
     """The answer of a prefix match: leading tokens cached, and their block keys."""
@@ -482,6 +488,9 @@ class Restored:
             (``hot``, ``warm``, ``cold``).
         source: where the prefix came from.
         keys: the restored blocks' keys, in chain order.
+        lossy: per block, in chain order, the lossy step its bytes went through
+            (``""``: exact; else ``int8``, ``fp16``, a lossy cold codec, ... as
+            :mod:`memkv.protocol.exactness` names them).
     """
 
     cache: DynamicCache | None
@@ -489,6 +498,12 @@ class Restored:
     tiers: list[str]
     source: RestoreSource = RestoreSource.NONE
     keys: tuple[bytes, ...] = ()
+    lossy: tuple[str, ...] = ()
+
+    @property
+    def exact(self) -> bool:
+        """Whether every restored block holds exactly the bytes that were saved."""
+        return not any(self.lossy)
 
 
 def restore(
@@ -668,6 +683,7 @@ def _assemble(
         [_tier_name(b.tier) for b in blocks],
         source,
         tuple(bytes(b.key) for b in blocks),
+        tuple(b.lossy or ("" if b.exact else "unknown") for b in blocks),
     )
 
 

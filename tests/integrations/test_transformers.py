@@ -477,3 +477,29 @@ def test_sliding_checks_read_the_token_axis_not_the_heads():
     assert keys[0].shape == (2, 10, 8)
     with pytest.raises(LayoutMismatchError, match="only its last 10 of 12 tokens"):
         cache_to_kv(_Cache(_SlidingLayer(kept=10, seen=12)))
+
+
+def test_restored_says_which_blocks_are_lossy():
+    """Item 13 of [1/5]: restore() dropped the per-block exactness flags."""
+    import numpy as np
+
+    from memkv.client import Block, Match
+    from memkv.integrations.transformers import restore
+
+    layout = KVLayout("m", 2, 2, 8, dtype="float32", block_tokens=4)
+    ids = list(range(13))
+    keys = [bytes(k) for k in chain_hashes(ids[:12], layout, "ns")]
+    arrays = [np.zeros(layout.block_shape(), dtype=np.float32) for _ in keys]
+
+    class _Client:
+        def match(self, layout_, namespace, token_ids):
+            return Match(12, keys)
+
+        def read_blocks_by_key(self, namespace, wanted):
+            steps = ["", "int8", ""]
+            return [Block(i, k, a, "float32", "warm", exact=not steps[i], lossy=steps[i])
+                    for i, (k, a) in enumerate(zip(wanted, arrays, strict=True))]
+
+    restored = restore(_Client(), ids, layout=layout, namespace="ns")
+    assert restored.tokens == 12
+    assert restored.lossy == ("", "int8", "") and not restored.exact
