@@ -18,7 +18,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
@@ -49,6 +49,7 @@ from memkv.api.blocks import (
     FetchedBytes,
     PlanCache,
 )
+from memkv.api.body_budget import BodyBudget, BodyHold
 from memkv.api.observe import StatsSnapshot, engine_metrics
 from memkv.errors import (
     BlockLostError,
@@ -310,7 +311,7 @@ def create_app(
         return merge_stats(list(await asyncio.gather(*routers.stats())))
 
     snapshot = StatsSnapshot(whole_table_stats)
-    inflight = _BodyBudget(
+    inflight = BodyBudget(
         max_inflight_body_bytes if max_inflight_body_bytes is not None else 2 * max_body_bytes
     )
     sessions: _LRU[tuple[KVLayout, str]] = _LRU(SESSION_CACHE_ENTRIES)
@@ -510,9 +511,12 @@ def create_app(
         if staging is not None and unstaged.get(sid) is None and declared and declared.isdigit():
             slot = staging.lease(min(int(declared), max_body_bytes))
         try:
-            with inflight.hold(declared, max_body_bytes):
+            size = min(int(declared) if declared and declared.isdigit() else max_body_bytes,
+                       max_body_bytes)
+            async with inflight.hold(who.tenant or "", size) as hold:
                 frames = await _read_frames(request, max_body_bytes, body_timeout_s,
-                                            allocate=slot.take if slot is not None else None)
+                                            allocate=slot.take if slot is not None else None,
+                                            hold=hold)
             return await _append(sid, session_id, frames, slot, who)
         finally:
             if slot is not None:
@@ -1274,28 +1278,6 @@ def _block_chunks(index: int, payload: BlockPayload) -> list[bytes | memoryview]
     return [prefix, data]
 
 
-class _BodyBudget:
-    """Bytes of append bodies being received at once (by declared length), and a cap."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self._max = max_bytes
-        self.used = 0
-
-    @contextlib.contextmanager
-    def hold(self, declared: str | None, max_body_bytes: int) -> Iterator[None]:
-        size = int(declared) if declared is not None and declared.isdigit() else max_body_bytes
-        size = min(size, max_body_bytes)
-        if self.used + size > self._max:
-            raise ClosedError(
-                f"the gateway is receiving {self.used} bytes of other appends; retry shortly"
-            )
-        self.used += size
-        try:
-            yield
-        finally:
-            self.used -= size
-
-
 class BodyTimeout(InvalidInputError):
     """A request body stalled (no bytes for the gateway's body timeout)."""
 
@@ -1305,6 +1287,7 @@ async def _read_frames(
     max_body_bytes: int,
     idle_timeout_s: float,
     allocate: Callable[[int], memoryview | None] | None = None,
+    hold: BodyHold | None = None,
 ) -> list[Frame]:
     declared = request.headers.get("content-length")
     limit = max_body_bytes
@@ -1322,16 +1305,25 @@ async def _read_frames(
     chunks = request.stream().__aiter__()
     while True:
         try:
-            async with asyncio.timeout(idle_timeout_s):
+            async with asyncio.timeout(idle_timeout_s) as waiting:
+                if hold is not None:
+                    hold.timeout = waiting  # a stalled body is dropped through it
                 chunk = await anext(chunks)
         except StopAsyncIteration:
             break
         except TimeoutError:
+            if hold is not None and hold.dropped:
+                raise BodyTimeout(
+                    f"the request body was dropped: it stalled while the gateway was full "
+                    f"({total} bytes received)"
+                ) from None
             raise BodyTimeout(
                 f"the request body stalled: no bytes for {idle_timeout_s:g} s "
                 f"({total} bytes received)"
             ) from None
         total += len(chunk)
+        if hold is not None:
+            hold.progress()
         if total > max_body_bytes:
             raise PayloadTooLarge(f"body exceeds the limit of {max_body_bytes} bytes")
         frames.extend(reader.feed(chunk))
