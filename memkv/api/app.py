@@ -34,7 +34,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 from ray.exceptions import RayActorError, RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -162,7 +162,7 @@ class SessionCreate(_Model):
         "archive = they are fsynced in the cold tier and survive a crash of every process. "
         "Default: the deployment's router.default_ack.",
     )
-    exact_only: bool = Field(
+    exact_only: StrictBool = Field(
         default=False,
         description="Its blocks never take a lossy step (fp16 of fp32, int8, lossy cold codec). "
         "Blocks shared with sessions that allowed one before may still read as inexact: "
@@ -481,8 +481,11 @@ def create_app(
 
     @app.post("/v1/sessions/{session_id}/input-end", tags=["sessions"])
     async def input_end(session_id: SessionIdPath, who: Principal = Reader) -> dict[str, int]:
-        """A turn's input is complete: prefetch the session's cache now."""
-        sid = scoped(who, session_id, "read")
+        """A turn's input is complete: prefetch the session's cache now.
+
+        Needs the ``write`` role: the prefetch moves blocks between tiers and may
+        evict other sessions' blocks to make room (a read-only token only reads)."""
+        sid = scoped(who, session_id, "write")
         return {"prefetched": int(await routers.of(sid).notify_input_end.remote(sid))}
 
     # -- KV data -----------------------------------------------------------------------

@@ -38,6 +38,9 @@ ROOT_HASH = BlockHash(bytes(HASH_BYTES))
 _PERSON = b"memkv-block-v1"
 
 
+_MAX_TOKEN_ID = 2**63 - 1
+
+
 def token_array(token_ids: Iterable[int] | np.ndarray | Sequence[int]) -> np.ndarray:
     """Token ids as a 1-d little-endian int64 array (the canonical hashing input).
 
@@ -54,6 +57,9 @@ def token_array(token_ids: Iterable[int] | np.ndarray | Sequence[int]) -> np.nda
         raise InvalidInputError(f"token ids must be integers, got dtype {arr.dtype}")
     if arr.size and int(arr.min()) < 0:
         raise InvalidInputError("token ids must be non-negative")
+    if arr.size and int(arr.max()) > _MAX_TOKEN_ID:
+        # numpy holds 2**63 .. 2**64-1 as uint64; the int64 cast would wrap them negative.
+        raise InvalidInputError(f"token ids must be below 2**63, got {int(arr.max())}")
     return arr.astype("<i8", copy=False)
 
 

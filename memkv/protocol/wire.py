@@ -299,7 +299,7 @@ class FrameReader:
         if not isinstance(header, dict):
             raise WireError("a frame header must be a msgpack map")
         nbytes = header.get("nbytes", 0)
-        if not isinstance(nbytes, int) or nbytes < 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise WireError(f"frame 'nbytes' must be a non-negative int, got {nbytes!r}")
         if nbytes > self._max_payload:
             raise WireError(f"frame payload of {nbytes} bytes exceeds {self._max_payload}")

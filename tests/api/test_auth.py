@@ -399,3 +399,28 @@ def test_open_metrics_name_no_tenant_and_a_metrics_token_sees_them(tmp_path):
         server.stop()
         device.close()
         loop.close()
+
+
+def test_strict_types_and_roles_of_item_10(gateway):
+    """Item 10 of [1/5]: ``exact_only: "yes"`` was taken as true, a frame's
+    ``nbytes: true`` as 1, and a read-only token could trigger prefetches."""
+    from memkv.protocol.wire import FrameReader, WireError, encode_frame
+
+    headers = {"authorization": "Bearer tok-alice"}
+    body = {"session_id": "strict", "layout": LAYOUT.to_dict()}
+    for bad in ("yes", 1, "true"):
+        r = httpx.post(gateway.url + "/v1/sessions", json={**body, "exact_only": bad},
+                       headers=headers)
+        assert r.status_code == 422 and "exact_only" in r.text, (bad, r.text)
+    assert httpx.post(gateway.url + "/v1/sessions", json={**body, "exact_only": True},
+                      headers=headers).status_code == 201
+    frame = b"".join(bytes(c) for c in encode_frame({"kind": "block", "nbytes": True}))
+    with pytest.raises(WireError, match="nbytes"):
+        list(FrameReader(max_payload_bytes=1 << 20).feed(frame))
+    with client(gateway, "alice") as alice:
+        alice.append_turn("strict", list(range(4)), *kv(4))
+    r = httpx.post(gateway.url + "/v1/sessions/strict/input-end",
+                   headers={"authorization": "Bearer tok-reader"})
+    assert r.status_code == 403, r.text
+    r = httpx.post(gateway.url + "/v1/sessions/strict/input-end", headers=headers)
+    assert r.status_code == 200, r.text

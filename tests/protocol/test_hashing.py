@@ -77,3 +77,16 @@ def test_token_array_accepts_numpy_and_refuses_bad_input():
     with pytest.raises(InvalidInputError, match="parent hash"):
         hash_block(b"x", toks := token_array([1]), LAYOUT.fingerprint, "t")
     del toks
+
+
+def test_token_ids_of_2_to_the_63_and_above_are_refused_not_wrapped():
+    """Item 10 of [1/5]: 2**63 became uint64 and the int64 cast wrapped it negative."""
+    import pytest
+
+    from memkv.errors import InvalidInputError
+    from memkv.protocol.hashing import token_array
+
+    assert token_array([2**63 - 1]).tolist() == [2**63 - 1]
+    for bad in ([2**63], [1, 2**64 - 1], [2**64]):
+        with pytest.raises(InvalidInputError):
+            token_array(bad)
