@@ -53,7 +53,6 @@ counters ``vllm:memkv_*`` on the engine's ``/metrics`` (see ``metrics.py``).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import queue
@@ -74,6 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from memkv.errors import MemkvError
 from memkv.gpu_kernels import ops as kernels
 from memkv.integrations.vllm.metrics import MemkvConnectorStats, MemkvPromMetrics, StatsRecorder
+from memkv.integrations.vllm.stats_file import write_part
 from memkv.integrations.vllm.transport import KVTransport, transport_from_config
 from memkv.protocol.dtypes import StorageDType
 from memkv.protocol.layout import KVLayout
@@ -172,6 +172,8 @@ class MemkvConnector(KVConnectorBase_V1):
         )
         self._layerwise = bool(self._extra.get("layerwise", True))
         self._stats_path = self._extra.get("stats_path")
+        self._stats_lock = threading.Lock()  # the engine's thread and the saver's
+        self._role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self._transport: KVTransport | None = None
         self._transport_lock = threading.Lock()
         # Scheduler side: what get_num_new_matched_tokens found, per request.
@@ -455,10 +457,10 @@ class MemkvConnector(KVConnectorBase_V1):
             "saves_queued": self._saves_queued,
             "saves_done": self._saves_done,
         }
-        tmp = f"{self._stats_path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, self._stats_path)
+        # The scheduler's connector and the workers' share the file: each writes its
+        # own part, the top level sums them (memkv.integrations.vllm.stats_file).
+        with self._stats_lock:
+            write_part(self._stats_path, f"{self._role_name}-{os.getpid()}", doc)
 
     def _ensure_sender(self) -> None:
         if self._sender is None or not self._sender.is_alive():

@@ -1,0 +1,47 @@
+"""The connector's running totals in one JSON file shared by its processes.
+
+vLLM makes one connector in the scheduler process and one in each worker; all
+write ``stats_path``. Each used to replace the whole file with its own figures,
+so the last writer won (two save failures in the log, 0 in the file: the
+scheduler's figures overwrote the worker's). Each process now writes its own
+part under a file lock, and the top level is the sum over the parts, the
+totals a reader wants. Imports no vLLM (tested on its own).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections import Counter
+from typing import Any
+
+__all__ = ["write_part"]
+
+
+def write_part(path: str, part: str, figures: dict[str, Any]) -> dict[str, Any]:
+    """Record ``figures`` as ``part`` (e.g. ``worker-<pid>``) of ``path``; return the document.
+
+    The document: ``{"parts": {part: figures, ...}, <key>: sum over the parts, ...}``
+    for every numeric key. Written whole and renamed into place, so a reader never
+    sees half a file; the lock beside it (``path + ".lock"``) orders the writers.
+    """
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(path) as f:
+                parts = dict(json.load(f).get("parts", {}))
+        except (OSError, ValueError, AttributeError):
+            parts = {}  # no file yet, or one of an older layout
+        parts[part] = figures
+        totals: Counter[str] = Counter()
+        for figs in parts.values():
+            for key, value in figs.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    totals[key] += value
+        doc: dict[str, Any] = {**totals, "parts": parts}
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+        return doc
