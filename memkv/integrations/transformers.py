@@ -123,12 +123,6 @@ class BlockLike(Protocol):
     @property
     def tier(self) -> Any: ...
 
-    @property
-    def exact(self) -> bool: ...
-
-    @property
-    def lossy(self) -> str: ...
-
 
 class MatchLike(Protocol):
     """The answer of a prefix match: leading tokens cached, and their block keys."""
@@ -652,6 +646,12 @@ def _checked(blocks: Iterable[BlockLike], keys: Sequence[bytes],
         raise CorruptDataError(f"asked for {len(keys)} blocks and got {len(seen)}")
 
 
+def _lossy_step(block: BlockLike) -> str:
+    """The block's lossy step (``""``: exact); a client's blocks without the flags are exact."""
+    step = str(getattr(block, "lossy", "") or "")
+    return step or ("" if getattr(block, "exact", True) else "unknown")
+
+
 def _tier_name(tier: Any) -> str:
     if tier is None:
         return _UNKNOWN_TIER
@@ -683,7 +683,7 @@ def _assemble(
         [_tier_name(b.tier) for b in blocks],
         source,
         tuple(bytes(b.key) for b in blocks),
-        tuple(b.lossy or ("" if b.exact else "unknown") for b in blocks),
+        tuple(_lossy_step(b) for b in blocks),
     )
 
 
