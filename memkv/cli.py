@@ -60,6 +60,7 @@ def up(
         "router": cluster.config.cluster.router_name,
         "router_shards": len(cluster.routers),
         "namespace": cluster.config.cluster.namespace,
+        "reserved": _reservations(cluster),
     }
     if not gateway:
         typer.echo(json.dumps(summary, indent=2))
@@ -91,6 +92,15 @@ def up(
     _drain(cluster)
     cluster.shutdown()
     typer.echo("memkv stopped.")
+
+
+def _reservations(cluster: Any) -> dict[str, str]:
+    """Each device's tier sizes and where they came from (``auto`` or configured)."""
+    import ray
+
+    names = sorted(cluster.devices)
+    lines = ray.get([cluster.devices[n].reserved.remote() for n in names])
+    return dict(zip(names, lines, strict=True))
 
 
 def _drain(cluster: Any) -> None:

@@ -42,7 +42,7 @@ import reprlib
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path, PurePath
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -55,6 +55,7 @@ from memkv.storage.config import (
     EngineSettings,
     StoreConfig,
 )
+from memkv.storage.sizing import AutoCapacity, MemoryProbe, TierSizes, size_tiers
 
 __all__ = [
     "DATA_DIR_ENV",
@@ -134,21 +135,29 @@ def _check_name(value: str, what: str) -> str:
     return value
 
 
+# Bytes, or "auto": sized from the node's free memory when the device actor starts.
+_Capacity = Annotated[int, Field(gt=0)] | Literal["auto"]
+
+
 class DeviceSettings(EngineSettings):
     """One device actor: its hot (device) and warm (host) tiers; the engine's policies
     come from :class:`~memkv.storage.config.EngineSettings`."""
 
-    hot_capacity_bytes: int = Field(
-        default=2 * GIB,
-        gt=0,
-        description="Hot tier bytes in device memory (GPU HBM, or RAM for a CPU device); "
-        "rounded down to whole allocator units.",
+    hot_capacity_bytes: _Capacity = Field(
+        default="auto",
+        description="Hot tier bytes in device memory (GPU HBM, or RAM for a CPU device), "
+        "rounded down to whole allocator units; 'auto' = a share of what is free at start "
+        "(device.auto_capacity), committed as blocks arrive.",
     )
-    warm_capacity_bytes: int = Field(
-        default=4 * GIB,
-        gt=0,
-        description="Warm tier bytes of host shared memory (pinned on GPU hosts); rounded "
-        "down to whole allocator units.",
+    warm_capacity_bytes: _Capacity = Field(
+        default="auto",
+        description="Warm tier bytes of host shared memory (pinned on GPU hosts), rounded "
+        "down to whole allocator units; 'auto' = a share of the available host memory "
+        "(device.auto_capacity), committed as blocks arrive.",
+    )
+    auto_capacity: AutoCapacity = Field(
+        default_factory=AutoCapacity,
+        description="Shares, floors and caps of the tiers sized 'auto'.",
     )
     device: str = Field(
         default="auto",
@@ -181,7 +190,7 @@ class DeviceSettings(EngineSettings):
         # The store would refuse these at start-up on some remote node; refuse at load.
         unit = self.allocator.min_unit_bytes
         for name in ("hot_capacity_bytes", "warm_capacity_bytes"):
-            if getattr(self, name) < unit:
+            if getattr(self, name) != "auto" and getattr(self, name) < unit:
                 raise ValueError(
                     f"{name} ({getattr(self, name)}) must be at least one allocator unit "
                     f"(allocator.min_unit_bytes = {unit})"
@@ -216,12 +225,31 @@ class DeviceSettings(EngineSettings):
             return self.device
         return "cpu" if local_gpu is None else f"cuda:{local_gpu}"
 
+    def tier_sizes(
+        self, device: str, *, devices_on_node: int = 1, probe: MemoryProbe | None = None
+    ) -> TierSizes:
+        """The hot and warm capacities of an actor on ``device`` ('cpu', 'cuda:N').
+
+        ``auto`` tiers are sized from ``probe`` (this node's free memory, measured when
+        None), split among ``devices_on_node`` device actors.
+        """
+        return size_tiers(
+            None if self.hot_capacity_bytes == "auto" else self.hot_capacity_bytes,
+            None if self.warm_capacity_bytes == "auto" else self.warm_capacity_bytes,
+            self.auto_capacity,
+            device=device,
+            unit=self.allocator.min_unit_bytes,
+            devices_on_node=devices_on_node,
+            probe=probe,
+        )
+
     def store_config(
         self,
         *,
         device: str,
         archive: ArchiveConfig | None,
         cold_capacity_bytes: int | None = None,
+        sizes: TierSizes | None = None,
     ) -> StoreConfig:
         """The storage engine's :class:`StoreConfig` of one device actor.
 
@@ -232,9 +260,11 @@ class DeviceSettings(EngineSettings):
                 :meth:`ArchiveSettings.archive_config`); None when the cold
                 tier is a cluster archive actor instead.
             cold_capacity_bytes: cap of that cold tier; None = the disk.
+            sizes: the tiers' capacities (see :meth:`tier_sizes`); None sizes them
+                here, measuring this node when a tier is ``auto``.
 
         Returns:
-            A validated, frozen StoreConfig.
+            A validated, frozen StoreConfig; ``auto`` tiers are never prefaulted.
 
         Raises:
             ConfigError: ``device`` is not concrete, or a value is out of bounds.
@@ -244,10 +274,12 @@ class DeviceSettings(EngineSettings):
                 f"store_config needs a concrete device, 'cpu' or 'cuda:N'; got {device!r} "
                 "(resolve 'auto' with resolve_device first)"
             )
+        sizes = sizes if sizes is not None else self.tier_sizes(device)
         try:
             return StoreConfig(
-                hot_capacity_bytes=self.hot_capacity_bytes,
-                warm_capacity_bytes=self.warm_capacity_bytes,
+                hot_capacity_bytes=sizes.hot.capacity_bytes,
+                warm_capacity_bytes=sizes.warm.capacity_bytes,
+                lazy_tiers=sizes.auto_tiers,
                 cold_capacity_bytes=cold_capacity_bytes,
                 device=device,
                 unified_memory=self.unified_memory,

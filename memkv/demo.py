@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -370,9 +371,8 @@ def run(settings: DemoSettings, data_dir: Path) -> bool:
     ) as gateway, Client(gateway.url) as client:
         print(
             f"  embedded cluster + gateway up in {time.perf_counter() - t0:.1f} s at {gateway.url}"
-            f"; hot {config.device.hot_capacity_bytes / MIB:.0f} MiB, warm "
-            f"{config.device.warm_capacity_bytes / MIB:.0f} MiB (small on purpose), cold in "
-            f"{data_dir}"
+            f"; {ray.get(next(iter(cluster.devices.values())).reserved.remote())} "
+            f"(small on purpose), cold in {data_dir}"
         )
         print(
             f"  {settings.sessions} sessions x {settings.turns} turns; system prompt "

@@ -26,8 +26,12 @@ def test_up_embedded_starts_and_stops_cleanly(tmp_path: Path):
         "MEMKV_DATA_DIR": str(tmp_path),
         "MEMKV_CLUSTER__NAMESPACE": "memkv-cli-test",
         "MEMKV_CLUSTER__EMBEDDED_OBJECT_STORE_BYTES": str(100 * 1024 * 1024),
-        "MEMKV_DEVICE__HOT_CAPACITY_BYTES": str(4 << 20),
-        "MEMKV_DEVICE__WARM_CAPACITY_BYTES": str(4 << 20),
+        # The default 'auto' tiers, kept small here by their floor and cap.
+        **{
+            f"MEMKV_DEVICE__AUTO_CAPACITY__{tier}__{bound}": str(4 << 20)
+            for tier in ("HOT", "WARM")
+            for bound in ("FLOOR_BYTES", "CAP_BYTES")
+        },
         "MEMKV_GATEWAY__PORT": "0",  # any free port
     }
     proc = subprocess.Popen(
@@ -47,6 +51,10 @@ def test_up_embedded_starts_and_stops_cleanly(tmp_path: Path):
         summary = json.loads("".join(lines[:-1]))
         assert len(summary["devices"]) == 1 and len(summary["archives"]) == 1
         assert summary["namespace"] == "memkv-cli-test"
+        # What each device reserved, why, and how to change it.
+        (reserved,) = summary["reserved"].values()
+        assert reserved.startswith("hot 4.0 MiB (auto: 10% of ") and "warm 4.0 MiB" in reserved
+        assert "MEMKV_DEVICE__HOT_CAPACITY_BYTES" in reserved
         assert summary["gateway"].startswith("http://127.0.0.1:")
         assert httpx.get(summary["gateway"] + "/readyz", timeout=30).json() == {"status": "ready"}
         # Authentication is on by default: a token for tenant 'default' was made, private.

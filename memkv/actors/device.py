@@ -187,6 +187,10 @@ class DeviceCache:
         archive: an ArchiveService actor handle or its name (in this actor's
             namespace); None keeps a local cold tier (``store_config.archive``),
             for single-process use.
+        same_node_reads: serve read plans (default: the DeviceSettings' choice; on
+            for a plain StoreConfig).
+        devices_on_node: device actors on this node, which split its host memory
+            between them where a tier is ``auto``.
     """
 
     def __init__(
@@ -196,6 +200,7 @@ class DeviceCache:
         archive: Any = None,
         *,
         same_node_reads: bool | None = None,
+        devices_on_node: int = 1,
     ) -> None:
         self.device_id = device_id
         self.incarnation = uuid.uuid4().hex
@@ -212,7 +217,13 @@ class DeviceCache:
             # Resolved here, in the actor: only it knows whether Ray gave it a GPU
             # (Ray narrows CUDA_VISIBLE_DEVICES, so its GPU is cuda:0).
             device = store_config.resolve_device(0 if torch.cuda.is_available() else None)
-            store_config = store_config.store_config(device=device, archive=None)
+            # Sized here too: 'auto' measures this node's free memory.
+            self.tier_sizes = store_config.tier_sizes(device, devices_on_node=devices_on_node)
+            store_config = store_config.store_config(
+                device=device, archive=None, sizes=self.tier_sizes
+            )
+        else:
+            self.tier_sizes = store_config.tier_sizes()
         if isinstance(archive, str):
             # By name: a handle passed as a constructor argument lives in the
             # object store, and a restart after its owner exits would fail.
@@ -242,6 +253,10 @@ class DeviceCache:
     def node(self) -> str:
         """The Ray node this device runs on."""
         return self.node_id
+
+    def reserved(self) -> str:
+        """What this device's tiers reserved and why, in words (``memkv up`` prints it)."""
+        return self.tier_sizes.describe()
 
     def wait_prefaulted(self, timeout_s: float) -> bool:
         """Block until the arenas' pages are populated (benchmarks wait for it)."""
@@ -489,6 +504,7 @@ class DeviceCache:
         st["incarnation"] = self.incarnation
         st["kernels"] = kernel_backend()  # cuda, or cpu (the reference)
         st["prefault_done"] = self.pool.prefault_done.is_set()
+        st["reserved"] = self.reserved()
         st["leases"] = {
             "active": len(self.leases),
             "granted": self.leases.granted,

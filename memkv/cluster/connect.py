@@ -606,6 +606,7 @@ def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCl
                 name,
                 cfg.device,
                 archive_by_node.get(node_id, fallback_archive),
+                devices_on_node=count,
             )
             devices[name] = handle
     if not devices:

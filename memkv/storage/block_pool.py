@@ -287,15 +287,23 @@ class BlockPool:
         self._closed = False
         self._check = config.debug_refcounts
         self.prefault_done = threading.Event()
-        if config.prefault:
+        # Tiers memkv sized itself ('auto') stay lazy: committing a guess at start is
+        # what made a default device actor hold 6 GB before its first block.
+        prefaulted = [
+            tier for name, tier in (("hot", self._hot), ("warm", self._warm))
+            if config.prefault and name not in config.lazy_tiers
+        ]
+        if prefaulted:
             # Off the caller's path: a fresh page costs a fault on first write.
-            threading.Thread(target=self._prefault, name="memkv-prefault", daemon=True).start()
+            threading.Thread(
+                target=self._prefault, args=(prefaulted,), name="memkv-prefault", daemon=True
+            ).start()
         else:
             self.prefault_done.set()
 
-    def _prefault(self) -> None:
+    def _prefault(self, tiers: list[MemoryTier]) -> None:
         try:
-            for tier in (self._hot, self._warm):
+            for tier in tiers:
                 tier.arena.prefault()
         finally:
             self.prefault_done.set()

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from memkv.errors import ConfigError
+from memkv.storage.sizing import SizedTier, TierSizes
 
 __all__ = [
     "EngineSettings",
@@ -290,6 +291,11 @@ class StoreConfig(EngineSettings):
     cold_capacity_bytes: int | None = Field(
         default=None, gt=0, description="Cold tier bytes on disk; None = limited by the disk."
     )
+    lazy_tiers: frozenset[Literal["hot", "warm"]] = Field(
+        default=frozenset(),
+        description="Tiers never prefaulted whatever `prefault` says: those sized from "
+        "free memory ('auto'), whose memory is committed only as blocks arrive.",
+    )
     device: str = Field(default="cpu", description="Torch device of the hot arena: cpu or cuda:N.")
     unified_memory: bool = Field(
         default=False,
@@ -298,6 +304,13 @@ class StoreConfig(EngineSettings):
     archive: ArchiveConfig | None = Field(
         default=None, description="Local cold tier; None when a cold backend is given instead."
     )
+
+    def tier_sizes(self) -> TierSizes:
+        """The capacities as :class:`~memkv.storage.sizing.TierSizes` (already sized)."""
+        return TierSizes(
+            SizedTier(self.hot_capacity_bytes, auto="hot" in self.lazy_tiers, basis="given"),
+            SizedTier(self.warm_capacity_bytes, auto="warm" in self.lazy_tiers, basis="given"),
+        )
 
 
 _M = TypeVar("_M", bound=BaseModel)
