@@ -11,7 +11,6 @@ archive actor per node advertising ``memkv_nvme``, and the router.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +41,12 @@ from memkv.actors.router_shards import (
     merge_prefix,
     merge_stats,
 )
+from memkv.cluster.loopback import (
+    LOOPBACK_ADDRESS,
+    LOOPBACK_ENV,
+    is_loopback_address,
+    keep_ray_on_loopback,
+)
 from memkv.config import MemkvConfig, load_config
 from memkv.errors import ConfigError, InvalidInputError, UnknownBlockError, WrongNodeError
 from memkv.protocol.hashing import chain_hashes
@@ -54,13 +59,6 @@ __all__ = ["LOOPBACK_ENV", "MemkvCluster", "attach", "connect"]
 
 logger = logging.getLogger(__name__)
 
-#: Keep a local Ray on loopback, with no usage reporting (set before ray.init).
-LOOPBACK_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
-LOOPBACK_ADDRESS = "127.0.0.1"
 # A read that hits a device while it restarts is retried this often after the
 # router has recovered the device.
 _DEVICE_RETRIES = 1
@@ -481,8 +479,8 @@ def attach(address: str, *, namespace: str | None = None) -> MemkvCluster:
     cfg = load_config()
     ns = namespace or cfg.cluster.namespace
     if not ray.is_initialized():
-        for name, value in LOOPBACK_ENV.items():
-            os.environ.setdefault(name, value)
+        if is_loopback_address(address):
+            keep_ray_on_loopback()
         ray.init(address=address, namespace=ns, logging_level=logging.WARNING)
     try:
         routers = RouterShards.find(cfg.cluster.router_name, ns)
@@ -520,8 +518,7 @@ def connect(
             raise ConfigError(
                 "Ray is already initialised in this process; pass its address to join it"
             )
-        for name, value in LOOPBACK_ENV.items():
-            os.environ.setdefault(name, value)
+        keep_ray_on_loopback()
         ray.init(
             address="local",
             namespace=settings.namespace,
@@ -538,6 +535,8 @@ def connect(
         )
         started = True
     elif not ray.is_initialized():
+        if is_loopback_address(address):
+            keep_ray_on_loopback()
         ray.init(address=address, namespace=settings.namespace)
     try:
         return _bring_up(cfg, embedded=started, started_ray=started)

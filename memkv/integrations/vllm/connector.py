@@ -30,6 +30,8 @@ Configuration (``kv_connector_extra_config``)::
      "ray_address": "auto",             # cluster: the Ray cluster memkv runs in
      "same_node": false,                # cluster: copy blocks of this node's devices from
                                         #   shared memory (needs device.same_node_reads)
+     "connect_timeout_s": 10,           # cluster: the most engine start waits to join
+                                        #   Ray; later requests compute while it goes on
      "model_id": "my-llama",            # part of every block hash (default: the model path)
      "namespace": null,                 # gateway: a public namespace to use (default: the
                                         #   token's tenant); cluster: the namespace (default)

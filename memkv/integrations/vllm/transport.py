@@ -15,14 +15,19 @@ raise on anything wrong; the connector turns every failure into recompute.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from memkv.errors import ConflictError, CorruptDataError, InvalidInputError
 from memkv.protocol.ids import scoped_session_id
 from memkv.protocol.layout import KVLayout
+
+if TYPE_CHECKING:
+    from memkv.cluster import MemkvCluster
 
 __all__ = ["ClusterTransport", "GatewayTransport", "KVTransport", "transport_from_config"]
 
@@ -117,6 +122,68 @@ class GatewayTransport:
         self._client.close()
 
 
+class _Joining:
+    """Joining memkv's Ray cluster in the background, waited on for a bounded time.
+
+    ``ray.init`` can wait forever (a GCS that is not there, an address Ray
+    rewrote), and a connector that waits with it never lets the engine start.
+    One attempt runs at a time, on a daemon thread; callers wait for it until
+    the first deadline and not at all after it (each request then computes
+    instead), and a failed attempt is retried after ``retry_s``.
+    """
+
+    def __init__(self, join: Callable[[], Any], *, address: str, timeout_s: float,
+                 retry_s: float = 30.0) -> None:
+        self._join = join
+        self._address = address
+        self._timeout_s = timeout_s
+        self._retry_s = retry_s
+        self._lock = threading.Lock()
+        self._deadline = time.monotonic() + timeout_s
+        self._joined: Any = None
+        self._failed: BaseException | None = None
+        self._failed_at = 0.0
+        self._done = threading.Event()
+        self._start()
+
+    def _start(self) -> None:
+        self._done.clear()
+        threading.Thread(target=self._run, name="memkv-join-ray", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._joined = self._join()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, who recomputes
+            self._failed, self._failed_at = e, time.monotonic()
+        finally:
+            self._done.set()
+
+    def get(self) -> Any:
+        """The joined cluster.
+
+        Raises:
+            TimeoutError: not joined yet (the attempt goes on in the background).
+            MemkvError | RayError | ...: the last attempt failed (a new one has started
+                if ``retry_s`` passed since).
+        """
+        if not self._done.wait(max(0.0, self._deadline - time.monotonic())):
+            raise TimeoutError(
+                f"memkv's Ray cluster at {self._address!r} was not joined within "
+                f"{self._timeout_s:g} s (connect_timeout_s); computing instead while "
+                f"joining goes on in the background"
+            )
+        if self._joined is not None:
+            return self._joined
+        with self._lock:
+            failed = self._failed
+            if self._done.is_set() and time.monotonic() - self._failed_at >= self._retry_s:
+                self._failed = None
+                self._deadline = time.monotonic()  # requests never wait for a retry
+                self._start()
+        assert failed is not None
+        raise failed
+
+
 class ClusterTransport:
     """memkv's actors, joined from inside its Ray cluster (see the module)."""
 
@@ -128,13 +195,24 @@ class ClusterTransport:
         ray_namespace: str | None,
         namespace: str,
         same_node: bool,
+        connect_timeout_s: float = 10.0,
     ) -> None:
         from memkv.cluster import attach
 
         self.layout = layout
         self._namespace = namespace
         self._same_node = same_node
-        self._cluster = attach(address, namespace=ray_namespace)
+        self._timeout_s = connect_timeout_s
+        self._joining = _Joining(
+            lambda: attach(address, namespace=ray_namespace),
+            address=address,
+            timeout_s=connect_timeout_s,
+        )
+
+    @property
+    def _cluster(self) -> MemkvCluster:
+        cluster: MemkvCluster = self._joining.get()
+        return cluster
 
     def match(self, token_ids: Sequence[int]) -> tuple[int, list[bytes]]:
         return self._cluster.match_prefix(self.layout, self._namespace, token_ids)
@@ -165,10 +243,14 @@ class ClusterTransport:
     def warm_up(self) -> None:
         import ray
 
-        ray.get(self._cluster.router.ping.remote())
+        ray.get(self._cluster.router.ping.remote(), timeout=self._timeout_s)
 
     def close(self) -> None:
-        self._cluster.disconnect()
+        try:
+            cluster = self._cluster
+        except Exception:  # noqa: BLE001 - never joined: nothing to let go of
+            return
+        cluster.disconnect()
 
 
 def transport_from_config(layout: KVLayout, extra: dict[str, Any]) -> KVTransport:
@@ -197,5 +279,13 @@ def transport_from_config(layout: KVLayout, extra: dict[str, Any]) -> KVTranspor
             ray_namespace=extra.get("ray_namespace"),
             namespace=str(extra.get("namespace") or "default"),
             same_node=bool(extra.get("same_node", False)),
+            connect_timeout_s=_positive(extra, "connect_timeout_s", 10.0),
         )
     raise InvalidInputError(f"transport must be one of {list(TRANSPORTS)}, got {kind!r}")
+
+
+def _positive(extra: dict[str, Any], name: str, default: float) -> float:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise InvalidInputError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
