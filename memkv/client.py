@@ -92,6 +92,11 @@ class SessionView:
     chain: list[bytes]
     device_id: str | None
     ack: str = "memory"  # when appends are answered: in memory, or fsynced in the archive
+    # Tokens whose blocks were lost (a device restarted before they were archived):
+    # the session serves its first ``tokens``, an engine recomputes the rest, and
+    # the next append sends the blocks after them again. ``partial_reason`` says why.
+    lost_tokens: int = 0
+    partial_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +172,8 @@ def _session(data: dict[str, Any]) -> SessionView:
         chain=[bytes.fromhex(k) for k in data["chain"]],
         device_id=data.get("device_id"),
         ack=data.get("ack", "memory"),
+        lost_tokens=int(data.get("lost_tokens", 0)),
+        partial_reason=data.get("partial_reason"),
     )
 
 

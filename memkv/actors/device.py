@@ -329,13 +329,19 @@ class DeviceCache:
         priority: str,
         exact_only: bool = False,
         owner: str = "",
-    ) -> None:
+        keep_prefix: bool = False,
+    ) -> int:
         """Hold an archived chain again (after this device restarted, or moved here).
 
+        Returns the leading blocks held: all, or with ``keep_prefix`` those
+        before the first block that is in no tier.
+
         Raises:
-            BlockLostError: some block is in no tier (nothing is held).
+            BlockLostError: some block is in no tier, or (``keep_prefix``) the first.
         """
-        self.pool.adopt(layout, chain, tokens, Priority(priority), exact_only, owner)
+        return self.pool.adopt(
+            layout, chain, tokens, Priority(priority), exact_only, owner, keep_prefix=keep_prefix
+        )
 
     def resync(self, holders: Sequence[Holder], owner: str = "") -> list[int]:
         """Set ``owner``'s block references from its table (a restarted router shard).

@@ -723,12 +723,14 @@ class SessionRouter:
             )
             for r in records
         ]
-        lost = await self._devices[device_id].resync.remote(holders, self._owner)
+        device = self._devices[device_id]
+        lost = await device.resync.remote(holders, self._owner)
         for i in lost:
-            self.state.mark_lost(
-                records[i].session_id,
-                f"device {device_id} no longer has all of its blocks and the archive lacks some",
+            reason = (
+                f"device {device_id} no longer has all of its blocks and the archive lacks some"
             )
+            if await self._serve_what_survives(device, records[i], reason):
+                self.state.record_state(records[i].session_id, SessionState.ARCHIVED)
 
     async def _rehome_orphans(self) -> None:
         """Sessions whose device is gone for good go to a live one, from the archive."""
@@ -741,14 +743,8 @@ class SessionRouter:
             if not record.chain:
                 self.state.move(record.session_id, target)
                 continue
-            try:
-                await _adopt(self._devices[target], record, self._owner)
-            except BlockLostError as e:
-                self.state.mark_lost(
-                    record.session_id,
-                    f"its device is gone and the archive lacks some of its blocks "
-                    f"({plain_message(e)})",
-                )
+            reason = "its device is gone and the archive lacks some of its blocks"
+            if not await self._serve_what_survives(self._devices[target], record, reason):
                 continue
             self.state.move(record.session_id, target)
             self.state.record_state(record.session_id, SessionState.ARCHIVED)
@@ -912,16 +908,42 @@ class SessionRouter:
         for record in self.state.sessions_on(device_id):
             if record.lost or not record.chain:
                 continue
-            try:
-                await _adopt(device, record, self._owner)
-            except BlockLostError as e:
-                reason = (
-                    f"device {device_id} restarted before all of the session's blocks reached "
-                    f"the archive ({plain_message(e)})"
+            reason = (
+                f"device {device_id} restarted before all of the session's blocks reached "
+                f"the archive"
+            )
+            if await self._serve_what_survives(device, record, reason):
+                self.state.record_state(record.session_id, SessionState.ARCHIVED)
+
+    async def _serve_what_survives(self, device: Any, record: SessionRecord, reason: str) -> bool:
+        """Have ``device`` hold what is left of ``record``'s chain: the longest prefix
+        some tier still has (the engine recomputes the rest), or nothing.
+
+        Returns:
+            False when not even the first block survives (the session is lost: 410).
+        """
+        try:
+            held = await _adopt(device, record, self._owner)
+        except BlockLostError as e:
+            self.state.mark_lost(record.session_id, f"{reason} ({plain_message(e)})")
+            return False
+        if held < len(record.chain):
+            tokens = record.tokens
+            # Blocks after the first missing one that the archive has are garbage
+            # now (no session serves past the gap).
+            await self._collect(
+                self.state.truncate(
+                    record.session_id,
+                    held,
+                    f"{reason}: blocks {held}..{len(record.chain) - 1} of {len(record.chain)} "
+                    f"are lost",
                 )
-                self.state.mark_lost(record.session_id, reason)
-                continue
-            self.state.record_state(record.session_id, SessionState.ARCHIVED)
+            )
+            logger.warning(
+                "session %s keeps %d of its %d tokens (%s)",
+                record.session_id, record.tokens, tokens, reason,
+            )
+        return True
 
     def _ensure_background(self) -> None:
         if self._background is None or self._background.done():
@@ -959,16 +981,21 @@ class SessionRouter:
         return moved
 
 
-async def _adopt(device: Any, record: SessionRecord, owner: str) -> None:
-    """Have ``device`` hold ``record``'s archived chain (BlockLostError: not all archived)."""
-    await device.adopt.remote(
+async def _adopt(device: Any, record: SessionRecord, owner: str) -> int:
+    """Have ``device`` hold the longest prefix of ``record``'s chain that a tier still has.
+
+    Returns the blocks held (BlockLostError: not even the first one).
+    """
+    held: int = await device.adopt.remote(
         record.layout,
         list(record.chain),
         block_token_count(record.layout, record.tokens),
         record.priority.value,
         record.exact_only,
         owner,
+        True,
     )
+    return held
 
 
 #: The actor: async, so slow device calls of one session do not block others.

@@ -301,6 +301,46 @@ class RouterState:
         self.sessions.mark_lost(session_id, reason)
         self._log({"op": "lost", "id": session_id, "reason": reason})
 
+    def truncate(self, session_id: str, keep_blocks: int, reason: str) -> list[bytes]:
+        """Only the first ``keep_blocks`` of a session's blocks survive (the rest are lost).
+
+        The session serves that prefix from now on; its next append sends the
+        blocks after it again (they are hashed from the same tokens, so nothing
+        is ever stored under tokens it was not computed from).
+
+        Returns:
+            Blocks no session holds any more.
+        """
+        record = self.get(session_id)
+        if not 0 < keep_blocks <= len(record.chain):
+            raise InvalidInputError(
+                f"keep_blocks must be in [1, {len(record.chain)}], got {keep_blocks}"
+            )
+        counts = block_token_count(record.layout, record.tokens)
+        kept = record.chain[:keep_blocks]
+        still_held = set(kept)
+        dropped = [k for k in dict.fromkeys(record.chain[keep_blocks:]) if k not in still_held]
+        before = chain_bytes(record)
+        surviving = sum(counts[:keep_blocks])
+        record.lost_tokens += record.tokens - surviving
+        record.partial_reason = reason
+        record.chain = list(kept)
+        record.tokens = surviving
+        self.tenant_bytes[tenant_of(session_id)] += chain_bytes(record) - before
+        self._log_truncation(record)
+        return [k for k in dropped if self._unref(k, record.device_id)]
+
+    def _log_truncation(self, record: SessionRecord) -> None:
+        self._log(
+            {
+                "op": "truncate",
+                "id": record.session_id,
+                "keep": len(record.chain),
+                "lost_tokens": record.lost_tokens,
+                "reason": record.partial_reason,
+            }
+        )
+
     def tenant_usage(self, limit: int = STATS_TENANTS) -> dict[str, dict[str, int]]:
         """Sessions and KV bytes per tenant (``""``: unscoped ids), the ``limit`` largest
         by bytes by name and the rest summed under :data:`OTHER_TENANTS`."""
@@ -405,6 +445,16 @@ class RouterState:
                 )
             if not r.active:
                 records.append({"op": "state", "id": r.session_id, "state": r.state.value})
+            if r.partial_reason is not None:
+                records.append(
+                    {
+                        "op": "truncate",
+                        "id": r.session_id,
+                        "keep": len(r.chain),
+                        "lost_tokens": r.lost_tokens,
+                        "reason": r.partial_reason,
+                    }
+                )
             if r.lost_reason is not None:
                 records.append({"op": "lost", "id": r.session_id, "reason": r.lost_reason})
         self.journal.snapshot(records)
@@ -471,6 +521,11 @@ class RouterState:
         elif op == "lost":
             if entry["id"] in self.sessions:
                 self.mark_lost(entry["id"], entry["reason"])
+        elif op == "truncate":
+            found = self.sessions.lookup(entry["id"])
+            if found is not None and 0 < int(entry["keep"]) <= len(found.chain):
+                self.truncate(entry["id"], int(entry["keep"]), str(entry["reason"]))
+                found.lost_tokens = int(entry["lost_tokens"])
         else:
             raise CorruptDataError(f"unknown router journal record {op!r}")
 

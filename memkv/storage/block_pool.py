@@ -433,29 +433,44 @@ class BlockPool:
         priority: Priority,
         exact_only: bool = False,
         owner: str = "",
-    ) -> None:
+        keep_prefix: bool = False,
+    ) -> int:
         """Hold, for an inactive holder, a chain whose blocks are all in the cold tier.
 
         Used when an owner registers an archived session again: after a
         restart (from its manifest), or when the router moves a dead device's
         archived sessions to a live one.
 
+        Args:
+            keep_prefix: where some block is in no tier, hold the blocks before
+                the first such one (a partial session beats a lost one: the
+                engine recomputes the rest).
+
+        Returns:
+            How many leading blocks of the chain are held (all of them unless
+            ``keep_prefix``).
+
         Raises:
-            BlockLostError: some block is in no tier (nothing is held).
+            BlockLostError: some block is in no tier (without ``keep_prefix``),
+                or the first one is (nothing is held).
         """
         with self._lock:
             self.ensure_open()
             keys = [BlockHash(bytes(k)) for k in chain]
-            missing = self._cold.missing([k for k in keys if k not in self._blocks])
+            missing = set(self._cold.missing([k for k in keys if k not in self._blocks]))
             if missing:
-                raise BlockLostError(
-                    f"{len(missing)} of {len(keys)} blocks are in no tier "
-                    f"(first missing {bytes(missing[0]).hex()})"
-                )
+                first = next(i for i, k in enumerate(keys) if k in missing)
+                if not keep_prefix or first == 0:
+                    raise BlockLostError(
+                        f"{len(missing)} of {len(keys)} blocks are in no tier "
+                        f"(first missing: block {first}, {bytes(keys[first]).hex()})"
+                    )
+                keys, tokens = keys[:first], list(tokens)[:first]
             self._hold_chain(
                 layout, keys, tokens, priority, False, exact_only, self._clock(), owner
             )
             self._debug_check()
+            return len(keys)
 
     def resync(self, holders: Sequence[Holder], owner: str = "") -> list[int]:
         """Set ``owner``'s references from its table, after the owner restarted.

@@ -58,6 +58,11 @@ class SessionRecord:
     device_id: str | None = None  # placed at the first append (prefix affinity needs tokens)
     hotness: float = 0.0
     lost_reason: str | None = None  # set: the session's blocks are gone for good
+    # Tokens whose blocks were lost (a device restart before they were archived)
+    # while a prefix survived: the session serves that prefix, the engine
+    # recomputes the rest. ``partial_reason`` says what happened.
+    lost_tokens: int = 0
+    partial_reason: str | None = None
 
     @property
     def active(self) -> bool:
@@ -84,6 +89,8 @@ class SessionRecord:
             "archived": not self.active,
             "hotness": self.hotness,
             "lost_reason": self.lost_reason,
+            "lost_tokens": self.lost_tokens,
+            "partial_reason": self.partial_reason,
         }
 
     def manifest(self) -> dict[str, Any]:

@@ -269,3 +269,39 @@ def test_placement_with_no_live_device_says_so():
     s.create("a", LAYOUT, "t", "normal")
     with pytest.raises(MemkvError, match="no device"):
         s.place("a")
+
+
+def test_a_truncated_session_keeps_its_prefix_and_the_journal_remembers(tmp_path):
+    from memkv.storage.journal import Journal
+
+    def fresh():
+        return RouterState(clock=Clock(), journal=Journal(tmp_path / "router"))
+
+    s = fresh()
+    s.add_device("d0", "inc0")
+    s.create("a", LAYOUT, "t", "normal")
+    s.create("b", LAYOUT, "t", "normal")
+    append(s, "a", [b"p", b"a1", b"a2"], 10)  # blocks of 4, 4, 2 tokens
+    append(s, "b", [b"p", b"b1"], 8)
+    with pytest.raises(InvalidInputError, match="keep_blocks"):
+        s.truncate("a", 0, "nothing survives: that is mark_lost")
+    garbage = s.truncate("a", 1, "device d0 restarted")
+    assert sorted(garbage) == [b"a1", b"a2"]  # b still holds the shared block
+    a = s.get("a")  # served, not lost
+    assert (a.chain, a.tokens, a.lost_tokens, a.partial_reason) == (
+        [b"p"], 4, 6, "device d0 restarted"
+    )
+    assert s.refcount(b"p") == 2 and not s.referenced(b"a1")
+    assert s.match_prefix(KVLayout.from_dict(LAYOUT), "t", list(range(10)))[0] <= 4
+    assert a.as_dict()["lost_tokens"] == 6
+    s.journal.close()
+
+    t = fresh()  # replayed (and compacted into a snapshot)
+    a = t.get("a")
+    assert (a.chain, a.tokens, a.lost_tokens, a.partial_reason) == (
+        [b"p"], 4, 6, "device d0 restarted"
+    )
+    t.journal.close()
+    u = fresh()  # read back from the snapshot
+    assert (u.get("a").tokens, u.get("a").lost_tokens) == (4, 6)
+    assert not u.referenced(b"a1")

@@ -126,6 +126,34 @@ def test_killed_device_serves_archived_sessions_again(cluster):
         cluster.session(active)
 
 
+def test_a_session_missing_its_tail_serves_the_prefix_that_survived(cluster):
+    # Turn 1 reaches the archive (suspend); turn 2's blocks live only in device
+    # memory (memory mode) when the device is killed.
+    sid, tokens, _ = new_session(cluster, 8, seed=450)
+    cluster.suspend(sid)
+    cluster.resume(sid)
+    keys, values = kv(16, 451)
+    first = kv(8, 450)
+    keys = [torch.cat([a, b[:, 8:]], dim=1) for a, b in zip(first[0], keys, strict=True)]
+    values = [torch.cat([a, b[:, 8:]], dim=1) for a, b in zip(first[1], values, strict=True)]
+    all_tokens = tokens + [90_000 + i for i in range(8)]
+    cluster.put_kv(sid, all_tokens, keys, values)
+    blocks = split_kv(LAYOUT, keys, values)
+    assert cluster.session(sid)["tokens"] == 16
+    ray.kill(cluster.devices[cluster.device_of(sid)], no_restart=False)
+
+    got = read(cluster, sid)  # before: BlockLostError, all 16 tokens lost for 8
+    assert same(got, blocks[:2])
+    info = cluster.session(sid)
+    assert (info["tokens"], info["lost_tokens"]) == (8, 8)
+    assert "restarted" in info["partial_reason"] and "blocks 2..3 of 4" in info["partial_reason"]
+    assert cluster.match_prefix(LAYOUT, "tenant", all_tokens)[0] == 8
+    # The next turn sends the lost blocks again (hashed from the same tokens).
+    cluster.put_kv(sid, all_tokens, keys, values)
+    assert same(read(cluster, sid), blocks)
+    assert cluster.session(sid)["tokens"] == 16
+
+
 def test_delete_frees_blocks_everywhere(cluster):
     sid, _, _ = new_session(cluster, 16, seed=500, namespace="delete-me")
     device = cluster.device_of(sid)
