@@ -50,6 +50,9 @@ __all__ = [
 #: How long a read plan's blocks stay pinned unless released earlier (seconds).
 DEFAULT_LEASE_S = 30.0
 MAX_LEASE_S = 600.0
+#: How long a read's hold on its blocks lasts at most (a read takes far less;
+#: a reader that vanished without releasing is let go of after this).
+READ_HOLD_S = 120.0
 
 # Pause between retries while the archive actor restarts.
 _ARCHIVE_RETRY_S = 0.2
@@ -476,6 +479,28 @@ class DeviceCache:
             entries=tuple(planned),
             expires_at=lease.expires_at,
         )
+
+    def hold_for_read(self, keys: Sequence[bytes], ttl_s: float = READ_HOLD_S) -> str:
+        """Pin every block a read will send, before it sends the first (its answer's head).
+
+        A session deleted or shortened while the read streams frees these
+        blocks only once :meth:`release_lease` (or ``ttl_s``) lets go of them:
+        a read that got its 200 sends every block it announced.
+
+        Returns:
+            The lease to release.
+
+        Raises:
+            UnknownBlockError: a block is not stored here (nothing is pinned).
+        """
+        if not 0 < ttl_s <= MAX_LEASE_S:
+            raise InvalidInputError(f"ttl_s must be in (0, {MAX_LEASE_S}] seconds, got {ttl_s!r}")
+        pinned = self.pool.pin_blocks([BlockHash(bytes(k)) for k in keys])
+        return self.leases.grant(pinned, float(ttl_s)).lease_id
+
+    def still_held(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Those of ``keys`` this device keeps (a reader's pin outlives a delete)."""
+        return self.pool.held(keys)
 
     def release_lease(self, lease_id: str) -> bool:
         """Unpin a plan's blocks. False if the lease had run out (discard what was copied)."""

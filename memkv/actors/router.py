@@ -601,13 +601,21 @@ class SessionRouter:
         record = self.state.sessions.lookup(session_id)
         if record is None:
             raise UnknownSessionError(f"no session {session_id!r}")
-        if record.device_id in self._devices and record.chain and not record.lost:
+        device_id = record.device_id or ""
+        released = device_id in self._devices and bool(record.chain) and not record.lost
+        if released:
             chain, active = list(record.chain), record.active
             await self._call(
-                record.device_id, None, lambda d: d.release.remote(chain, active, self._owner)
+                device_id, None, lambda d: d.release.remote(chain, active, self._owner)
             )
         garbage = self.state.delete(session_id)
         await self._durable(True)
+        if released and garbage:
+            # Blocks a read still pins stay on the device, which deletes their cold
+            # copies itself when the read lets go (a read that got its 200 sends
+            # every block it announced).
+            pinned = set(await self._devices[device_id].still_held.remote(garbage))
+            garbage = [k for k in garbage if k not in pinned]
         await self._collect(garbage)
 
     async def stats(self, members: bool = True) -> dict[str, Any]:

@@ -222,6 +222,11 @@ class BlockFetcher:
     ) -> AsyncIterator[FetchedBytes]:
         """The blocks of ``keys`` in order; at most READ_WINDOW_BATCHES batches ahead.
 
+        Every block is pinned on the device before the first is yielded (one
+        call, sent ahead of the first batch's): a session deleted while the
+        response streams cannot take blocks from under it, so a read that got
+        its head sends everything it announced. The pin goes after the last.
+
         Args:
             device_id, device: the device's name and actor handle.
             following: the keys after ``keys`` in the session (for read-ahead).
@@ -234,11 +239,16 @@ class BlockFetcher:
         # end frame, since the transport may still hold a view of unsent bytes.
         drained: list[_HeldLease | ReadPlan] = []
         releases: list[Any] = []
+        hold: Any = None
         try:
+            # Sent before the first batch's call, so the device runs it first.
+            pending_hold = device.hold_for_read.remote(list(keys)) if keys else None
             for n, batch in enumerate(batches):
                 in_flight.append(
                     self._ask(device_id, device, batch, stream, ahead, n * READ_BATCH_BLOCKS)
                 )
+                if n == 0 and pending_hold is not None:
+                    hold = await pending_hold  # UnknownBlockError: before any byte
                 if len(in_flight) > READ_WINDOW_BATCHES:
                     held = len(drained)
                     async for item in self._drain(device, in_flight.popleft(), stream, drained):
@@ -250,6 +260,8 @@ class BlockFetcher:
                     yield item
         finally:
             releases += self._let_go(drained, device)
+            if hold:
+                releases.append(device.release_lease.remote(hold))
             # Plans asked for but never drained (the client went away).
             for asked in in_flight:
                 if asked.ref is not None and asked.planned:

@@ -760,6 +760,36 @@ class BlockPool:
                 for entry in taken:
                     self._unpin(entry)
 
+    def pin_blocks(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        """Pin stored blocks where they are (a read that must be able to send them all).
+
+        A pinned block outlives its holders: a session deleted meanwhile
+        frees it (memory and cold copy) when the last pin goes.
+
+        Returns:
+            The keys pinned, once each (hand them back to :meth:`unpin_blocks`).
+
+        Raises:
+            UnknownBlockError: a key is not stored here (nothing is pinned).
+        """
+        with self._lock:
+            self.ensure_open()
+            unique = list(dict.fromkeys(BlockHash(bytes(k)) for k in keys))
+            missing = [k for k in unique if k not in self._blocks]
+            if missing:
+                raise UnknownBlockError(
+                    f"{len(missing)} of {len(unique)} blocks are not stored here "
+                    f"(first {bytes(missing[0]).hex()})"
+                )
+            for key in unique:
+                self._pin(self._blocks[key])
+            return unique
+
+    def held(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Those of ``keys`` this pool still keeps (held, or pinned by a reader)."""
+        with self._lock:
+            return [bytes(k) for k in keys if BlockHash(bytes(k)) in self._blocks]
+
     def plan_reads(
         self,
         keys: Sequence[BlockHash],

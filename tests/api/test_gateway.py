@@ -409,3 +409,64 @@ def test_a_device_on_another_node_gets_staged_blocks_by_value(cluster):
         assert stats["staged_bytes"] == 0 and stats["staging_bytes"] == 1 << 20
     finally:
         staging.close()
+
+
+@pytest.mark.parametrize("same_node", [False, True], ids=["in-cluster", "same-node"])
+def test_a_read_that_got_its_head_sends_every_block_though_the_session_is_deleted(
+    cluster, same_node
+):
+    """A delete racing a read (before: the stream ended after the 200 head once the
+    read's next batch found its blocks gone). The read pins what it announced."""
+    import ray
+
+    from memkv.api.app import create_app
+    from memkv.protocol.wire import FrameReader
+
+    app = create_app(cluster.router, same_node_reads=same_node,
+                     node_id=ray.get_runtime_context().get_node_id())
+    keys, values = kv(64, seed=15)  # 16 blocks: four device batches
+    blocks = split_kv(LAYOUT, keys, values)
+
+    async def go() -> tuple[dict, bytes, int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            sid = new_id()
+            r = await c.post("/v1/sessions", json={
+                "session_id": sid, "layout": LAYOUT.to_dict(), "namespace": "t-bad"})
+            assert r.status_code in (200, 201), r.text
+            r = await c.post(f"/v1/sessions/{sid}/turns", headers=FRAMES,
+                             content=raw_turn(sid, list(range(8000, 8064)), blocks))
+            assert r.status_code == 200, r.text
+            head: dict = {}
+            body: list[bytes] = []
+
+            async def send(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    head.update(message)
+                    return
+                body.append(bytes(message.get("body", b"")))
+                if len(body) == 1:  # the first block is out: delete the session now
+                    deleted = await c.delete(f"/v1/sessions/{sid}")
+                    assert deleted.status_code in (200, 204), deleted.text
+
+            async def receive() -> dict:
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            scope = {
+                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                "method": "GET", "scheme": "http", "path": f"/v1/sessions/{sid}/blocks",
+                "raw_path": f"/v1/sessions/{sid}/blocks".encode(), "query_string": b"",
+                "root_path": "", "headers": [(b"host", b"gw")],
+                "client": ("127.0.0.1", 1), "server": ("gw", 80), "state": {},
+            }
+            await app(scope, receive, send)
+            after = await c.get(f"/v1/sessions/{sid}/blocks")
+            return head, b"".join(body), after.status_code
+
+    head, body, after = asyncio.run(go())
+    assert head["status"] == 200
+    assert int(dict(head["headers"])[b"content-length"]) == len(body)
+    frames = list(FrameReader(max_payload_bytes=1 << 20).feed(body))
+    assert [f.kind for f in frames] == ["block"] * 16 + ["end"]
+    assert [bytes(f.payload) for f in frames[:16]] == [b.numpy().tobytes() for b in blocks]
+    assert after == 404  # and the session is gone
