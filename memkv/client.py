@@ -113,6 +113,8 @@ class TurnResult:
 class Match:
     tokens: int
     blocks: list[bytes]
+    #: In a public namespace: the publisher (tenant) whose blocks these are.
+    publisher: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -829,7 +831,8 @@ class Client:
             "token_ids": token_array(token_ids).tolist(),
         }
         data = self._request("POST", "/v1/match", json=body, idempotent=True).json()
-        return Match(int(data["tokens"]), [bytes.fromhex(k) for k in data["blocks"]])
+        return Match(int(data["tokens"]), [bytes.fromhex(k) for k in data["blocks"]],
+                     data.get("publisher"))
 
 
 # -- the async client --------------------------------------------------------------------------
@@ -975,7 +978,8 @@ class AsyncClient:
             "token_ids": token_array(token_ids).tolist(),
         }
         data = (await self._request("POST", "/v1/match", json=body, idempotent=True)).json()
-        return Match(int(data["tokens"]), [bytes.fromhex(k) for k in data["blocks"]])
+        return Match(int(data["tokens"]), [bytes.fromhex(k) for k in data["blocks"]],
+                     data.get("publisher"))
 
 
 def _joined(chunks: list[bytes | memoryview]) -> bytes:

@@ -516,11 +516,12 @@ class SessionRouter:
         return {"tokens": tokens, "blocks": blocks}
 
     async def locate_blocks(
-        self, keys: list[bytes], namespace: str | None = None
+        self, keys: list[bytes], namespace: str | list[str] | None = None
     ) -> list[tuple[str, Any, list[bytes]]]:
         """``(device_id, handle, keys)`` groups: where to read blocks by key.
 
-        ``namespace``: only blocks of that namespace are found (None: any).
+        ``namespace``: only blocks of that namespace (or of one of these) are
+        found (None: any).
         """
         await self._ready()
         out = []

@@ -80,7 +80,7 @@ class RouterShards:
     def match_prefix(self, layout: dict[str, Any], namespace: str, tokens: list[int]) -> list[Any]:
         return [h.match_prefix.remote(layout, namespace, tokens) for h in self.handles]
 
-    def locate_blocks(self, keys: list[bytes], namespace: str | None) -> list[Any]:
+    def locate_blocks(self, keys: list[bytes], namespace: str | list[str] | None) -> list[Any]:
         return [h.locate_blocks.remote(keys, namespace) for h in self.handles]
 
     def touch_sessions(self, session_ids: Sequence[str]) -> list[Any]:

@@ -556,22 +556,26 @@ class RouterState:
         return tokens, matched
 
     def locate(
-        self, keys: Sequence[bytes], namespace: str | None = None
+        self, keys: Sequence[bytes], namespace: str | Sequence[str] | None = None
     ) -> dict[str, list[bytes]]:
         """Group ``keys`` by a device whose sessions hold them.
 
         Args:
-            namespace: only blocks hashed in this namespace are found (None: any).
+            namespace: only blocks hashed in this namespace (or these) are found
+                (None: any).
 
         Raises:
             UnknownBlockError: a key no session holds (or one of another namespace:
                 the same answer, so keys of other tenants cannot be probed).
         """
         by_device: dict[str, list[bytes]] = {}
+        wanted = {namespace} if isinstance(namespace, str) else (
+            None if namespace is None else set(namespace)
+        )
         for key in keys:
             holders = self._block_devices.get(bytes(key))
             if not holders or (
-                namespace is not None and self._block_namespace.get(bytes(key)) != namespace
+                wanted is not None and self._block_namespace.get(bytes(key)) not in wanted
             ):
                 raise UnknownBlockError(f"no session holds block {bytes(key).hex()}")
             device_id = max(holders, key=lambda d: holders[d])

@@ -63,6 +63,7 @@ from memkv.errors import (
     MemkvError,
     NotFoundError,
     UnauthorizedError,
+    UnknownBlockError,
     WrongNodeError,
     plain_message,
 )
@@ -71,6 +72,7 @@ from memkv.protocol.hashing import chain_hashes, token_array
 from memkv.protocol.ids import (
     MAX_SESSION_ID_LEN,
     NAME_PATTERN,
+    PUBLISHER_SEPARATOR,
     SESSION_ID_PATTERN,
     scoped_session_id,
 )
@@ -196,6 +198,13 @@ class BlocksByKeyIn(_Model):
     keys: list[Annotated[str, Field(pattern=r"^[0-9a-fA-F]{32}$")]] = Field(
         description="Block keys: 16 bytes as 32 hex digits.", max_length=MAX_KEYS_PER_READ
     )
+
+
+def _publisher_of(namespace: str | None) -> str | None:
+    """The tenant a publisher's namespace (``public@tenant``) belongs to; None otherwise."""
+    if namespace is None or PUBLISHER_SEPARATOR not in namespace:
+        return None
+    return namespace.partition(PUBLISHER_SEPARATOR)[2]
 
 
 def _session_out(record: dict[str, Any], session_id: str) -> dict[str, Any]:
@@ -714,12 +723,16 @@ def create_app(
         missing one. A key named twice is sent once.
         """
         who.require("read")
-        namespace = who.read_namespace(body.namespace)
+        namespaces = who.read_namespaces(body.namespace)
         try:
             keys = list(dict.fromkeys(bytes.fromhex(k) for k in body.keys))
         except ValueError as e:
             raise InvalidInputError(f"keys must be hex strings: {e}") from e
-        groups = merge_located(list(await asyncio.gather(*routers.locate_blocks(keys, namespace))))
+        if not namespaces:  # a public namespace whose publishers it trusts none of
+            raise UnknownBlockError("no block of a trusted publisher has these keys")
+        groups = merge_located(
+            list(await asyncio.gather(*routers.locate_blocks(keys, namespaces)))
+        )
         if len(groups) == 1:
             # One device holds them all (the usual case: a prefix lives where its
             # sessions do): stream them the way session reads go, through read
@@ -787,12 +800,18 @@ def create_app(
         """How many leading tokens are already cached (any session of the namespace:
         the caller's tenant by default, or a public one its token may read)."""
         who.require("read")
-        namespace = who.read_namespace(body.namespace)
         layout = KVLayout.from_dict(body.layout.model_dump())
         token_array(body.token_ids)  # validate before asking the router
-        result = merge_prefix(list(await asyncio.gather(
-            *routers.match_prefix(layout.to_dict(), namespace, body.token_ids))))
-        return {"tokens": result["tokens"], "blocks": [bytes(k).hex() for k in result["blocks"]]}
+        # In a public namespace, each trusted publisher's blocks apart: the longest
+        # prefix wins, the earlier publisher in the token's trust on a tie.
+        best: dict[str, Any] = {"tokens": 0, "blocks": []}
+        for namespace in who.read_namespaces(body.namespace):
+            found = merge_prefix(list(await asyncio.gather(
+                *routers.match_prefix(layout.to_dict(), namespace, body.token_ids))))
+            if found["tokens"] > best["tokens"]:
+                best = {**found, "namespace": namespace}
+        return {"tokens": best["tokens"], "blocks": [bytes(k).hex() for k in best["blocks"]],
+                "publisher": _publisher_of(best.get("namespace"))}
 
     @app.get("/v1/stats", tags=["cluster"])
     async def stats(who: Principal = Reader) -> dict[str, Any]:

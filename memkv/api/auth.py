@@ -52,7 +52,7 @@ from typing import Any
 import yaml
 
 from memkv.errors import ConfigError, ForbiddenError, UnauthorizedError
-from memkv.protocol.ids import check_name
+from memkv.protocol.ids import check_name, publisher_namespace
 
 __all__ = [
     "ROLES",
@@ -93,6 +93,9 @@ class Principal:
         roles: of :data:`ROLES`.
         publish: public namespaces it may write blocks into (and read).
         read: public namespaces it may read.
+        trust: per public namespace it may read, the publishers (tenants) whose
+            blocks it gets, in order of preference; a namespace missing here
+            gives nothing.
         any_namespace: an unauthenticated gateway's caller names any namespace.
     """
 
@@ -100,6 +103,7 @@ class Principal:
     roles: frozenset[str]
     publish: frozenset[str] = frozenset()
     read: frozenset[str] = frozenset()
+    trust: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     any_namespace: bool = False
     max_sessions: int | None = None  # the tenant's quota (None: no limit)
     max_bytes: int | None = None  # of KV over all its sessions, in the model dtype
@@ -150,20 +154,28 @@ class Principal:
                 f"this token may not write into namespace {namespace!r}: only its tenant's own "
                 f"({self.default_namespace!r}) and the public namespaces it may publish into"
             )
-        return namespace
+        # Its own corner of the public namespace: no other publisher's blocks
+        # can stand in for the ones it writes (docs/security.md).
+        assert self.tenant is not None
+        return publisher_namespace(namespace, self.tenant)
 
-    def read_namespace(self, namespace: str | None) -> str:
-        """The namespace a lookup (match, blocks by key) reads.
+    def read_namespaces(self, namespace: str | None) -> list[str]:
+        """The namespaces a lookup (match, blocks by key) reads, in order of preference.
+
+        The tenant's own, or for a public namespace one per publisher the token
+        trusts there (a publisher's blocks are hashed under its own).
 
         Raises:
             ForbiddenError: a namespace it may not read.
         """
-        if namespace is None:
-            return self.default_namespace
+        if namespace is None or self.any_namespace:
+            return [namespace if namespace is not None else self.default_namespace]
+        if namespace == self.default_namespace:
+            return [namespace]
         allowed = self.readable()
         if allowed is not None and namespace not in allowed:
             raise ForbiddenError(f"this token may not read namespace {namespace!r}")
-        return namespace
+        return [publisher_namespace(namespace, t) for t in self.trust.get(namespace, ())]
 
 
 _VERBS = {
@@ -183,6 +195,8 @@ class TokenEntry:
     roles: frozenset[str]
     publish: frozenset[str] = frozenset()
     read: frozenset[str] = frozenset()
+    # Per public namespace, the publishers it trusts (absent: every publisher there).
+    trust: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any], where: str) -> TokenEntry:
@@ -193,7 +207,7 @@ class TokenEntry:
         """
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-        unknown = set(raw) - {"sha256", "tenant", "roles", "publish", "read"}
+        unknown = set(raw) - {"sha256", "tenant", "roles", "publish", "read", "trust"}
         if unknown:
             raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
         digest = raw.get("sha256")
@@ -208,6 +222,7 @@ class TokenEntry:
             roles = _names(raw.get("roles", ["read"]), "roles")
             publish = _names(raw.get("publish", []), "publish")
             read = _names(raw.get("read", []), "read")
+            trust = _trust(raw.get("trust", {}))
         except Exception as e:
             raise ConfigError(f"{where}: {e}") from None
         bad = roles - set(ROLES)
@@ -215,15 +230,41 @@ class TokenEntry:
             raise ConfigError(f"{where}: roles must be some of {list(ROLES)}, got {sorted(roles)}")
         if tenant in publish | read:
             raise ConfigError(f"{where}: a tenant's own namespace is not a public one")
-        return cls(digest.lower(), tenant, roles, publish, read)
+        if set(trust) - (publish | read):
+            raise ConfigError(
+                f"{where}: 'trust' names namespaces it may not read: "
+                f"{sorted(set(trust) - (publish | read))}"
+            )
+        return cls(digest.lower(), tenant, roles, publish, read, trust)
 
-    def principal(self, quota: Quota | None = None) -> Principal:
+    def principal(
+        self,
+        quota: Quota | None = None,
+        publishers: Mapping[str, tuple[str, ...]] | None = None,
+    ) -> Principal:
+        """What this token may do.
+
+        Args:
+            publishers: every public namespace's publishers (the token registry's):
+                the trust of a namespace its ``trust`` does not name. Its own
+                tenant comes first where it publishes too.
+        """
         limits = quota if quota is not None else Quota()
+        known = publishers or {}
+        trust: dict[str, tuple[str, ...]] = {}
+        for namespace in self.publish | self.read:
+            chosen = self.trust.get(namespace)
+            if chosen is None:
+                chosen = tuple(known.get(namespace, ()))
+                if namespace in self.publish:
+                    chosen = (self.tenant, *(t for t in chosen if t != self.tenant))
+            trust[namespace] = chosen
         return Principal(
             self.tenant,
             self.roles,
             self.publish,
             self.read,
+            trust,
             max_sessions=limits.max_sessions,
             max_bytes=limits.max_bytes,
         )
@@ -251,6 +292,18 @@ class Quota:
         return cls(**values)
 
 
+def _trust(value: Any) -> dict[str, tuple[str, ...]]:
+    if not isinstance(value, Mapping):
+        raise ConfigError("'trust' must map public namespaces to lists of publisher tenants")
+    out: dict[str, tuple[str, ...]] = {}
+    for namespace, tenants in value.items():
+        check_name(namespace, "trust namespace")
+        if not isinstance(tenants, list):
+            raise ConfigError(f"'trust' of {namespace!r} must be a list of tenants")
+        out[namespace] = tuple(dict.fromkeys(check_name(t, "trusted tenant") for t in tenants))
+    return out
+
+
 def _names(value: Any, what: str) -> frozenset[str]:
     if not isinstance(value, list):
         raise ConfigError(f"{what!r} must be a list")
@@ -275,13 +328,20 @@ class Authenticator:
     quotas: Mapping[str, Quota] = field(default_factory=dict)
     default_quota: Quota = field(default_factory=Quota)
     _by_digest: dict[bytes, TokenEntry] = field(init=False, default_factory=dict)
+    # Per public namespace, the tenants that may publish into it (in document order).
+    _publishers: dict[str, tuple[str, ...]] = field(init=False, default_factory=dict)
+    _principals: dict[bytes, Principal] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        publishers: dict[str, dict[str, None]] = {}
         for entry in self.entries:
             digest = bytes.fromhex(entry.sha256)
             if digest in self._by_digest:
                 raise ConfigError("the same token is listed twice")
             self._by_digest[digest] = entry
+            for namespace in sorted(entry.publish):
+                publishers.setdefault(namespace, {})[entry.tenant] = None
+        self._publishers = {ns: tuple(tenants) for ns, tenants in publishers.items()}
 
     @classmethod
     def disabled(cls) -> Authenticator:
@@ -373,7 +433,13 @@ class Authenticator:
         # final comparison is constant-time all the same.
         if entry is None or not hmac.compare_digest(digest, bytes.fromhex(entry.sha256)):
             raise UnauthorizedError("the bearer token is not valid")
-        return entry.principal(self.quotas.get(entry.tenant, self.default_quota))
+        principal = self._principals.get(digest)
+        if principal is None:  # one per token: the same answer for every request
+            principal = entry.principal(
+                self.quotas.get(entry.tenant, self.default_quota), self._publishers
+            )
+            self._principals[digest] = principal
+        return principal
 
 
 def token_document(entries: Iterable[Mapping[str, Any]]) -> str:

@@ -42,6 +42,7 @@ from transformers.cache_utils import DynamicLayer
 
 from memkv.errors import CorruptDataError, InvalidInputError, LayoutMismatchError
 from memkv.protocol.hashing import chain_hashes, token_array
+from memkv.protocol.ids import public_namespace_of
 from memkv.storage.layout import DTYPES, KVLayout, StorageDType, block_token_count
 from memkv.storage.precision import convert
 
@@ -561,7 +562,9 @@ def restore(
     if session_id is not None:
         view = client.session(session_id)
         _check_session(view, session_id, layout, namespace)
-        own_keys, own_tokens = _own_prefix(view, ids, layout, namespace, limit)
+        # A publisher's session in a public namespace hashes under its own corner
+        # of it (``public@tenant``): the view says which.
+        own_keys, own_tokens = _own_prefix(view, ids, layout, view.namespace, limit)
 
     if own_tokens < (limit // bt) * bt:
         # Another session may hold whole blocks of the input this one lacks.
@@ -595,7 +598,7 @@ def _check_session(view: SessionLike, session_id: str, layout: KVLayout, namespa
             f"session {session_id!r} stores layout {view.layout}, but the caller's model has "
             f"{layout}"
         )
-    if view.namespace != namespace:
+    if public_namespace_of(view.namespace) != namespace:
         raise InvalidInputError(
             f"session {session_id!r} belongs to namespace {view.namespace!r}, not {namespace!r}"
         )

@@ -14,11 +14,14 @@ from memkv.errors import InvalidInputError
 __all__ = [
     "MAX_SESSION_ID_LEN",
     "NAME_PATTERN",
+    "PUBLISHER_SEPARATOR",
     "SESSION_ID_PATTERN",
     "TENANT_SEPARATOR",
     "check_name",
     "check_session_id",
     "check_stored_session_id",
+    "public_namespace_of",
+    "publisher_namespace",
     "scoped_session_id",
     "unscoped_session_id",
 ]
@@ -33,6 +36,25 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 _NAME = re.compile(NAME_PATTERN)
 #: Separates a tenant from its session ids in the router's table; in neither alphabet.
 TENANT_SEPARATOR = "/"
+#: Separates a public namespace from the tenant that published into it; not in the
+#: names' alphabet either, so no tenant can name another publisher's namespace.
+PUBLISHER_SEPARATOR = "@"
+
+
+def publisher_namespace(public: str, tenant: str) -> str:
+    """The namespace ``tenant``'s blocks in public namespace ``public`` are hashed under.
+
+    Every publisher of a public namespace has its own: two publishers' KV for
+    the same tokens are two blocks, and neither can replace the other's
+    (a reader chooses whose it trusts). Identical bytes are kept once per
+    publisher: the price of never taking one publisher's word for another's.
+    """
+    return f"{check_name(public, 'namespace')}{PUBLISHER_SEPARATOR}{check_name(tenant, 'tenant')}"
+
+
+def public_namespace_of(namespace: str) -> str:
+    """The public namespace a publisher's namespace belongs to (a plain one: itself)."""
+    return namespace.partition(PUBLISHER_SEPARATOR)[0]
 
 
 def check_session_id(session_id: object) -> str:
