@@ -92,6 +92,7 @@ class SessionView:
     chain: list[bytes]
     device_id: str | None
     ack: str = "memory"  # when appends are answered: in memory, or fsynced in the archive
+    finite_only: bool = False  # appends holding NaN or inf are refused
     # Tokens whose blocks were lost (a device restarted before they were archived):
     # the session serves its first ``tokens``, an engine recomputes the rest, and
     # the next append sends the blocks after them again. ``partial_reason`` says why.
@@ -174,9 +175,33 @@ def _session(data: dict[str, Any]) -> SessionView:
         chain=[bytes.fromhex(k) for k in data["chain"]],
         device_id=data.get("device_id"),
         ack=data.get("ack", "memory"),
+        finite_only=bool(data.get("finite_only", False)),
         lost_tokens=int(data.get("lost_tokens", 0)),
         partial_reason=data.get("partial_reason"),
     )
+
+
+def _create_body(
+    session_id: str,
+    layout: KVLayout,
+    namespace: str | None,
+    priority: str,
+    ack: str | None,
+    exact_only: bool,
+    finite_only: bool,
+) -> dict[str, Any]:
+    """A create's JSON body. ``finite_only``: appends with NaN or inf are refused (422)."""
+    body: dict[str, Any] = {
+        "session_id": session_id,
+        "layout": layout.to_dict(),
+        "namespace": namespace,
+        "priority": priority,
+        "ack": ack,
+        "exact_only": exact_only,
+    }
+    if finite_only:  # only when asked: a gateway before it knows no such field
+        body["finite_only"] = True
+    return body
 
 
 def _turn(data: dict[str, Any]) -> TurnResult:
@@ -648,15 +673,9 @@ class Client:
         priority: str = "normal",
         ack: str | None = None,
         exact_only: bool = False,
+        finite_only: bool = False,
     ) -> SessionView:
-        body = {
-            "session_id": session_id,
-            "layout": layout.to_dict(),
-            "namespace": namespace,
-            "priority": priority,
-            "ack": ack,
-            "exact_only": exact_only,
-        }
+        body = _create_body(session_id, layout, namespace, priority, ack, exact_only, finite_only)
         view = _session(self._request("POST", "/v1/sessions", json=body, idempotent=False).json())
         self._known[session_id] = view
         return view
@@ -897,15 +916,9 @@ class AsyncClient:
         priority: str = "normal",
         ack: str | None = None,
         exact_only: bool = False,
+        finite_only: bool = False,
     ) -> SessionView:
-        body = {
-            "session_id": session_id,
-            "layout": layout.to_dict(),
-            "namespace": namespace,
-            "priority": priority,
-            "ack": ack,
-            "exact_only": exact_only,
-        }
+        body = _create_body(session_id, layout, namespace, priority, ack, exact_only, finite_only)
         r = await self._request("POST", "/v1/sessions", json=body, idempotent=False)
         return _session(r.json())
 

@@ -219,11 +219,13 @@ class SessionRouter:
         ack: str | None = None,
         quota: tuple[int | None, int | None] | None = None,
         exact_only: bool = False,
+        finite_only: bool = False,
     ) -> dict[str, Any]:
         """A new session.
 
         Args:
             exact_only: its blocks never take a lossy step (docs/durability.md).
+            finite_only: appends holding NaN or inf are refused (docs/security.md).
             ack: ``memory`` or ``archive`` (docs/durability.md); None: the
                 deployment's default.
             quota: the tenant's ``(max sessions, max bytes)`` (None: no limit).
@@ -243,6 +245,7 @@ class SessionRouter:
             priority,
             durable=ack == "archive",
             exact_only=exact_only,
+            finite_only=finite_only,
         )
         await self._durable(record.durable)
         return record.as_dict()
@@ -300,6 +303,7 @@ class SessionRouter:
                         spec["session_id"], spec["layout"], spec.get("namespace", "default"),
                         spec.get("priority", "normal"), durable=ack == "archive",
                         exact_only=bool(spec.get("exact_only", False)),
+                        finite_only=bool(spec.get("finite_only", False)),
                     )
                 except KeyError as e:
                     raise InvalidInputError(f"spec {i}: missing {e}") from e
@@ -320,7 +324,8 @@ class SessionRouter:
         await self._ready()
         record = self.state.get(session_id)
         if record.device_id is None:
-            raise InvalidInputError(f"session {session_id!r} has no blocks yet")
+            # The session's state, not the request, is what does not fit: 409.
+            raise ConflictError(f"session {session_id!r} has no blocks yet (append a turn first)")
         if record.device_id not in self._devices:
             raise ClosedError(
                 f"session {session_id!r} is being recovered (its device is coming back); retry"

@@ -152,6 +152,7 @@ class RouterState:
         priority: Priority | str,
         durable: bool = False,
         exact_only: bool = False,
+        finite_only: bool = False,
     ) -> SessionRecord:
         """A new session (the id rule, layout and priority are checked here, once)."""
         layout, layout_dict = _LAYOUTS.parse(layout)
@@ -162,19 +163,21 @@ class RouterState:
             priority=priority,
             durable=durable,
             exact_only=exact_only,
+            finite_only=finite_only,
         )
         self.tenant_sessions[tenant_of(session_id)] += 1
-        self._log(
-            {
-                "op": "create",
-                "id": session_id,
-                "ns": record.namespace,
-                "layout": layout_dict,
-                "prio": record.priority.value,
-                "durable": record.durable,
-                "exact_only": record.exact_only,
-            }
-        )
+        entry = {
+            "op": "create",
+            "id": session_id,
+            "ns": record.namespace,
+            "layout": layout_dict,
+            "prio": record.priority.value,
+            "durable": record.durable,
+            "exact_only": record.exact_only,
+        }
+        if record.finite_only:  # only where set: older journals read the same
+            entry["finite_only"] = True
+        self._log(entry)
         return record
 
     def get(self, session_id: str) -> SessionRecord:
@@ -429,6 +432,7 @@ class RouterState:
                     "prio": r.priority.value,
                     "durable": r.durable,
                     "exact_only": r.exact_only,
+                    "finite_only": r.finite_only,
                 }
             )
             if r.chain or r.turn:
@@ -481,6 +485,7 @@ class RouterState:
                 entry["prio"],
                 durable=bool(entry.get("durable", False)),
                 exact_only=bool(entry.get("exact_only", False)),
+                finite_only=bool(entry.get("finite_only", False)),
             )
         elif op == "put":
             record = self.sessions.lookup(entry["id"])

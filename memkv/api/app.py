@@ -67,7 +67,7 @@ from memkv.errors import (
     WrongNodeError,
     plain_message,
 )
-from memkv.protocol.dtypes import DTYPES
+from memkv.protocol.dtypes import DTYPES, non_finite_count
 from memkv.protocol.hashing import chain_hashes, token_array
 from memkv.protocol.ids import (
     MAX_SESSION_ID_LEN,
@@ -169,6 +169,12 @@ class SessionCreate(_Model):
         description="Its blocks never take a lossy step (fp16 of fp32, int8, lossy cold codec). "
         "Blocks shared with sessions that allowed one before may still read as inexact: "
         "every block read says whether it is exact.",
+    )
+    finite_only: StrictBool = Field(
+        default=False,
+        description="Appends whose KV holds a NaN or an infinity are refused (422, naming "
+        "the block). Default: stored as sent, bit for bit (such blocks never take a lossy "
+        "step).",
     )
 
 
@@ -323,7 +329,7 @@ def create_app(
     inflight = BodyBudget(
         max_inflight_body_bytes if max_inflight_body_bytes is not None else 2 * max_body_bytes
     )
-    sessions: _LRU[tuple[KVLayout, str]] = _LRU(SESSION_CACHE_ENTRIES)
+    sessions: _LRU[tuple[KVLayout, str, bool]] = _LRU(SESSION_CACHE_ENTRIES)
     this_node = node_id or _this_node() or ""
     # Sessions whose device is on another node: their appends skip staging.
     unstaged: _LRU[bool] = _LRU(SESSION_CACHE_ENTRIES)
@@ -447,7 +453,7 @@ def create_app(
         layout = KVLayout.from_dict(body.layout.model_dump())
         # Packed: one argument each way (Ray's cost per argument is most of a create's).
         arguments = pack(sid, layout.to_dict(), namespace, body.priority, body.ack, who.quota,
-                         body.exact_only)
+                         body.exact_only, body.finite_only)
         record = unpack(await routers.of(sid).create_session_packed.remote(arguments))
         return _session_out(record, body.session_id)
 
@@ -550,9 +556,10 @@ def create_app(
         known = sessions.get(sid)
         if known is None:
             record = await routers.of(sid).session.remote(sid)
-            known = (KVLayout.from_dict(record["layout"]), record["namespace"])
+            known = (KVLayout.from_dict(record["layout"]), record["namespace"],
+                     bool(record.get("finite_only", False)))
             sessions.put(sid, known)
-        layout, namespace = known
+        layout, namespace, finite_only = known
         sent_layout = head.get("layout")
         if sent_layout is not None and KVLayout.from_dict(sent_layout) != layout:
             raise ConflictError(
@@ -584,6 +591,11 @@ def create_app(
             if dtype != layout.dtype:
                 raise LayoutMismatchError(
                     f"block {i} is {dtype}, the session's layout is {layout.dtype}"
+                )
+            if finite_only and (bad := non_finite_count(array, dtype)):
+                raise InvalidInputError(
+                    f"block {i} holds {bad} NaN or infinite value(s); session {session_id!r} "
+                    f"was created finite_only"
                 )
             payloads.append(BlockPayload(key, dtype, array))
             checksums.append(int(frame.header["crc32"]))
@@ -843,7 +855,8 @@ _ERROR_DOCS = {
     403: "The token may not do this (role or namespace).",
     404: "No such session or block (another tenant's answers the same).",
     408: "The request body stalled.",
-    409: "Conflict: the id is taken, a turn is out of order, the layout differs.",
+    409: "Conflict with the session's state: the id is taken, a turn is out of order, the "
+         "layout differs, the session has no blocks yet.",
     410: "The session's blocks are lost (its device restarted before they were archived).",
     413: "The body is larger than the gateway accepts.",
     422: "Invalid input (the message names what was expected).",
@@ -857,9 +870,9 @@ _ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/sessions"): (409, 507),
     ("get", "/v1/sessions/{session_id}"): (404, 410),
     ("delete", "/v1/sessions/{session_id}"): (404,),
-    ("post", "/v1/sessions/{session_id}/suspend"): (404, 410),
-    ("post", "/v1/sessions/{session_id}/resume"): (404, 410),
-    ("post", "/v1/sessions/{session_id}/input-end"): (404, 410),
+    ("post", "/v1/sessions/{session_id}/suspend"): (404, 409, 410),
+    ("post", "/v1/sessions/{session_id}/resume"): (404, 409, 410),
+    ("post", "/v1/sessions/{session_id}/input-end"): (404, 409, 410),
     ("post", "/v1/sessions/{session_id}/turns"): (404, 408, 409, 410, 413, 507),
     ("get", "/v1/sessions/{session_id}/blocks"): (404, 410),
     ("post", "/v1/blocks/read"): (404, 410),

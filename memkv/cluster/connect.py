@@ -109,10 +109,13 @@ class MemkvCluster:
         priority: str = "normal",
         ack: str | None = None,
         exact_only: bool = False,
+        finite_only: bool = False,
     ) -> dict[str, Any]:
         """A new session; ``ack`` (``memory`` / ``archive``) and ``exact_only``:
-        see docs/durability.md."""
-        arguments = pack(session_id, layout.to_dict(), namespace, priority, ack, None, exact_only)
+        see docs/durability.md; ``finite_only``: appends through a gateway holding
+        NaN or inf are refused (docs/security.md)."""
+        arguments = pack(session_id, layout.to_dict(), namespace, priority, ack, None, exact_only,
+                         finite_only)
         return dict(unpack(ray.get(
             self.routers.of(session_id).create_session_packed.remote(arguments))))
 

@@ -16,7 +16,15 @@ from memkv.errors import InvalidInputError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "DTypeInfo", "StorageDType", "dtype_info", "numpy_view_dtype", "torch_dtype"]
+__all__ = [
+    "DTYPES",
+    "DTypeInfo",
+    "StorageDType",
+    "dtype_info",
+    "non_finite_count",
+    "numpy_view_dtype",
+    "torch_dtype",
+]
 
 StorageDType = Literal["float32", "float16", "bfloat16"]
 
@@ -56,6 +64,17 @@ def dtype_info(name: object) -> DTypeInfo:
 def numpy_view_dtype(name: str) -> np.dtype[Any]:
     """The numpy dtype a payload of ``name`` is viewed as (bfloat16 as uint16 bits)."""
     return dtype_info(name).numpy_view
+
+
+#: bfloat16's exponent bits: all ones is an infinity or a NaN.
+_BF16_EXPONENT = np.uint16(0x7F80)
+
+
+def non_finite_count(array: np.ndarray, name: str) -> int:
+    """How many values of a payload (viewed as :func:`numpy_view_dtype`) are NaN or inf."""
+    if dtype_info(name).name == "bfloat16":
+        return int(np.count_nonzero((array & _BF16_EXPONENT) == _BF16_EXPONENT))
+    return int(array.size - np.count_nonzero(np.isfinite(array)))
 
 
 def torch_dtype(name: str) -> torch.dtype:

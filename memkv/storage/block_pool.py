@@ -1347,7 +1347,7 @@ class BlockPool:
     def _ensure_cold(self, entry: _Block, stored: StoredBlock, offline: bool = False) -> None:
         if entry.in_cold:
             return
-        codec = self._cold_codec(entry, offline)
+        codec = self._cold_codec(entry, offline, stored)
         self._cold.put(entry.key, stored, fingerprint=entry.layout.fingerprint, codec=codec)
         self._mark_cold(entry, stored, codec)
 
@@ -1362,7 +1362,8 @@ class BlockPool:
         for entry in entries:
             if entry.in_cold:
                 continue
-            items.append((entry, self._load_stored(entry), self._cold_codec(entry, offline)))
+            stored = self._load_stored(entry)
+            items.append((entry, stored, self._cold_codec(entry, offline, stored)))
         if not items:
             if durable:
                 self._cold.sync()  # earlier cold copies may not be forced to disk yet
@@ -1374,15 +1375,27 @@ class BlockPool:
         for entry, stored, codec in items:
             self._mark_cold(entry, stored, codec)
 
-    def _cold_codec(self, entry: _Block, offline: bool) -> str:
+    def _cold_codec(
+        self, entry: _Block, offline: bool, stored: StoredBlock | None = None
+    ) -> str:
         # Partial tails are rewritten every turn; the policy stores often
         # rewritten ones uncompressed (compression would be wasted on them).
-        return self._codec_policy.choose(
+        codec = self._codec_policy.choose(
             "cold",
             update_count=entry.rewrites,
             offline=offline and entry.refcount <= 1 and not entry.exact_only,
             turns_old=entry.rounds,
         )
+        if (
+            _codec_step(codec) is not None
+            and isinstance(stored, torch.Tensor)
+            and not bool(torch.isfinite(stored).all())
+        ):
+            # NaN or inf have no lossy code: such a block stays exact (stored as
+            # sent; sessions that want them refused say so at create).
+            self._counters["precision_fallbacks"] += 1
+            return self._cold_codec(entry, offline=False)
+        return codec
 
     @staticmethod
     def _mark_cold(entry: _Block, stored: StoredBlock, codec: str) -> None:

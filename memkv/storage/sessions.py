@@ -54,6 +54,8 @@ class SessionRecord:
     durable: bool = False
     # Never a lossy step for this session's blocks (precision, codecs).
     exact_only: bool = False
+    # Appends carrying NaN or inf are refused (422) instead of stored as sent.
+    finite_only: bool = False
     # Placement and hotness: the router's (a single-process store leaves them be).
     device_id: str | None = None  # placed at the first append (prefix affinity needs tokens)
     hotness: float = 0.0
@@ -86,6 +88,7 @@ class SessionRecord:
             "state": "lost" if self.lost else self.state.value,
             "ack": "archive" if self.durable else "memory",
             "exact_only": self.exact_only,
+            "finite_only": self.finite_only,
             "archived": not self.active,
             "hotness": self.hotness,
             "lost_reason": self.lost_reason,
@@ -179,6 +182,7 @@ class SessionTable:
         priority: Priority | str = Priority.NORMAL,
         durable: bool = False,
         exact_only: bool = False,
+        finite_only: bool = False,
     ) -> SessionRecord:
         """Register a new, empty session.
 
@@ -209,6 +213,7 @@ class SessionTable:
             last_access=now,
             durable=bool(durable),
             exact_only=bool(exact_only),
+            finite_only=bool(finite_only),
         )
         self._records[session_id] = record
         return record
@@ -295,6 +300,12 @@ class SessionTable:
             InvalidInputError: the chain or start block do not fit the token count.
         """
         record = self.get(session_id)
+        if token_count <= 0:
+            # A turn's tokens are the whole session's: none would drop every block.
+            raise InvalidInputError(
+                f"an append needs at least one token, got {token_count} (a turn carries the "
+                f"session's whole token list; delete the session to drop its KV)"
+            )
         counts = block_token_count(record.layout, token_count)
         if len(chain) != len(counts):
             raise InvalidInputError(

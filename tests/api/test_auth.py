@@ -25,6 +25,7 @@ from memkv.errors import (
     CapacityError,
     ConfigError,
     ForbiddenError,
+    InvalidInputError,
     UnauthorizedError,
     UnknownBlockError,
     UnknownSessionError,
@@ -424,3 +425,55 @@ def test_strict_types_and_roles_of_item_10(gateway):
     assert r.status_code == 403, r.text
     r = httpx.post(gateway.url + "/v1/sessions/strict/input-end", headers=headers)
     assert r.status_code == 200, r.text
+
+
+def test_non_finite_kv_is_stored_as_sent_unless_the_session_refuses_it(gateway):
+    """Item 10 of [1/5]: NaN and inf are a decision, not an accident. By default a
+    block is stored as sent, bit for bit; a session created ``finite_only`` refuses
+    it (422, naming the block) and keeps what it had."""
+    keys, values = kv(8)
+    keys[0][0, 1, 2] = float("nan")
+    values[1][1, 5, 3] = float("inf")
+    with client(gateway, "alice") as alice:
+        alice.create_session("as-sent", LAYOUT)
+        alice.append_turn("as-sent", list(range(8)), keys, values)
+        got = [b.tensor for b in alice.read_blocks("as-sent")]
+        want = split_kv(LAYOUT, keys, values)
+        assert [g.numpy().tobytes() for g in got] == [w.numpy().tobytes() for w in want]
+        assert int(torch.isnan(got[0]).sum()) == 1 and int(torch.isinf(got[1]).sum()) == 1
+
+        strict = alice.create_session("finite", LAYOUT, finite_only=True)
+        assert strict.finite_only
+        clean_keys, clean_values = kv(4, seed=2)
+        alice.append_turn("finite", list(range(4)), clean_keys, clean_values)
+        with pytest.raises(InvalidInputError, match=r"block 1 holds 1 NaN or infinite"):
+            alice.append_turn("finite", list(range(8)), keys, values, turn=2)
+        assert alice.session("finite").tokens == 4  # what it had, untouched
+        assert len(list(alice.read_blocks("finite"))) == 1
+
+
+def test_a_turn_of_no_tokens_is_refused_and_changes_nothing(gateway):
+    """Item 10 of [1/5]: an append of 0 tokens dropped the session's whole chain."""
+    with client(gateway, "alice") as alice:
+        alice.create_session("zero", LAYOUT)
+        alice.append_turn("zero", list(range(8)), *kv(8))
+        empty = [torch.zeros(2, 0, 8, dtype=torch.float16)] * 2
+        with pytest.raises(InvalidInputError, match="at least one token"):
+            alice.append_turn("zero", [], empty, empty, turn=2)
+        assert alice.session("zero").tokens == 8
+        assert len(list(alice.read_blocks("zero"))) == 2
+
+
+def test_a_session_without_blocks_conflicts_rather_than_being_invalid(gateway):
+    """schemathesis: a valid suspend/resume/input-end of an empty session answered 422
+    (invalid input); the request is fine, the session's state is not: 409."""
+    from memkv.errors import ConflictError
+
+    with client(gateway, "alice") as alice:
+        alice.create_session("empty", LAYOUT)
+        for call in (alice.suspend, alice.resume):
+            with pytest.raises(ConflictError, match="no blocks yet"):
+                call("empty")
+    r = httpx.post(gateway.url + "/v1/sessions/empty/input-end",
+                   headers={"authorization": "Bearer tok-alice"})
+    assert r.status_code == 409, r.text
