@@ -248,8 +248,19 @@ class MemkvCluster:
         :data:`READ_WINDOW_BATCHES` are in flight, so the device promotes
         blocks just ahead of the reader, and the first arrives before the last
         is loaded. If the device dies mid-read, the router recovers it (from
-        the archive) and the read goes on from the next block.
+        the archive) and the read goes on from the next block. Whether each
+        block is exact: :meth:`read_session_payloads`.
         """
+        for payload in self.read_session_payloads(session_id, start, end):
+            yield payload.key, from_payload(payload)
+
+    def read_session_payloads(
+        self, session_id: str, start: int = 0, end: int | None = None
+    ) -> Iterator[BlockPayload]:
+        """:meth:`read_session`'s blocks with what is known of each: ``exact`` (False
+        once its bytes went through a lossy step), ``lossy`` (which one:
+        memkv.protocol.exactness), ``tier`` (where it was found); ``data`` is a
+        read-only view (``memkv.actors.payload.from_payload`` makes the tensor)."""
         position = start
         attempt = 0
         router = self.routers.of(session_id)
@@ -259,7 +270,7 @@ class MemkvCluster:
             try:
                 for payload in _pipelined(device, list(route.keys), session_id):
                     position += 1
-                    yield payload.key, from_payload(payload)
+                    yield payload
                 return
             except RayActorError:
                 if attempt >= _DEVICE_RETRIES:

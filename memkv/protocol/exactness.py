@@ -42,8 +42,11 @@ LOSSY_STEPS: dict[str, LossyStep] = {
         LossyStep(
             3,
             "delta_rl",
-            "the offline Delta+RL codec (4-bit groups by default): |error| <= half a "
-            "quantisation step of each group, (max - min) / 30 at 4 bits",
+            "the offline Delta+RL codec, stepped codes (the default, codecs.delta_rl_step "
+            "= 0.5): |error| <= scale / 2 per element, scale = max(step x RMS, absmax / 127) "
+            "of its key channel (less its mean) or value token, i.e. <= RMS / 4 at the "
+            "default step (plus rounding to the block dtype); with delta_rl_bits: 4, half a "
+            "step of each 4-bit group, (max - min) / 30",
         ),
     )
 }

@@ -263,3 +263,16 @@ def test_in_cluster_appends_are_staged_for_this_nodes_devices(cluster, monkeypat
     assert same(read(cluster, other), other_blocks)
     monkeypatch.undo()
     cluster._staging_checked = False  # let later tests stage again
+
+
+def test_in_cluster_reads_say_which_blocks_are_exact(cluster):
+    """Item 13 of [1/5]: read_session dropped the per-block exactness flags."""
+    sid, _, blocks = new_session(cluster, 8, seed=460)
+    cluster.suspend(sid, offline=True)  # unshared blocks: the lossy Delta+RL codec
+    cluster.resume(sid)
+    read = list(cluster.read_session_payloads(sid))
+    assert [p.key for p in read] == cluster.session(sid)["chain"]
+    assert all(not p.exact and p.lossy == "delta_rl" for p in read), [
+        (p.exact, p.lossy) for p in read]
+    exact, _, _ = new_session(cluster, 8, seed=461)
+    assert all(p.exact and p.lossy == "" for p in cluster.read_session_payloads(exact))

@@ -591,3 +591,33 @@ def test_codec_policy_rejects_bad_config() -> None:
         CodecPolicy(CodecConfig(warm_codec="delta_rl"))
     with pytest.raises(InvalidInputError):
         CodecPolicy(CodecConfig(), cold_min_turns_old=-1)
+
+
+def test_the_bound_readers_are_told_is_the_default_codecs_and_holds_measured() -> None:
+    """Item 13 of [1/5]: a block read after the offline codec said "4-bit groups,
+    (max - min) / 30" while the default is stepped codes; the bound told must be
+    the codec's actually used, and hold measured."""
+    from memkv.protocol.exactness import LOSSY_STEPS
+    from memkv.storage.codecs import get_codec_for
+
+    config = CodecConfig()
+    told = LOSSY_STEPS[config.cold_lossy_codec].bound
+    assert config.delta_rl_step is not None and config.delta_rl_bits == 8
+    assert f"delta_rl_step = {config.delta_rl_step:g}" in told and "stepped codes" in told
+    assert config.delta_rl_step / 2 == 0.25 and "RMS / 4" in told
+    codec = get_codec_for(config, config.cold_lossy_codec)
+    gen = torch.Generator().manual_seed(13)
+    block = torch.randn(2, 2, 4, 64, 32, generator=gen) * 2 + torch.randn(
+        1, 1, 1, 1, 32, generator=gen) * 5  # keys and values with per-channel offsets
+    out = codec.decode(codec.encode(block)).double()
+    err = (out - block.double()).abs()
+    assert (err <= _stepped_bound(block, config.delta_rl_step)).all()
+    # In RMS terms: values per token, keys per channel less its mean.
+    v, k = block[:, 1].double(), block[:, 0].double()
+    v_rms = v.square().mean(3, keepdim=True).sqrt()
+    k_rms = (k - k.mean(2, keepdim=True)).square().mean(2, keepdim=True).sqrt()
+    assert float((err[:, 1] / v_rms).max()) <= 0.25 * (1 + 1e-3)
+    assert float((err[:, 0] / k_rms).max()) <= 0.25 * (1 + 1e-3)
+    # The old statement was not this codec's: its errors go past (max - min) / 30.
+    spread = v.amax(3, keepdim=True) - v.amin(3, keepdim=True)
+    assert float((err[:, 1] / (spread / 30)).max()) > 1
