@@ -36,6 +36,8 @@ Configuration (``kv_connector_extra_config``)::
      "namespace": null,                 # gateway: a public namespace to use (default: the
                                         #   token's tenant); cluster: the namespace (default)
      "layerwise": true,                 # write loaded KV into the paged cache layer by layer
+     "max_request_bytes": 67108864,     # blocks per save/read request (keep it under the
+                                        #   gateway's max_body_bytes)
      "stats_path": null}                # also write the running totals here, as JSON
                                         #   (with saves_queued / saves_done: a save
                                         #   is stored once they are equal)
@@ -72,7 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from memkv.errors import MemkvError
+from memkv.errors import InvalidInputError, MemkvError
 from memkv.gpu_kernels import ops as kernels
 from memkv.integrations.vllm.metrics import MemkvConnectorStats, MemkvPromMetrics, StatsRecorder
 from memkv.integrations.vllm.stats_file import write_part
@@ -115,6 +117,13 @@ except ImportError:  # pragma: no cover - the gateway transport needs no Ray
 #: Blocks travel in requests of at most this many bytes: a 4096-token prompt of a
 #: Llama-3-8B-shaped model is 512 MiB, over a gateway's body limit in one piece.
 _REQUEST_BYTES = 64 << 20
+
+
+def _request_bytes(extra: dict[str, Any]) -> int:
+    value = extra.get("max_request_bytes", _REQUEST_BYTES)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInputError(f"max_request_bytes must be a positive int, got {value!r}")
+    return value
 
 
 @dataclass
@@ -173,6 +182,7 @@ class MemkvConnector(KVConnectorBase_V1):
             block_tokens=self._block_size,
         )
         self._layerwise = bool(self._extra.get("layerwise", True))
+        self._request_bytes = _request_bytes(self._extra)
         self._stats_path = self._extra.get("stats_path")
         self._stats_lock = threading.Lock()  # the engine's thread and the saver's
         self._role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
@@ -433,7 +443,7 @@ class MemkvConnector(KVConnectorBase_V1):
         self._fetched = []
 
     def _chunk_blocks(self) -> int:
-        return max(1, _REQUEST_BYTES // self.layout.block_nbytes())
+        return max(1, self._request_bytes // self.layout.block_nbytes())
 
     def _read(self, keys: list[bytes]) -> list[torch.Tensor]:
         per = self._chunk_blocks()
@@ -443,7 +453,7 @@ class MemkvConnector(KVConnectorBase_V1):
         return blocks
 
     def _save(self, session_id: str, save: _Save, blocks: list[torch.Tensor]) -> None:
-        """Append in requests of at most :data:`_REQUEST_BYTES`, each the tokens up to its end."""
+        """Append in requests of at most ``max_request_bytes``, each the tokens up to its end."""
         per = self._chunk_blocks()
         for i in range(0, len(blocks), per):
             chunk = blocks[i : i + per]
