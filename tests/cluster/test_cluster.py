@@ -181,6 +181,10 @@ def test_restarted_archive_rebuilds_its_index_and_serves_again(cluster):
 
 def test_background_prefetch_brings_back_idle_sessions_while_hot_is_underused(cluster):
     sid, _, _ = new_session(cluster, 16, seed=700, namespace="background")
+    # The hottest idle session of its device, whatever other tests left idle there
+    # (sessions a device restart cut short stay, archived, as candidates too).
+    for _ in range(25):
+        read(cluster, sid)
     info = cluster.suspend(sid)
     device = cluster.devices[cluster.device_of(sid)]
     assert ray.get(device.locations.remote(info["chain"])) == ["cold"] * 4
