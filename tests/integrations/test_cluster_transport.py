@@ -82,6 +82,16 @@ def test_joining_nothing_ends_within_the_bound_and_requests_then_compute():
     assert answer["s"] < 30
 
 
+def _once_joined(joining: _Joining) -> object:
+    """What the background join gave, polled for a second (it never waits itself)."""
+    for _ in range(100):
+        try:
+            return joining.get()
+        except TimeoutError:
+            time.sleep(0.01)
+    pytest.fail("the background join never became usable")
+
+
 def test_joining_waits_until_the_first_deadline_only():
     release = threading.Event()
     joining = _Joining(lambda: release.wait() and "cluster", address="x", timeout_s=0.2)
@@ -94,14 +104,7 @@ def test_joining_waits_until_the_first_deadline_only():
         joining.get()
     assert time.monotonic() - started < 0.1
     release.set()
-    for _ in range(100):
-        try:
-            assert joining.get() == "cluster"
-            break
-        except TimeoutError:
-            time.sleep(0.01)
-    else:
-        pytest.fail("the background join never became usable")
+    assert _once_joined(joining) == "cluster"
 
 
 def test_a_failed_join_is_retried_after_the_retry_interval():
@@ -116,12 +119,5 @@ def test_a_failed_join_is_retried_after_the_retry_interval():
     joining = _Joining(join, address="x", timeout_s=5, retry_s=0.0)
     with pytest.raises(ConnectionError, match="no GCS"):
         joining.get()  # raises the attempt's own error; and starts the next one
-    for _ in range(100):
-        try:
-            assert joining.get() == "cluster"
-            break
-        except TimeoutError:
-            time.sleep(0.01)
-    else:
-        pytest.fail("the retried join never became usable")
+    assert _once_joined(joining) == "cluster"
     assert len(attempts) == 2

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,10 +48,17 @@ def _model() -> Path:
 
 
 def _engine(mode: str, out: Path, connector: dict | None = None) -> dict:
+    return run_engine(ENGINE, mode, _model(), out, connector)
+
+
+def run_engine(
+    script: Path, mode: str, model: Path, out: Path, connector: dict | None = None
+) -> Any:
+    """Run one engine script in the vLLM venv (a fresh process) and return its JSON."""
     # The CPU backend sizes its KV cache from free memory unless told; beside a
     # memkv cluster that guess got the worker killed. 1 GiB is plenty here.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    args = [str(VLLM_PY), str(ENGINE), mode, str(_model()), str(out)]
+    args = [str(VLLM_PY), str(script), mode, str(model), str(out)]
     if connector is not None:
         args.append(json.dumps(connector))
     # Its own process group: the engine spawns its core and workers, and a run that

@@ -13,16 +13,14 @@ that loads the prefix from memkv lands on vLLM's own prefix-cache hit bit for bi
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+from .test_vllm import VLLM_PY, run_engine
+
 ENGINE = Path(__file__).with_name("vllm_logprobs.py")
 MODEL_CACHE = Path(os.environ.get("MEMKV_DATA_DIR", "~/.cache/memkv")).expanduser() / "vllm-qwen2"
 
@@ -48,20 +46,7 @@ def _model() -> Path:
 
 
 def _engine(mode: str, out: Path, connector: dict | None = None) -> list:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    args = [str(VLLM_PY), str(ENGINE), mode, str(_model()), str(out)]
-    if connector is not None:
-        args.append(json.dumps(connector))
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_engine(ENGINE, mode, _model(), out, connector)
 
 
 @pytest.mark.timeout(900)
