@@ -53,6 +53,8 @@ from memkv.protocol.wire import (
 if TYPE_CHECKING:
     import torch
 
+    from memkv.same_node import HostLease
+
 __all__ = [
     "AsyncClient",
     "Block",
@@ -840,6 +842,29 @@ class Client:
         except BaseException:
             self._blocks.drop()
             raise
+
+    def lease_blocks(
+        self, namespace: str | None, keys: Sequence[bytes], *, ttl_s: float = 30.0
+    ) -> HostLease:
+        """Pin blocks in the gateway host's shared memory and learn where they are.
+
+        Of use only on the gateway's host (``lease.local``): copy them with
+        :func:`memkv.same_node.copy_entries`, check each CRC32, and give every
+        plan back with :meth:`release_lease`. Blocks answered None: read them
+        with :meth:`read_blocks_by_key`. Not retried (a retry would pin twice).
+        """
+        from memkv.same_node import HostLease
+
+        body = {"namespace": namespace, "keys": [bytes(k).hex() for k in keys], "ttl_s": ttl_s}
+        doc = self._request("POST", "/v1/blocks/lease", json=body, idempotent=False).json()
+        try:
+            return HostLease.from_json(doc)
+        except (KeyError, TypeError, ValueError) as e:
+            raise errors.CorruptDataError(f"the gateway's lease answer is malformed: {e}") from e
+
+    def release_lease(self, lease_id: str) -> None:
+        """Give a lease back (blocks may move again); one that ran out answers UnknownBlockError."""
+        self._request("DELETE", f"/v1/blocks/lease/{lease_id}", idempotent=True)
 
     def match(
         self, layout: KVLayout, namespace: str | None, token_ids: Sequence[int] | np.ndarray

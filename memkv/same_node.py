@@ -34,13 +34,31 @@ from memkv.protocol.checksum import crc32
 from memkv.protocol.dtypes import numpy_view_dtype
 from memkv.protocol.messages import PlanEntry, ReadPlan
 
-__all__ = ["CopiedBlock", "SameNodeReader", "SegmentMaps", "copy_entries"]
+__all__ = ["CopiedBlock", "SameNodeReader", "SegmentMaps", "copy_entries", "shm_identity"]
 
 _SHM_DIR = "/dev/shm"
 #: Copy threads of a reader (memory bandwidth of one core is not all of a node's).
 COPY_THREADS = 2
 #: A plan is taken as valid only if this much of its lease is left after the copy.
 LEASE_MARGIN_S = 0.5
+
+
+def shm_identity() -> str:
+    """Names this host's shared memory: equal in two processes that see the same segments.
+
+    The kernel's boot id (one per host and boot) and the device number of the
+    ``/dev/shm`` mount (containers with a private ``/dev/shm`` differ in it).
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:  # not Linux: no same-host shared memory worth naming
+        return ""
+    try:
+        dev = os.stat(_SHM_DIR).st_dev
+    except OSError:
+        return ""
+    return f"{boot}/{dev}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +230,7 @@ class SameNodeReader:
             # Nothing copied from shared memory (nothing planned): nothing to void.
             valid = not planned or self._clock() < plan.expires_at - LEASE_MARGIN_S
         finally:
-            self._release_async(plan)
+            self.release_async(plan)
         if not valid:
             raise LeaseExpiredError(
                 f"lease {plan.lease_id} on device {plan.device_id!r} ran out before the copy "
@@ -262,7 +280,8 @@ class SameNodeReader:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="memkv-copy")
         return list(self._pool.map(one, range(len(entries))))
 
-    def _release_async(self, plan: ReadPlan) -> None:
+    def release_async(self, plan: ReadPlan) -> None:
+        """Give a plan back without waiting for the answer (see :meth:`read`)."""
         if not plan.lease_id:  # a plan of nothing (same-node reads are off)
             return
         fn = self._device.release_lease
@@ -282,3 +301,65 @@ class SameNodeReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True, slots=True)
+class HostLease:
+    """A gateway's answer to ``POST /v1/blocks/lease``: blocks pinned in its host's memory.
+
+    Attributes:
+        host: the gateway host's :func:`shm_identity`; the plans are only of use
+            where it equals this process's (:attr:`local`).
+        plans: one read plan per device lease (release each by ``lease_id``).
+        blocks: per key asked for, its plan and entry, or None (read it over HTTP).
+    """
+
+    host: str
+    plans: tuple[ReadPlan, ...]
+    blocks: tuple[tuple[ReadPlan, PlanEntry] | None, ...]
+
+    @property
+    def local(self) -> bool:
+        return bool(self.host) and self.host == shm_identity()
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> HostLease:
+        """Parse the route's answer (raises ValueError/KeyError/TypeError on a malformed one)."""
+        entries_of: list[list[PlanEntry]] = [[] for _ in doc["leases"]]
+        pairs: list[tuple[int, PlanEntry] | None] = []
+        for block in doc["blocks"]:
+            if block is None:
+                pairs.append(None)
+                continue
+            entry = PlanEntry(
+                key=bytes.fromhex(block["key"]),
+                found=str(block["found"]),
+                segment=str(block["segment"]),
+                segment_bytes=int(block["segment_bytes"]),
+                offset=int(block["offset"]),
+                nbytes=int(block["nbytes"]),
+                shape=tuple(int(x) for x in block["shape"]),
+                dtype=str(block["dtype"]),
+                crc32=int(block["crc32"]),
+                exact=bool(block["exact"]),
+                lossy=str(block.get("lossy", "")),
+            )
+            entries_of[int(block["lease"])].append(entry)
+            pairs.append((int(block["lease"]), entry))
+        plans = tuple(
+            ReadPlan(
+                lease_id=str(lease["id"]),
+                device_id=str(lease["device_id"]),
+                node_id="",
+                incarnation=str(lease["incarnation"]),
+                ttl_s=0.0,
+                entries=tuple(entries),
+                expires_at=float(lease["expires_at"]),
+            )
+            for lease, entries in zip(doc["leases"], entries_of, strict=True)
+        )
+        return cls(
+            str(doc["host"]),
+            plans,
+            tuple(None if p is None else (plans[p[0]], p[1]) for p in pairs),
+        )

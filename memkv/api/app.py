@@ -50,6 +50,7 @@ from memkv.api.blocks import (
     PlanCache,
 )
 from memkv.api.body_budget import BodyBudget, BodyHold
+from memkv.api.client_leases import DEFAULT_TTL_S, MAX_TTL_S, ClientLeases, plan_entry_json
 from memkv.api.observe import StatsSnapshot, engine_metrics
 from memkv.errors import (
     BlockLostError,
@@ -87,7 +88,7 @@ from memkv.protocol.wire import (
     block_payload,
     end_frame,
 )
-from memkv.same_node import SegmentMaps
+from memkv.same_node import SegmentMaps, shm_identity
 from memkv.staging import PutStaging, StagingSlot
 
 __all__ = ["FRAMES_MEDIA_TYPE", "create_app"]
@@ -206,6 +207,13 @@ class BlocksByKeyIn(_Model):
     )
 
 
+class BlockLeaseIn(BlocksByKeyIn):
+    ttl_s: float = Field(
+        default=DEFAULT_TTL_S, gt=0, le=MAX_TTL_S,
+        description="How long the blocks stay pinned unless the lease is given back first.",
+    )
+
+
 def _publisher_of(namespace: str | None) -> str | None:
     """The tenant a publisher's namespace (``public@tenant``) belongs to; None otherwise."""
     if namespace is None or PUBLISHER_SEPARATOR not in namespace:
@@ -271,6 +279,7 @@ def create_app(
     body_timeout_s: float = 30.0,
     max_json_bytes: int = 16 << 20,
     max_inflight_body_bytes: int | None = None,
+    client_lease_bytes: int = 1 << 30,
 ) -> FastAPI:
     """The gateway app for a router actor handle, or a sharded table's routers.
 
@@ -297,6 +306,8 @@ def create_app(
         staging: append bodies are read into this shared-memory segment and the
             node's devices copy the blocks from there (memkv.staging);
             None sends every block through ``put_object``.
+        client_lease_bytes: block bytes that clients on the gateway's host may
+            keep pinned under leases (``/v1/blocks/lease``) at once.
     """
     app = FastAPI(
         title="memkv gateway",
@@ -349,6 +360,8 @@ def create_app(
         else None,
         read_ahead=READ_AHEAD_BLOCKS,
     )
+    client_leases = ClientLeases(max_bytes=client_lease_bytes)
+    host_shm = shm_identity()
 
     # Outermost first: metrics see every request; block reads skip FastAPI's
     # dependency machinery (their hot path), every other request goes on to it.
@@ -718,6 +731,7 @@ def create_app(
 
     app.state.session_blocks = session_blocks
     app.state.release_plans = fetcher.release_all
+    app.state.client_leases = client_leases
     app.openapi = lambda: _openapi_with_errors(app)  # type: ignore[method-assign]
 
     @app.post(
@@ -807,6 +821,68 @@ def create_app(
 
         return StreamingResponse(stream(), media_type=FRAMES_MEDIA_TYPE)
 
+    @app.post("/v1/blocks/lease", tags=["kv"])
+    async def lease_blocks(body: BlockLeaseIn, who: Principal = Reader) -> dict[str, Any]:
+        """Where blocks sit in this host's shared memory, pinned under leases (same host only).
+
+        For a client on the gateway's host (its ``host`` equals the client's
+        :func:`memkv.same_node.shm_identity`): it maps each block's segment,
+        copies ``nbytes`` from ``offset``, checks ``crc32``, and gives each
+        lease back with ``DELETE /v1/blocks/lease/{id}`` (or lets it run out at
+        ``expires_at``, on the host's monotonic clock). A block answered
+        ``null`` is not in shared memory here (another node, same-node reads
+        off, the lease bound reached): read it with ``/v1/blocks/read``.
+        Keys the token may not read answer 404, like missing ones.
+        """
+        who.require("read")
+        namespaces = who.read_namespaces(body.namespace)
+        try:
+            keys = list(dict.fromkeys(bytes.fromhex(k) for k in body.keys))
+        except ValueError as e:
+            raise InvalidInputError(f"keys must be hex strings: {e}") from e
+        if not namespaces:
+            raise UnknownBlockError("no block of a trusted publisher has these keys")
+        groups = merge_located(
+            list(await asyncio.gather(*routers.locate_blocks(keys, namespaces)))
+        )
+        planned: dict[bytes, dict[str, Any]] = {}
+        leases: list[dict[str, Any]] = []
+        for device_id, device, group in groups if same_node_reads and this_node else []:
+            plan = await device.read_plan.remote(list(group), None, body.ttl_s)
+            nbytes = sum(e.nbytes for e in plan.entries if e is not None)
+            if not plan.same_node or plan.node_id != this_node or not plan.lease_id:
+                if plan.lease_id:
+                    device.release_lease.remote(plan.lease_id)
+                continue
+            if nbytes > client_leases.room():
+                client_leases.refused_over_budget += 1
+                device.release_lease.remote(plan.lease_id)
+                continue
+            client_leases.add(who.tenant, device, plan, body.ttl_s)
+            for entry in plan.entries:
+                if entry is not None:
+                    planned[entry.key] = plan_entry_json(entry, len(leases))
+            leases.append({
+                "id": plan.lease_id, "device_id": device_id,
+                "incarnation": plan.incarnation, "expires_at": plan.expires_at,
+            })
+        return {
+            "host": host_shm,
+            "leases": leases,
+            "blocks": [planned.get(k) for k in keys],
+        }
+
+    @app.delete("/v1/blocks/lease/{lease_id}", status_code=204, tags=["kv"])
+    async def release_block_lease(
+        lease_id: Annotated[str, Path(max_length=128)], who: Principal = Reader
+    ) -> Response:
+        """Give a lease back: its blocks may move again. Unknown (or run out): 404."""
+        device = client_leases.take(who.tenant, lease_id)
+        if device is None:
+            raise UnknownBlockError(f"no live lease {lease_id!r} of this caller")
+        await device.release_lease.remote(lease_id)
+        return Response(status_code=204)
+
     @app.post("/v1/match", tags=["kv"])
     async def match(body: MatchIn, who: Principal = Reader) -> dict[str, Any]:
         """How many leading tokens are already cached (any session of the namespace:
@@ -835,6 +911,7 @@ def create_app(
         # memory and how many in-cluster, and leases that ran out mid-write.
         out["gateway"] = {
             "plan_cache": fetcher.plan_stats(),
+            "client_leases": client_leases.stats(),
             "same_node_blocks": fetcher.same_node_blocks,
             "in_cluster_blocks": fetcher.in_cluster_blocks,
             "leases_lost": fetcher.leases_lost,
@@ -876,6 +953,8 @@ _ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/sessions/{session_id}/turns"): (404, 408, 409, 410, 413, 507),
     ("get", "/v1/sessions/{session_id}/blocks"): (404, 410),
     ("post", "/v1/blocks/read"): (404, 410),
+    ("post", "/v1/blocks/lease"): (404, 410),
+    ("delete", "/v1/blocks/lease/{lease_id}"): (404,),
     ("post", "/v1/match"): (),
     ("get", "/v1/stats"): (),
 }

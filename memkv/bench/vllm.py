@@ -11,9 +11,18 @@ off, one after the other:
 1. ``baseline``: no connector; the prompt is computed.
 2. ``memkv cold``: the connector finds nothing, the prompt is computed and its
    blocks are saved (in the background; the save's GB/s is the connector's).
-3. ``memkv warm (gateway)``: a new engine; the prefix is loaded over HTTP.
-4. ``memkv warm (cluster)``: a new engine inside the Ray cluster; the prefix
-   comes through the router and devices (same-node reads from shared memory).
+3. ``memkv warm (gateway, shared memory)``: a new engine given the gateway's
+   URL; the gateway runs on this host, so the connector leases the blocks and
+   copies them from the devices' shared memory straight into the paged cache.
+4. ``memkv warm (gateway, HTTP)``: the same with ``same_node`` off: the blocks
+   come as frames over HTTP (what an engine on another host gets).
+5. ``memkv warm (cluster)``: a new engine inside the Ray cluster; leases from
+   the devices themselves, the same copy into the paged cache.
+6. ``vLLM prefix-cache hit``: no memkv, vLLM's own prefix cache on, the prompt
+   sent once before: the KV is already in place, the ideal a load competes with.
+
+Beside them, single-core memcpy of the same bytes (the ceiling a load's
+fetch + write is held against) is measured in this process.
 
 Time to first token is the wall time of ``generate(max_tokens=1)`` after one
 warm-up request (the median of three requests, but one for the cold engine);
@@ -35,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from memkv.bench.context import BenchContext
+from memkv.bench.dataplane import memcpy_level
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track
 
 __all__ = ["run"]
@@ -65,6 +75,7 @@ DTYPE = "bfloat16"
 ENGINE_TIMEOUT_S = 1200
 #: The CPU backend's KV cache (GiB): room for the prompt, beside a memkv cluster.
 KV_CACHE_GIB = 2
+MEMCPY_REPS = 8
 
 
 def _model(shape: dict[str, Any]) -> Path:
@@ -145,23 +156,28 @@ def run(ctx: BenchContext) -> SuiteResult:
               "max_model_len": n + BLOCK_SIZE}
     # The cold engine sends the prompt once (a second time it would be warm); the
     # others three times, and their median request stands for them.
-    plan = [
-        ("baseline", "-", None, REPEATS),
-        ("memkv cold", "gateway", gateway, 1),
-        ("memkv warm", "gateway", gateway, REPEATS),
-        ("memkv warm", "cluster", in_cluster, REPEATS),
+    plan: list[tuple[str, str, dict[str, Any] | None, int, dict[str, Any]]] = [
+        ("baseline", "-", None, REPEATS, {}),
+        ("memkv cold", "gateway", gateway, 1, {}),
+        ("memkv warm", "gateway, shared memory", gateway, REPEATS, {}),
+        ("memkv warm", "gateway, HTTP", {**gateway, "same_node": False}, REPEATS, {}),
+        ("memkv warm", "cluster", in_cluster, REPEATS, {}),
+        ("vLLM prefix-cache hit", "-", None, REPEATS, {"prefix_caching": True}),
     ]
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="memkv-bench-vllm-") as scratch:
-        for i, (engine, transport, connector, repeats) in track(
+        for i, (engine, transport, connector, repeats, extra) in track(
             list(enumerate(plan)), "vllm: engines"
         ):
             warmup = [(31 * j + 7 * i + 5) % (vocab - 1) + 1 for j in range(WARMUP_TOKENS)]
-            spec = {**common, "connector": connector, "warmup": warmup, "repeats": repeats}
+            spec = {**common, "connector": connector, "warmup": warmup, "repeats": repeats,
+                    **extra}
             result = _engine(model, Path(scratch) / f"{i}.json", spec)
             runs.append({"engine": engine, "transport": transport, **result})
 
     base = runs[0]
+    kv_bytes = int((runs[1].get("connector") or {}).get("save_bytes", 0))
+    memcpy = memcpy_level(kv_bytes, MEMCPY_REPS).gb_s if kv_bytes else None
     rows = []
     for r in runs:
         counters = r.get("connector")
@@ -172,11 +188,26 @@ def run(ctx: BenchContext) -> SuiteResult:
         rows.append([
             r["engine"], r["transport"], r["cached_tokens"], round(r["ttft_s"], 3),
             round(base["ttft_s"] / r["ttft_s"], 2),
-            _fmt(_gbps(counters, "load")), split, _fmt(_gbps(counters, "save")),
-            "yes" if same else "NO",
+            _fmt(_gbps(counters, "load")), _ratio(_gbps(counters, "load"), memcpy), split,
+            _fmt(_gbps(counters, "save")), _ratio(_gbps(counters, "save"), memcpy),
+            _paths(counters), "yes" if same else "NO",
         ])
-    kv_mib = (runs[1].get("connector") or {}).get("save_bytes", 0) / 2**20
+    kv_mib = kv_bytes / 2**20
+    by = {(r["engine"], r["transport"]): r for r in runs}
+    shm, ideal = by[("memkv warm", "gateway, shared memory")], by[("vLLM prefix-cache hit", "-")]
+    shm_load = _gbps(shm.get("connector"), "load")
+    cold_save = _gbps(runs[1].get("connector"), "save")
+    targets = {
+        "load_vs_memcpy": {"measured": _div(shm_load, memcpy), "target": 0.5},
+        "ttft_vs_prefix_cache_hit": {"measured": shm["ttft_s"] / ideal["ttft_s"], "target": 1.3,
+                                     "lower_is_better": True},
+        "save_vs_memcpy": {"measured": _div(cold_save, memcpy), "target": 0.4},
+    }
     notes = [
+        f"Targets ([2/5]): same-node load (fetch + write) {_x(targets['load_vs_memcpy'])} "
+        f"single-core memcpy of the same bytes ({_fmt(memcpy)} GB/s here; target >= 0.5x); "
+        f"TTFT {_x(targets['ttft_vs_prefix_cache_hit'])} vLLM's own prefix-cache hit "
+        f"(target <= 1.3x); save {_x(targets['save_vs_memcpy'])} memcpy (target >= 0.4x).",
         f"{shape['name']} ({shape['num_hidden_layers']} layers, {shape['num_key_value_heads']} "
         f"KV heads x {shape.get('head_dim', shape['hidden_size'] // shape['num_attention_heads'])}"
         f", {DTYPE}), a {n}-token prompt, vLLM block size {BLOCK_SIZE}: {kv_mib:.0f} MiB of KV "
@@ -192,10 +223,12 @@ def run(ctx: BenchContext) -> SuiteResult:
         suite="vllm",
         title=f"vLLM engine: time to first token for a {n}-token prompt, with and without memkv",
         columns=["engine", "transport", "cached tokens", "TTFT s", "speed-up", "load GB/s",
-                 "fetch + write s", "save GB/s", "same first token"],
+                 "load / memcpy", "fetch + write s", "save GB/s", "save / memcpy",
+                 "blocks from shared memory / fetched", "same first token"],
         rows=rows,
         figures={"model": shape, "prompt_tokens": n, "block_size": BLOCK_SIZE, "dtype": DTYPE,
-                 "runs": runs, "python": sys.version.split()[0]},
+                 "runs": runs, "memcpy_gb_s": memcpy, "targets": targets,
+                 "python": sys.version.split()[0]},
         notes=notes,
         plot=PlotSpec(PlotKind.BAR, "engine", "time to first token (s)",
                       [f"{r['engine']} ({r['transport']})" for r in runs],
@@ -206,3 +239,23 @@ def run(ctx: BenchContext) -> SuiteResult:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    r = _div(a, b)
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _x(target: dict[str, Any]) -> str:
+    return "unmeasured" if target["measured"] is None else f"{target['measured']:.2f}x"
+
+
+def _paths(counters: dict[str, Any] | None) -> str:
+    if not counters or not counters.get("load_blocks"):
+        return "-"
+    shared, fetched = (counters.get(f"load_blocks_{k}", 0) for k in ("shared_memory", "fetched"))
+    return f"{shared} / {fetched}"

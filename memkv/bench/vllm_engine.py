@@ -4,7 +4,8 @@
 
 SPEC: ``connector`` (``kv_connector_extra_config``, or null for an engine
 without memkv), ``prompt`` and ``warmup`` (token ids), ``block_size``,
-``dtype``, ``max_model_len``. The engine serves the warm-up prompt first (the
+``dtype``, ``max_model_len``, ``prefix_caching`` (vLLM's own cache on, and the
+prompt sent once before the measured requests). The engine serves the warm-up prompt first (the
 first request of an engine pays one-off costs), then the measured prompt with
 ``max_tokens=1``: the wall time of that call is the time to first token. Writes
 the times, the first token, what vLLM says it had cached, and each request's
@@ -60,7 +61,9 @@ def main(model: str, out_path: str, spec: dict) -> None:
         max_model_len=spec["max_model_len"],
         block_size=spec["block_size"],
         enforce_eager=True,
-        enable_prefix_caching=False,  # every reused prefix comes from memkv
+        # Off: every reused prefix comes from memkv. On (``prefix_caching``): the
+        # ideal a load competes with, the KV already in the engine's cache.
+        enable_prefix_caching=bool(spec.get("prefix_caching", False)),
         max_num_seqs=1,
         max_num_batched_tokens=spec["max_model_len"],  # the prompt in one prefill
         seed=0,
@@ -80,6 +83,8 @@ def main(model: str, out_path: str, spec: dict) -> None:
 
     connected = spec.get("connector") is not None
     warmup_s, _, _ = timed(spec["warmup"])
+    if spec.get("prefix_caching"):
+        timed(spec["prompt"])  # computed once: later requests hit vLLM's own cache
     before = _settled(stats_path) if connected else {}
     requests = []
     for _ in range(int(spec.get("repeats", 1))):

@@ -50,8 +50,9 @@ from memkv.cluster.loopback import (
 from memkv.config import MemkvConfig, load_config
 from memkv.errors import ConfigError, InvalidInputError, UnknownBlockError, WrongNodeError
 from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.messages import PlanEntry, ReadPlan
 from memkv.protocol.shards import shard_name
-from memkv.same_node import SameNodeReader
+from memkv.same_node import HostLease, SameNodeReader, shm_identity
 from memkv.staging import PutStaging, staging_for, staging_node
 from memkv.storage.layout import KVLayout, split_kv
 
@@ -336,6 +337,45 @@ class MemkvCluster:
                 f"{namespace!r} (first {missing[0].hex()})"
             )
         return [found[k] for k in wanted]
+
+    def lease_blocks(self, keys: Sequence[bytes], namespace: str, ttl_s: float = 30.0
+                     ) -> tuple[HostLease, Callable[[], None]]:
+        """Blocks of ``namespace`` pinned in this node's shared memory, and how to let go.
+
+        Blocks on devices of other nodes (or of a deployment without
+        ``device.same_node_reads``) are answered None: read them with
+        :meth:`blocks_by_key`. The release does not wait for the devices.
+
+        Raises:
+            UnknownBlockError: a key that no device of the namespace holds.
+        """
+        wanted = [bytes(k) for k in keys]
+        groups = merge_located(ray.get(self.routers.locate_blocks(wanted, namespace)))
+        plans: list[tuple[SameNodeReader, ReadPlan]] = []
+        where: dict[bytes, tuple[ReadPlan, PlanEntry]] = {}
+        for device_id, device, group in groups:
+            if device_id in self._remote_devices:
+                continue
+            reader = self._reader(device_id, device)
+            try:
+                plan = reader.plan(group)
+            except WrongNodeError:
+                self._remote_devices.add(device_id)
+                continue
+            if not plan.lease_id:
+                continue
+            plans.append((reader, plan))
+            for entry in plan.entries:
+                if entry is not None:
+                    where[entry.key] = (plan, entry)
+
+        def release() -> None:
+            for reader, plan in plans:
+                reader.release_async(plan)
+
+        lease = HostLease(shm_identity(), tuple(p for _, p in plans),
+                          tuple(where.get(k) for k in wanted))
+        return lease, release
 
     def _reader(self, device_id: str, device: Any) -> SameNodeReader:
         """One reader per device: its segment mappings are kept between reads."""

@@ -266,18 +266,21 @@ def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path
     reason="no .venv-vllm (make vllm-venv)",
 )
 def test_vllm_quick(ctx: BenchContext) -> None:
-    """Four real engines: the warm ones load the prefix and answer the baseline's token."""
+    """Six real engines: the warm ones load the prefix and answer the baseline's token."""
     result = run_suite("vllm", ctx)
     doc = _written(ctx, "vllm")
     runs = {(r["engine"], r["transport"]): r for r in doc["figures"]["runs"]}
     assert runs[("baseline", "-")]["cached_tokens"] == 0
     assert runs[("memkv cold", "gateway")]["cached_tokens"] == 0
-    for transport in ("gateway", "cluster"):
+    assert runs[("vLLM prefix-cache hit", "-")]["cached_tokens"] == 480
+    for transport in ("gateway, shared memory", "gateway, HTTP", "cluster"):
         warm = runs[("memkv warm", transport)]
         assert warm["cached_tokens"] == 480  # 15 of the 16 blocks: the last token is computed
         assert warm["connector"]["hit_tokens"] == 480 and warm["connector"]["load_failures"] == 0
     assert runs[("memkv cold", "gateway")]["connector"]["save_bytes"] > 0
     assert all(row[-1] == "yes" for row in result.rows)  # the same first token everywhere
+    figures = doc["figures"]
+    assert figures["memcpy_gb_s"] > 0 and "ttft_vs_prefix_cache_hit" in figures["targets"]
 
 
 def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:

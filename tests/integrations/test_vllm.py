@@ -85,9 +85,12 @@ def run_engine(
 # this machine, past the suite's 300 s default inside a loaded full run.
 @pytest.mark.timeout(900)
 def test_vllm_loads_prefixes_and_agent_turns_from_memkv_with_identical_output(
-    cluster, gateway, tmp_path
+    cluster, memkv_deployment, tmp_path
 ):
     import ray
+
+    # What a `vllm serve` user gives the connector: one URL and one token.
+    deployment = {"url": memkv_deployment.url, "token": memkv_deployment.token}
 
     in_cluster = {
         "transport": "cluster",
@@ -98,11 +101,14 @@ def test_vllm_loads_prefixes_and_agent_turns_from_memkv_with_identical_output(
     }
     baseline = _engine("baseline", tmp_path / "baseline.json")
     runs = {
-        # Through the gateway: a first engine stores, a fresh engine process loads
-        # (writing all layers before the forward pass, the other load path).
-        "gateway-first": _engine("memkv", tmp_path / "g1.json", {"url": gateway.url}),
+        # Through the gateway: a first engine stores (its later turns load over HTTP),
+        # a fresh engine process loads straight from this host's shared memory (the
+        # gateway's leases), writing all layers before the forward pass.
+        "gateway-first": _engine(
+            "memkv", tmp_path / "g1.json", {**deployment, "same_node": False}
+        ),
         "gateway-second": _engine(
-            "memkv", tmp_path / "g2.json", {"url": gateway.url, "layerwise": False}
+            "memkv", tmp_path / "g2.json", {**deployment, "layerwise": False}
         ),
         # Inside the cluster (Ray, no HTTP), in a namespace of its own.
         "cluster-first": _engine("memkv", tmp_path / "c1.json", in_cluster),
@@ -128,6 +134,14 @@ def test_vllm_loads_prefixes_and_agent_turns_from_memkv_with_identical_output(
         assert loaded["connector"]["load_bytes"] > 0 and stored["connector"]["save_bytes"] > 0
         for run in (stored, loaded):
             assert run["connector"]["load_failures"] == run["connector"]["save_failures"] == 0
+
+    # Which way the blocks came: the connector picked it by itself.
+    http, shm = runs["gateway-first"]["connector"], runs["gateway-second"]["connector"]
+    assert http["load_blocks_fetched"] == http["load_blocks"] > 0
+    assert http["load_blocks_shared_memory"] == 0
+    assert shm["load_blocks_shared_memory"] == shm["load_blocks"] > 0
+    for run in runs.values():
+        assert run["connector"].get("load_checksum_failures", 0) == 0
 
     outage = runs["outage"]
     assert outage["prompt"][1] == 0 and all(t[1] == 0 for t in outage["turns"])

@@ -7,15 +7,12 @@ its gateway, kills the entire process group with SIGKILL and starts it again on
 the same data directory.
 """
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
 import ray
 import torch
 from ray.exceptions import RayActorError
@@ -25,9 +22,9 @@ from memkv.errors import BlockLostError
 from memkv.storage.layout import KVLayout, split_kv
 
 from ..kvdata import random_kv
+from ..memkv_up import start_memkv_up
 
 LAYOUT = KVLayout("restart-model", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
-START_TIMEOUT_S = 120
 
 
 def kv(tokens, seed):
@@ -74,38 +71,14 @@ def test_a_killed_router_comes_back_with_every_session(cluster):
 
 
 def _up(data_dir: Path, log: Path) -> tuple[subprocess.Popen, dict]:
-    env = {
-        **os.environ,
-        "MEMKV_DATA_DIR": str(data_dir),
+    return start_memkv_up(data_dir, log, {
         "MEMKV_CLUSTER__NAMESPACE": "memkv-restart-test",
         "MEMKV_CLUSTER__EMBEDDED_OBJECT_STORE_BYTES": str(100 * 1024 * 1024),
         "MEMKV_DEVICE__HOT_CAPACITY_BYTES": str(1 << 20),
         "MEMKV_DEVICE__WARM_CAPACITY_BYTES": str(1 << 20),
         "MEMKV_DEVICE__ALLOCATOR__MIN_UNIT_BYTES": str(1 << 20),
         "MEMKV_DEVICE__PREFAULT": "false",
-        "MEMKV_GATEWAY__PORT": "0",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "memkv.cli", "up"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=open(log, "ab"),
-        text=True,
-        start_new_session=True,  # its own process group: Ray's processes included
-    )
-    lines = []
-    deadline = time.monotonic() + START_TIMEOUT_S
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if "Ctrl-C stops it" in line:
-            break
-        if time.monotonic() > deadline:
-            break
-    if not lines or "Ctrl-C stops it" not in lines[-1]:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"memkv up did not start: {''.join(lines)[-2000:]}")
-    return proc, json.loads("".join(lines[:-1]))
+    })
 
 
 def test_a_killed_memkv_up_serves_acknowledged_sessions_again(tmp_path):

@@ -28,8 +28,10 @@ Configuration (``kv_connector_extra_config``)::
      "url": "http://127.0.0.1:8080",   # gateway: where it listens
      "token": "...",                    # gateway: a tenant token, or $MEMKV_TOKEN
      "ray_address": "auto",             # cluster: the Ray cluster memkv runs in
-     "same_node": false,                # cluster: copy blocks of this node's devices from
-                                        #   shared memory (needs device.same_node_reads)
+     "same_node": true,                 # copy blocks held in this host's shared memory
+                                        #   straight into the paged cache (needs
+                                        #   device.same_node_reads; gateway: on by default,
+                                        #   cluster: off by default)
      "connect_timeout_s": 10,           # cluster: the most engine start waits to join
                                         #   Ray; later requests compute while it goes on
      "model_id": "my-llama",            # part of every block hash (default: the model path)
@@ -76,11 +78,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from memkv.errors import InvalidInputError, MemkvError
 from memkv.gpu_kernels import ops as kernels
+from memkv.integrations.vllm.direct_load import DirectLoad, PinnedStaging, cache_words
 from memkv.integrations.vllm.metrics import MemkvConnectorStats, MemkvPromMetrics, StatsRecorder
 from memkv.integrations.vllm.stats_file import write_part
 from memkv.integrations.vllm.transport import KVTransport, transport_from_config
 from memkv.protocol.dtypes import StorageDType
 from memkv.protocol.layout import KVLayout
+from memkv.same_node import SegmentMaps
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -153,6 +157,21 @@ class _Fetched:
 
 
 @dataclass
+class _Direct:
+    """A load's blocks copied straight from shared memory, layer by layer."""
+
+    load: _Load
+    copy: DirectLoad
+    pending: set[int]  # layers not written yet
+
+
+@dataclass
+class _Leased:
+    entry: _Direct
+    pending_ids: set[int]  # the vLLM blocks it fills
+
+
+@dataclass
 class MemkvConnectorMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
     saves: list[_Save] = field(default_factory=list)
@@ -198,6 +217,11 @@ class MemkvConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._layer_names: list[str] = []
         self._fetched: list[_Fetched] = []
+        self._direct: list[_Direct] = []
+        self._maps = SegmentMaps()  # this host's memkv segments, mapped once
+        self._words: dict[int, np.ndarray] = {}  # CPU layer caches as numpy words
+        self._pinned = PinnedStaging()  # for CUDA caches: reused host staging
+        self._failed_requests: set[str] = set()  # this step's loads that went wrong
         self._staged: dict[str, torch.Tensor] = {}  # req id -> [blocks, L, 2, H, N, D]
         self._load_errors: set[int] = set()
         self._outbox: queue.Queue[tuple[_Save, torch.Tensor] | None] = queue.Queue()
@@ -302,6 +326,9 @@ class MemkvConnector(KVConnectorBase_V1):
         self._kv_caches = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._layer_names = list(kv_caches)  # once, not per layer of every load
+        self._words = {
+            i: cache_words(t) for i, t in enumerate(kv_caches.values()) if not t.is_cuda
+        }
         self._write_stats_file()  # the worker's file exists from the start
         self._warm_up()
 
@@ -324,43 +351,98 @@ class MemkvConnector(KVConnectorBase_V1):
         assert isinstance(metadata, MemkvConnectorMetadata)
         self._finish_loads()  # a previous step's layers that no attention layer asked for
         for load in metadata.loads:
-            start = time.perf_counter()
+            self._start_load(load)
+        if metadata.loads:
+            self._write_stats_file()
+
+    def _start_load(self, load: _Load) -> None:
+        """Lease what this host's shared memory holds, fetch the rest; write now or per layer."""
+        start = time.perf_counter()
+        direct = self._lease(load)
+        wanted = [(k, b) for k, b in zip(load.keys, load.block_ids, strict=True)
+                  if direct is None or b not in direct.pending_ids]
+        fetched: _Fetched | None = None
+        if wanted:
+            rest = _Load(load.req_id, [k for k, _ in wanted], [b for _, b in wanted])
             try:
-                blocks = self._read(load.keys)
+                blocks = self._read(rest.keys)
             except _FAILURES as e:
                 logger.warning("memkv load of %s failed, recomputing: %s", load.req_id, e)
                 self.stats.add(load_failures=1)
                 self._load_errors.update(load.block_ids)
-                continue
-            fetch_s = time.perf_counter() - start
-            fetched = _Fetched(load, blocks, set(self._layer_index.values()))
+                self._failed_requests.add(load.req_id)
+                if direct is not None:
+                    direct.copy.finish()  # its leases go back; nothing of it is written
+                return
+            fetched = _Fetched(rest, blocks, set(self._layer_index.values()))
             self._fetched.append(fetched)
-            write_s = 0.0
-            if not self._layerwise:
-                written = time.perf_counter()
-                for layer in sorted(fetched.pending):
-                    self._write_layer(fetched, layer)
-                write_s = time.perf_counter() - written
-            self.stats.add(
-                hit_tokens=len(load.keys) * self._block_size,
-                load_blocks=len(blocks),
-                load_bytes=sum(b.numel() * b.element_size() for b in blocks),
-                load_seconds=fetch_s + write_s,
-                load_fetch_seconds=fetch_s,
-                load_write_seconds=write_s,
-            )
-        if metadata.loads:
-            self._write_stats_file()
+        if direct is not None:
+            self._direct.append(direct.entry)
+        fetch_s = time.perf_counter() - start
+        write_s = 0.0
+        if not self._layerwise:
+            written = time.perf_counter()
+            for layer in sorted(self._layer_index.values()):
+                self._write_all(layer)
+            write_s = time.perf_counter() - written
+        direct_blocks = len(direct.pending_ids) if direct is not None else 0
+        fetched_blocks = len(fetched.blocks) if fetched is not None else 0
+        self.stats.add(
+            hit_tokens=len(load.keys) * self._block_size,
+            load_blocks=direct_blocks + fetched_blocks,
+            load_blocks_shared_memory=direct_blocks,
+            load_blocks_fetched=fetched_blocks,
+            load_bytes=(direct.entry.copy.nbytes if direct is not None else 0)
+            + (sum(b.numel() * b.element_size() for b in fetched.blocks) if fetched else 0),
+            load_seconds=fetch_s + write_s,
+            load_fetch_seconds=fetch_s,
+            load_write_seconds=write_s,
+        )
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Write this layer's slices of the fetched blocks into the paged cache."""
-        layer = self._layer_index.get(layer_name)
-        if layer is None or not self._fetched:
-            return
-        start = time.perf_counter()
+    def _lease(self, load: _Load) -> _Leased | None:
+        """The load's blocks in this host's shared memory, mapped and pinned (None: none)."""
+        try:
+            leased = self.transport().lease(load.keys)
+        except _FAILURES as e:
+            logger.debug("memkv lease for %s failed, fetching instead: %s", load.req_id, e)
+            return None
+        if leased is None:
+            return None
+        lease, release = leased
+        blocks = [(plan, entry, block_id)
+                  for found, block_id in zip(lease.blocks, load.block_ids, strict=True)
+                  if found is not None for plan, entry in [found]]
+        if not blocks:
+            release()
+            return None
+        try:
+            copy = DirectLoad(self._maps, blocks, release, staging=self._pinned)
+        except _FAILURES as e:  # a segment gone (its device restarted), a bad plan
+            logger.warning("memkv shared memory unusable for %s, fetching: %s", load.req_id, e)
+            release()
+            return None
+        entry = _Direct(load, copy, set(self._layer_index.values()))
+        return _Leased(entry, set(copy.block_ids))
+
+    def _write_all(self, layer: int) -> None:
+        """Layer ``layer`` of every load of this step not written yet."""
         for fetched in self._fetched:
             if layer in fetched.pending:
                 self._write_layer(fetched, layer)
+        for direct in self._direct:
+            if layer in direct.pending:
+                kv_layer = self._kv_caches[self._layer_names[layer]]
+                direct.copy.write_layer(layer, kv_layer, _paged_layout(kv_layer),
+                                        self._words.get(layer))
+                direct.pending.discard(layer)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Write this layer's slices of the step's loaded blocks into the paged cache."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not (self._fetched or self._direct):
+            return
+        start = time.perf_counter()
+        self._write_all(layer)
         spent = time.perf_counter() - start
         self.stats.add(load_seconds=spent, load_write_seconds=spent)
 
@@ -385,8 +467,13 @@ class MemkvConnector(KVConnectorBase_V1):
         self._finish_loads()
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, MemkvConnectorMetadata)
+        failed, self._failed_requests = self._failed_requests, set()
         for save in metadata.saves:
             staged = self._staged.pop(save.req_id, None)
+            if save.req_id in failed:
+                # Its KV of this step was computed over blocks that did not load:
+                # never stored under its tokens (vLLM recomputes the request).
+                continue
             if staged is not None:
                 self._ensure_sender()
                 self._saves_queued += 1
@@ -436,11 +523,20 @@ class MemkvConnector(KVConnectorBase_V1):
         fetched.pending.discard(layer)
 
     def _finish_loads(self) -> None:
-        """Write what no ``wait_for_layer_load`` asked for, and forget the step's loads."""
-        for fetched in self._fetched:
-            for layer in sorted(fetched.pending):
-                self._write_layer(fetched, layer)
+        """Write what no ``wait_for_layer_load`` asked for, check what came from shared
+        memory, and forget the step's loads."""
+        for layer in sorted(self._layer_index.values()):
+            self._write_all(layer)
+        for direct in self._direct:
+            bad = direct.copy.finish()
+            if bad:
+                logger.warning("memkv load of %s: %d blocks failed their checksum or lease "
+                               "after the copy, recomputing", direct.load.req_id, len(bad))
+                self.stats.add(load_failures=1, load_checksum_failures=len(bad))
+                self._load_errors.update(bad)
+                self._failed_requests.add(direct.load.req_id)
         self._fetched = []
+        self._direct = []
 
     def _chunk_blocks(self) -> int:
         return max(1, self._request_bytes // self.layout.block_nbytes())

@@ -32,6 +32,12 @@ COUNTERS: dict[str, str] = {
     "load_fetch_seconds": "Of load_seconds: fetching the blocks from memkv.",
     "load_write_seconds": "Of load_seconds: writing them into the paged KV cache.",
     "load_failures": "Loads that failed and were recomputed by the engine.",
+    "load_blocks_shared_memory": "Of load_blocks: copied straight from the shared memory of "
+    "this host into the paged cache (the same-node path).",
+    "load_blocks_fetched": "Of load_blocks: fetched through the gateway or the cluster, then "
+    "written into the paged cache.",
+    "load_checksum_failures": "Loaded blocks whose checksum (or lease) failed after the copy; "
+    "vLLM recomputed them.",
     "save_blocks": "Blocks saved to memkv.",
     "save_bytes": "Bytes of KV saved to memkv.",
     "save_seconds": "Seconds the background saver spent storing KV in memkv.",

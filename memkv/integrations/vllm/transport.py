@@ -1,7 +1,11 @@
 """How the vLLM connector reaches memkv: the HTTP gateway, or the cluster itself.
 
-- ``gateway`` (default): any engine anywhere, with a tenant token; blocks
-  travel as checksummed binary frames (docs/wire-format.md).
+- ``gateway`` (default): any engine anywhere, with a tenant token. Where the
+  gateway runs on the engine's host and serves shared memory
+  (``device.same_node_reads``), loads are copied straight from the devices'
+  segments under leases the gateway grants (``/v1/blocks/lease``); otherwise,
+  or with ``same_node`` off, blocks travel as checksummed binary frames
+  (docs/wire-format.md). The connector finds out by itself and logs which.
 - ``cluster``: an engine inside memkv's Ray cluster joins it (``ray_address``)
   and talks to the router and devices directly: no HTTP, no token (the
   cluster is a trusted network), blocks through Ray's object store. With
@@ -15,6 +19,7 @@ raise on anything wrong; the connector turns every failure into recompute.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,10 +33,21 @@ from memkv.protocol.layout import KVLayout
 
 if TYPE_CHECKING:
     from memkv.cluster import MemkvCluster
+    from memkv.same_node import HostLease
 
-__all__ = ["ClusterTransport", "GatewayTransport", "KVTransport", "transport_from_config"]
+__all__ = [
+    "ClusterTransport", "GatewayTransport", "KVTransport", "Leased", "transport_from_config",
+]
+
+logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("gateway", "cluster")
+
+
+#: Blocks pinned in this host's shared memory, and how to give them back.
+Leased = tuple["HostLease", Callable[[], None]]
+#: After an answer without shared memory, how long loads go the plain way before asking again.
+_NO_LEASES_RECHECK_S = 60.0
 
 
 class KVTransport(Protocol):
@@ -54,6 +70,10 @@ class KVTransport(Protocol):
         start_block: int,
     ) -> None:
         """Append blocks ``start_block ..`` of ``token_ids`` to the session (created if new)."""
+        ...
+
+    def lease(self, keys: Sequence[bytes]) -> Leased | None:
+        """The blocks pinned in this host's shared memory (None: no such path here)."""
         ...
 
     def warm_up(self) -> None:
@@ -83,13 +103,22 @@ class GatewayTransport:
     """The memkv HTTP gateway, through :class:`memkv.client.Client`."""
 
     def __init__(
-        self, layout: KVLayout, *, url: str, token: str | None, namespace: str | None
+        self,
+        layout: KVLayout,
+        *,
+        url: str,
+        token: str | None,
+        namespace: str | None,
+        same_node: bool = True,
     ) -> None:
         from memkv.client import Client
 
         self.layout = layout
+        self._same_node = same_node
         self._namespace = namespace
         self._client = Client(url, token=token, timeout=30.0, retries=1)
+        self._plain_until = 0.0
+        self.path = "unknown"  # how loads come: "shared memory" or "http"
 
     def match(self, token_ids: Sequence[int]) -> tuple[int, list[bytes]]:
         match = self._client.match(self.layout, self._namespace, list(token_ids))
@@ -114,6 +143,34 @@ class GatewayTransport:
         self._client.append_turn(
             session_id, list(token_ids), blocks=list(blocks), start_block=start_block
         )
+
+    def lease(self, keys: Sequence[bytes]) -> Leased | None:
+        """Leases from a gateway on this host; None (for a while) when it is elsewhere."""
+        if not self._same_node or time.monotonic() < self._plain_until:
+            return None
+        lease = self._client.lease_blocks(self._namespace, list(keys))
+        plans = [p.lease_id for p in lease.plans]
+
+        def release() -> None:
+            for lease_id in plans:
+                try:
+                    self._client.release_lease(lease_id)
+                except Exception:  # noqa: BLE001 - one that ran out is released already
+                    logger.debug("memkv lease %s was not given back", lease_id, exc_info=True)
+
+        if not lease.local or not plans:
+            release()
+            self._plain_until = time.monotonic() + _NO_LEASES_RECHECK_S
+            if self.path != "http":
+                why = ("the gateway runs on another host" if not lease.local
+                       else "the gateway serves no shared memory (device.same_node_reads off)")
+                logger.info("memkv loads come over HTTP: %s", why)
+            self.path = "http"
+            return None
+        if self.path != "shared memory":
+            logger.info("memkv loads come straight from this host's shared memory")
+        self.path = "shared memory"
+        return lease, release
 
     def warm_up(self) -> None:
         self._client.health()
@@ -240,6 +297,11 @@ class ClusterTransport:
         ))
         self._cluster.put_blocks(scoped, list(token_ids), list(blocks), start_block)
 
+    def lease(self, keys: Sequence[bytes]) -> Leased | None:
+        if not self._same_node:
+            return None
+        return self._cluster.lease_blocks(keys, self._namespace)
+
     def warm_up(self) -> None:
         import ray
 
@@ -266,6 +328,7 @@ def transport_from_config(layout: KVLayout, extra: dict[str, Any]) -> KVTranspor
             url=str(extra.get("url", "http://127.0.0.1:8080")),
             token=extra.get("token"),
             namespace=extra.get("namespace"),
+            same_node=bool(extra.get("same_node", True)),
         )
     if kind == "cluster":
         address = extra.get("ray_address")

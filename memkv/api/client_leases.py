@@ -1,0 +1,125 @@
+"""Read plans the gateway hands to clients on its own host (``POST /v1/blocks/lease``).
+
+An engine beside the gateway (a ``vllm serve`` with memkv's connector, one URL
+and one token) should not receive its KV through a socket: the bytes are in
+shared memory already. The gateway asks the block's device for a read plan,
+as it does for its own reads, and answers the plan: segment, offset, length
+and checksum of each block under a lease. The client maps the segments and
+copies the blocks straight into where they go (vLLM's paged cache), checks
+each checksum, and gives the lease back (``DELETE /v1/blocks/lease/{id}``).
+
+Why this is no wider a door than same-node reads are already: a plan is only
+served where the device serves plans (``device.same_node_reads``, which says
+every process on the node is trusted with every block in the segments), and
+only for blocks the token may read. What a client pins is bounded:
+``max_bytes`` in all, and every lease runs out after ``ttl_s`` whether or not
+it is given back; beyond the bound blocks are answered unplanned (read them
+over HTTP), never an error.
+
+Whether the client is on the gateway's host is the client's to tell: the
+answer names the host's shared memory (:func:`memkv.same_node.shm_identity`),
+and a client elsewhere sees another name and reads over HTTP instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from memkv.protocol.messages import PlanEntry, ReadPlan
+
+__all__ = ["ClientLeases", "plan_entry_json"]
+
+#: Longest lease a client may ask for: a load copies in well under a second.
+MAX_TTL_S = 60.0
+DEFAULT_TTL_S = 30.0
+
+
+@dataclass(slots=True)
+class _Issued:
+    tenant: str | None
+    device: Any  # the device's actor handle: where the release goes
+    lease_id: str
+    nbytes: int
+    expires: float  # local monotonic time after which the device has let go anyway
+
+
+class ClientLeases:
+    """The leases handed to clients, by id, with the bytes they pin.
+
+    Args:
+        max_bytes: block bytes all clients' live leases may pin together.
+        clock: the gateway's monotonic clock (a fake in tests).
+    """
+
+    def __init__(self, *, max_bytes: int, clock: Any = time.monotonic) -> None:
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._issued: OrderedDict[str, _Issued] = OrderedDict()  # oldest first
+        self._bytes = 0
+        self.granted = 0
+        self.refused_over_budget = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        self._expire()
+        return self._bytes
+
+    def room(self) -> int:
+        """Bytes a new lease may still pin."""
+        self._expire()
+        return max(0, self.max_bytes - self._bytes)
+
+    def add(self, tenant: str | None, device: Any, plan: ReadPlan, ttl_s: float) -> None:
+        nbytes = sum(e.nbytes for e in plan.entries if e is not None)
+        self._issued[plan.lease_id] = _Issued(
+            tenant, device, plan.lease_id, nbytes, self._clock() + ttl_s
+        )
+        self._bytes += nbytes
+        self.granted += 1
+
+    def take(self, tenant: str | None, lease_id: str) -> Any | None:
+        """The device of ``tenant``'s live lease ``lease_id`` (forgotten now), or None."""
+        self._expire()
+        issued = self._issued.get(lease_id)
+        if issued is None or issued.tenant != tenant:
+            return None  # another tenant's lease is as unknown as a missing one
+        del self._issued[lease_id]
+        self._bytes -= issued.nbytes
+        return issued.device
+
+    def _expire(self) -> None:
+        """Forget leases past their end (the device released them itself)."""
+        now = self._clock()
+        # Not strictly in expiry order (ttls differ), so look at all past ones cheaply:
+        # leases are few (one per load in flight) and short.
+        for lease_id in [i for i, x in self._issued.items() if x.expires <= now]:
+            self._bytes -= self._issued.pop(lease_id).nbytes
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "live": len(self._issued),
+            "pinned_bytes": self.pinned_bytes,
+            "granted": self.granted,
+            "refused_over_budget": self.refused_over_budget,
+        }
+
+
+def plan_entry_json(entry: PlanEntry, lease: int) -> dict[str, Any]:
+    """One planned block as the lease route answers it (``lease``: its lease's index)."""
+    return {
+        "lease": lease,
+        "key": entry.key.hex(),
+        "found": entry.found,
+        "segment": entry.segment,
+        "segment_bytes": entry.segment_bytes,
+        "offset": entry.offset,
+        "nbytes": entry.nbytes,
+        "shape": list(entry.shape),
+        "dtype": entry.dtype,
+        "crc32": entry.crc32,
+        "exact": entry.exact,
+        "lossy": entry.lossy,
+    }
