@@ -27,6 +27,7 @@ The client is anything with the methods of :class:`KVClient` (the HTTP
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import time
@@ -248,13 +249,33 @@ def layout_for(
         dtype=_dtype_name(chosen, "dtype"),
         block_tokens=block_tokens,
     )
-    if getattr(config, "model_type", None) == "falcon" and getattr(
-        config, "new_decoder_architecture", False
+    if (
+        getattr(config, "model_type", None) == "falcon"
+        and getattr(config, "new_decoder_architecture", False)
+        and _falcon_caches_every_head()
     ):
-        # transformers' Falcon with the new decoder architecture caches K and V
+        # Older transformers' Falcon with the new decoder architecture caches K and V
         # already repeated to every attention head, whatever num_kv_heads says.
         layout = dataclasses.replace(layout, num_kv_heads=config.num_attention_heads)
     return layout
+
+
+@functools.cache
+def _falcon_caches_every_head() -> bool:
+    """Whether the installed transformers' Falcon caches repeated KV heads.
+
+    It did up to some 5.x release and caches ``num_kv_heads`` since (5.25): asked of
+    a tiny model once, because no version note says when it changed.
+    """
+    from transformers import FalconConfig, FalconForCausalLM
+
+    probe = FalconConfig(vocab_size=8, hidden_size=8, num_hidden_layers=1,
+                         num_attention_heads=4, num_kv_heads=1, new_decoder_architecture=True)
+    with torch.no_grad():
+        cache = FalconForCausalLM(probe).eval()(torch.zeros(1, 1, dtype=torch.long),
+                                                use_cache=True).past_key_values
+    keys, _ = cache_to_kv(cache)
+    return int(keys[0].shape[0]) == probe.num_attention_heads
 
 
 def cache_to_kv(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
