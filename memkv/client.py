@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import logging
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ import numpy as np
 
 from memkv import errors
 from memkv.errors import MemkvError
+from memkv.port_connection import PortConnection, PortError, ReplyBody
 from memkv.protocol.checksum import crc32
 from memkv.protocol.dtypes import numpy_view_dtype
 from memkv.protocol.exactness import LOSSY_STEPS, lossy_name
@@ -66,6 +68,8 @@ __all__ = [
 ]
 
 FRAMES_MEDIA_TYPE = "application/x-memkv-frames"
+logger = logging.getLogger(__name__)
+
 DEFAULT_URL = "http://127.0.0.1:8080"
 # Retried statuses: the gateway or the cluster is briefly unavailable.
 _RETRY_STATUSES = frozenset({502, 503, 504})
@@ -463,14 +467,75 @@ class _Connections:
             self._all.clear()
 
 
-def _read_exact(response: http.client.HTTPResponse, n: int, what: str) -> bytes:
+class _PortConnections:
+    """One block-port connection per thread, once the gateway has advertised its port.
+
+    A port that cannot be reached is not tried again: HTTP carries everything.
+    """
+
+    def __init__(
+        self, base_url: str, auth: dict[str, str], timeout: float, discover: Any
+    ) -> None:
+        self._host = urlsplit(base_url).hostname or "127.0.0.1"
+        self._token = auth.get("authorization", "")[len("Bearer ") :] or None
+        self._timeout = timeout
+        self._discover = discover
+        self._port: int | None = None
+        self._known = False
+        self.usable = False
+        self._local = threading.local()
+        self._all: list[PortConnection] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> PortConnection | None:
+        conn: PortConnection | None = getattr(self._local, "conn", None)
+        if conn is not None and not conn.broken:
+            return conn
+        if not self._known:
+            self._port, self._known = self._discover(), True
+        if self._port is None:
+            return None
+        try:
+            conn = PortConnection(self._host, self._port, token=self._token,
+                                  timeout=self._timeout)
+        except OSError as e:
+            logger.warning("block port %s:%s unreachable (%s): KV over HTTP from now on",
+                           self._host, self._port, e)
+            self._port, self.usable = None, False
+            return None
+        self.usable = True
+        self._local.conn = conn
+        with self._lock:
+            self._all.append(conn)
+        return conn
+
+    def drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+
+
+def _port_error(e: PortError) -> MemkvError:
+    import json
+
+    return _error_from(e.status, json.dumps({"error": e.error}).encode())
+
+
+def _read_exact(response: Any, n: int, what: str) -> bytes:
     data = response.read(n)
     if len(data) != n:
         raise WireError(f"the block stream was cut in the middle of {what}")
     return data
 
 
-def _read_into(response: http.client.HTTPResponse, buf: np.ndarray) -> None:
+def _read_into(response: Any, buf: np.ndarray) -> None:
     view = buf.data.cast("B")
     filled = 0
     while filled < view.nbytes:
@@ -505,10 +570,12 @@ def _destination(out: Sequence[Any] | None, count: int, nbytes: int) -> np.ndarr
     return flat
 
 
-def _read_block_frames(
-    response: http.client.HTTPResponse, out: Sequence[Any] | None = None
-) -> Iterator[Block]:
-    """Parse a block response straight off the socket; check the end frame and the length."""
+def _read_block_frames(response: Any, out: Sequence[Any] | None = None) -> Iterator[Block]:
+    """Parse a block response straight off the socket; check the end frame and the length.
+
+    ``response``: an ``http.client`` response, or a block port reply's body
+    (anything with ``read(n)`` and ``readinto(view)`` that ends with the body).
+    """
     count = 0
     while True:
         prefix = _read_exact(response, _FRAME_PREFIX_BYTES, "a frame prefix")
@@ -563,6 +630,9 @@ class Client:
         transport: an httpx transport (tests); block bodies then go through httpx too.
         token: the bearer token (default: ``$MEMKV_TOKEN``; none for a gateway
             without authentication).
+        block_port: send appends and session reads over the gateway's block
+            port when it advertises one (``/healthz``); False: HTTP only.
+            :attr:`block_path` says which is in use.
     """
 
     def __init__(
@@ -573,6 +643,7 @@ class Client:
         retries: int = 2,
         transport: httpx.BaseTransport | None = None,
         token: str | None = None,
+        block_port: bool = True,
     ) -> None:
         self._auth = _auth_headers(token)
         self._http = httpx.Client(
@@ -581,6 +652,11 @@ class Client:
         self._retries = retries
         # Block routes over http.client unless a custom transport is in play.
         self._blocks = _Connections(base_url, timeout) if transport is None else None
+        self._ports = (
+            _PortConnections(base_url, self._auth, timeout, self._advertised_port)
+            if block_port and transport is None
+            else None
+        )
         # Sessions this client appended to: layout, namespace and chain do not
         # need a round trip per append (a stale entry is refreshed on conflict).
         self._known: dict[str, SessionView] = {}
@@ -589,6 +665,43 @@ class Client:
         self._http.close()
         if self._blocks is not None:
             self._blocks.close()
+        if self._ports is not None:
+            self._ports.close()
+
+    @property
+    def block_path(self) -> str:
+        """``"block port"`` or ``"http"``: how KV bodies travel (known after the first)."""
+        return "block port" if self._ports is not None and self._ports.usable else "http"
+
+    def _advertised_port(self) -> int | None:
+        port = self.health().get("block_port")
+        return port if isinstance(port, int) and not isinstance(port, bool) else None
+
+    def _over_port(
+        self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()
+    ) -> tuple[PortConnection, dict[str, Any], ReplyBody] | None:
+        """A request over the block port, retried like HTTP's; None: no port, use HTTP."""
+        attempt = 0
+        while True:
+            assert self._ports is not None
+            conn = self._ports.get()
+            if conn is None:
+                return None
+            try:
+                reply, reply_body = conn.request(header, body)
+            except PortError as e:
+                if conn.broken or e.status in _RETRY_STATUSES:
+                    self._ports.drop()
+                if e.status not in _RETRY_STATUSES or attempt == self._retries:
+                    raise _port_error(e) from None
+            except (OSError, WireError):
+                self._ports.drop()
+                if attempt == self._retries:
+                    raise
+            else:
+                return conn, reply, reply_body
+            time.sleep(_BACKOFF_S * (2**attempt))
+            attempt += 1
 
     def __enter__(self) -> Client:
         return self
@@ -752,7 +865,14 @@ class Client:
     ) -> TurnResult:
         body, _ = _append_body(session, token_ids, blocks, keys, values, start_block, turn)
         path = f"/v1/sessions/{session.session_id}/turns"
-        if self._blocks is None:
+        sent = (
+            self._over_port({"op": "append", "session_id": session.session_id}, body)
+            if self._ports is not None
+            else None
+        )
+        if sent is not None:
+            result = _turn(sent[1]["result"])
+        elif self._blocks is None:
             r = self._request(
                 "POST",
                 path,
@@ -799,6 +919,21 @@ class Client:
             # answers from its own view, without a router call.
             query += f"&turn={known.turn}"
         path = f"/v1/sessions/{session_id}/blocks?{query}"
+        sent = (
+            self._over_port({"op": "read", "session_id": session_id, "start": start, "end": end,
+                             "turn": known.turn if known is not None else None})
+            if self._ports is not None
+            else None
+        )
+        if sent is not None:
+            _, _, reply_body = sent
+            try:
+                yield from _read_block_frames(reply_body, out)
+            finally:
+                if reply_body.left:  # not read to its end: the connection is out of step
+                    assert self._ports is not None
+                    self._ports.drop()
+            return
         if self._blocks is None:
             if out is not None:
                 raise errors.InvalidInputError("out= needs the default transport")

@@ -18,7 +18,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
@@ -239,7 +239,8 @@ def caller(request: Request) -> Principal:
     return principal
 
 
-def _error_response(exc: BaseException) -> JSONResponse:
+def error_document(exc: BaseException) -> dict[str, Any]:
+    """How an error is answered: ``{"type", "message", "status"}`` (HTTP and block port)."""
     # Errors raised in an actor arrive wrapped (RayTaskError subclasses the cause);
     # report the cause's own type and message, not the remote traceback.
     cause = getattr(exc, "cause", None)
@@ -249,7 +250,14 @@ def _error_response(exc: BaseException) -> JSONResponse:
         status = 413
     elif isinstance(exc, BodyTimeout):
         status = 408
-    name = type(shown).__name__
+    if status >= 500 or shown is not exc:
+        logger.warning("memkv error answered %d: %s", status, exc)
+    return {"type": type(shown).__name__, "message": plain_message(shown), "status": status}
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    error = error_document(exc)
+    status = error["status"]
     headers = (
         {"WWW-Authenticate": "Bearer"}
         if status == 401
@@ -257,10 +265,8 @@ def _error_response(exc: BaseException) -> JSONResponse:
         if status == 503
         else None
     )
-    if status >= 500 or shown is not exc:
-        logger.warning("memkv error answered %d: %s", status, exc)
     return JSONResponse(
-        {"error": {"type": name, "message": plain_message(shown), "status": status}},
+        {"error": error},
         status_code=status,
         headers=headers,
     )
@@ -423,9 +429,12 @@ def create_app(
     # -- health ------------------------------------------------------------------------
 
     @app.get("/healthz", tags=["health"])
-    async def healthz() -> dict[str, str]:
-        """The gateway process is up (no token needed)."""
-        return {"status": "ok"}
+    async def healthz() -> dict[str, Any]:
+        """The gateway process is up (no token needed); ``block_port``: where its block
+        port listens, when it has one (clients use it for KV bodies)."""
+        port = getattr(app.state, "block_port", None)
+        return {"status": "ok"} if port is None else {"status": "ok",
+                                                      "block_port": port.stats.port}
 
     @app.get("/readyz", tags=["health"])
     async def readyz() -> JSONResponse:
@@ -536,18 +545,38 @@ def create_app(
         Idempotent by the turn index: a retry of the last turn with the same
         tokens answers as before (``replayed``) and stores nothing.
         """
-        sid = scoped(who, session_id, "write")
         declared = request.headers.get("content-length")
+
+        def read(allocate: Callable[[int], memoryview | None] | None,
+                 hold: BodyHold) -> Awaitable[list[Frame]]:
+            return _read_frames(request, max_body_bytes, body_timeout_s, allocate=allocate,
+                                hold=hold)
+
+        return await receive_append(
+            who, session_id, int(declared) if declared and declared.isdigit() else None, read
+        )
+
+    async def receive_append(
+        who: Principal,
+        session_id: str,
+        declared: int | None,
+        read: Callable[[Callable[[int], memoryview | None] | None, BodyHold],
+                       Awaitable[list[Frame]]],
+    ) -> dict[str, Any]:
+        """An append whose body ``read`` receives: into staging where it can, under the
+        in-flight budget, stored only once every frame is in and checked.
+
+        Both the HTTP route and the block port (memkv.api.block_port) come here.
+        ``declared``: the body's announced size (None: unknown, the limit is held).
+        """
+        sid = scoped(who, session_id, "write")
         slot = None
-        if staging is not None and unstaged.get(sid) is None and declared and declared.isdigit():
-            slot = staging.lease(min(int(declared), max_body_bytes))
+        if staging is not None and unstaged.get(sid) is None and declared:
+            slot = staging.lease(min(declared, max_body_bytes))
         try:
-            size = min(int(declared) if declared and declared.isdigit() else max_body_bytes,
-                       max_body_bytes)
+            size = min(declared if declared is not None else max_body_bytes, max_body_bytes)
             async with inflight.hold(who.tenant or "", size) as hold:
-                frames = await _read_frames(request, max_body_bytes, body_timeout_s,
-                                            allocate=slot.take if slot is not None else None,
-                                            hold=hold)
+                frames = await read(slot.take if slot is not None else None, hold)
             return await _append(sid, session_id, frames, slot, who)
         finally:
             if slot is not None:
@@ -730,6 +759,10 @@ def create_app(
         return response
 
     app.state.session_blocks = session_blocks
+    app.state.receive_append = receive_append
+    app.state.authenticator = auth if auth is not None else Authenticator.disabled()
+    app.state.limits = {"max_body_bytes": max_body_bytes, "body_timeout_s": body_timeout_s}
+    app.state.payload_bytes = payload_bytes
     app.state.release_plans = fetcher.release_all
     app.state.client_leases = client_leases
     app.openapi = lambda: _openapi_with_errors(app)  # type: ignore[method-assign]
@@ -921,6 +954,9 @@ def create_app(
             "staging_bytes": staging.capacity_bytes if staging is not None else 0,
             "http": _route_figures(requests, latency),
         }
+        port = getattr(app.state, "block_port", None)
+        if port is not None:
+            out["gateway"]["block_port"] = port.stats.as_dict()
         return out
 
     return app
@@ -1162,30 +1198,37 @@ def _read_params(query: bytes) -> tuple[int, int | None, int | None] | None:
     return values.get("start", 0), values.get("end"), values.get("turn")
 
 
+_RESTARTING = {"type": "ClosedError", "message": "a memkv service is restarting; retry shortly",
+               "status": 503}
+_INTERNAL = {"type": "InternalError", "message": "internal error", "status": 500}
+
+
+def any_error_document(exc: BaseException) -> dict[str, Any]:
+    """:func:`error_document` of any exception, as the HTTP exception handlers answer it
+    (the block port answers with this)."""
+    if isinstance(exc, RayActorError):
+        logger.warning("a memkv actor is unavailable: %s", exc)
+        return dict(_RESTARTING)
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, RayError) and isinstance(cause, MemkvError):
+        return error_document(cause)
+    if isinstance(exc, MemkvError):
+        return error_document(exc)
+    logger.error("unexpected error in the gateway", exc_info=exc)
+    return dict(_INTERNAL)
+
+
 def _unavailable(exc: BaseException) -> JSONResponse:
     # Ray's message names actor ids, pids and addresses: the log gets it, the client not.
     logger.warning("a memkv actor is unavailable: %s", exc)
-    return JSONResponse(
-        {
-            "error": {
-                "type": "ClosedError",
-                "message": "a memkv service is restarting; retry shortly",
-                "status": 503,
-            }
-        },
-        status_code=503,
-        headers={"Retry-After": "1"},
-    )
+    return JSONResponse({"error": _RESTARTING}, status_code=503, headers={"Retry-After": "1"})
 
 
 def _internal(exc: BaseException) -> JSONResponse:
     # A bug, or an error of a library under us: logged with its traceback, never
     # shown (it may carry paths, pids, actor ids).
     logger.error("unexpected error in the gateway", exc_info=exc)
-    return JSONResponse(
-        {"error": {"type": "InternalError", "message": "internal error", "status": 500}},
-        status_code=500,
-    )
+    return JSONResponse({"error": _INTERNAL}, status_code=500)
 
 
 class BodyLimitMiddleware:

@@ -14,6 +14,7 @@ import uvloop
 
 from memkv.api.app import create_app
 from memkv.api.auth import Authenticator
+from memkv.api.block_port import BlockPortServer
 from memkv.staging import PutStaging, staging_for
 
 __all__ = ["UVICORN_SETTINGS", "GatewayServer"]
@@ -48,6 +49,7 @@ class GatewayServer:
         app: Any = None,
         loops: list[asyncio.AbstractEventLoop] | None = None,
         staging: PutStaging | None = None,
+        port_sock: socket.socket | None = None,
     ):
         self._server = server
         self._sock = sock
@@ -58,6 +60,9 @@ class GatewayServer:
         host, port = sock.getsockname()[:2]
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}"
+        self._port_sock = port_sock
+        #: The block port (memkv.api.block_port), or None when it is off.
+        self.block_port: int | None = port_sock.getsockname()[1] if port_sock else None
 
     @classmethod
     def start(
@@ -71,6 +76,8 @@ class GatewayServer:
         plan_cache_bytes: int = 256 << 20,
         put_staging_bytes: int = 256 << 20,
         auth: Authenticator | None = None,
+        block_port: int | None = 0,
+        body_timeout_s: float = 30.0,
     ) -> GatewayServer:
         """Bind ``host:port`` (0 = any free port) and serve until :meth:`stop`.
 
@@ -79,6 +86,10 @@ class GatewayServer:
             put_staging_bytes: shared memory for append bodies (memkv.staging),
                 made only where a device runs on this node; 0 = none.
             same_node_reads, plan_cache_bytes, auth: see :func:`memkv.api.app.create_app`.
+            block_port: the TCP port of the block port on ``host`` (0: any free
+                one; None: no block port, HTTP only).
+            body_timeout_s: an append body (HTTP or block port) that sends nothing
+                for this long is answered 408 and its buffers let go.
         """
         staging = staging_for(ray.get(cluster.router.devices.remote()).values(),
                               put_staging_bytes) if put_staging_bytes > 0 else None
@@ -89,17 +100,33 @@ class GatewayServer:
             plan_cache_bytes=plan_cache_bytes,
             staging=staging,
             auth=auth,
+            body_timeout_s=body_timeout_s,
         )
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        port_sock = None
+        if block_port is not None:
+            port_sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            port_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            port_sock.bind((host, block_port))
+            port_sock.listen(128)
         server = uvicorn.Server(uvicorn.Config(app, **UVICORN_SETTINGS))
 
         loops: list[asyncio.AbstractEventLoop] = []
 
         async def serve_and_note_loop() -> None:
             loops.append(asyncio.get_running_loop())
-            await server.serve(sockets=[sock])
+            port_server = None
+            if port_sock is not None:
+                # On the same loop as HTTP: one gateway state, one staging segment.
+                port_server = BlockPortServer(app)
+                await port_server.start(port_sock)
+            try:
+                await server.serve(sockets=[sock])
+            finally:
+                if port_server is not None:
+                    await port_server.stop()
 
         def serve() -> None:
             # uvloop for the gateway's event loop, as uvicorn's own run() would set up.
@@ -112,7 +139,7 @@ class GatewayServer:
             daemon=True,
         )
         thread.start()
-        gateway = cls(server, sock, thread, app, loops, staging)
+        gateway = cls(server, sock, thread, app, loops, staging, port_sock)
         gateway._wait_started()
         return gateway
 
@@ -138,6 +165,8 @@ class GatewayServer:
         self._server.should_exit = True
         self._thread.join(timeout=_STARTUP_TIMEOUT_S)
         self._sock.close()
+        if self._port_sock is not None:
+            self._port_sock.close()
         if self._staging is not None and not self._thread.is_alive():
             self._staging.close()
             self._staging = None

@@ -39,11 +39,14 @@ __all__ = [
     "TIER_NAMES",
     "BlockFrameTemplate",
     "MAX_HEADER_BYTES",
+    "PREFIX_BYTES",
     "Frame",
     "FrameReader",
     "WireError",
     "block_frame_prefix",
     "block_payload",
+    "decode_header",
+    "decode_prefix",
     "encode_frame",
     "end_frame",
     "numpy_dtype",
@@ -210,6 +213,37 @@ def block_payload(frame: Frame) -> tuple[bytes, str, np.ndarray]:
     return key, dtype, array
 
 
+#: Bytes of a frame's fixed prefix (magic + header length).
+PREFIX_BYTES = _PREFIX.size
+
+
+def decode_prefix(prefix: bytes | bytearray | memoryview, max_header_bytes: int = MAX_HEADER_BYTES
+                  ) -> int:
+    """The header length a frame's 8-byte prefix announces, after checking its magic."""
+    magic, header_len = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise WireError(f"bad frame magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if header_len > max_header_bytes:
+        raise WireError(f"frame header of {header_len} bytes exceeds {max_header_bytes}")
+    return int(header_len)
+
+
+def decode_header(raw: bytes, max_payload_bytes: int) -> tuple[dict[str, Any], int]:
+    """A frame header and its payload size, checked before anything is allocated for it."""
+    try:
+        header = msgpack.unpackb(raw, raw=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise WireError(f"frame header is not valid msgpack: {e}") from e
+    if not isinstance(header, dict):
+        raise WireError("a frame header must be a msgpack map")
+    nbytes = header.get("nbytes", 0)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise WireError(f"frame 'nbytes' must be a non-negative int, got {nbytes!r}")
+    if nbytes > max_payload_bytes:
+        raise WireError(f"frame payload of {nbytes} bytes exceeds {max_payload_bytes}")
+    return header, nbytes
+
+
 class FrameReader:
     """Incremental frame parser: feed chunks, collect frames.
 
@@ -284,25 +318,11 @@ class FrameReader:
     def _take_header(self) -> Frame | None:
         if len(self._buf) < _PREFIX.size:
             return None
-        magic, header_len = _PREFIX.unpack_from(self._buf)
-        if magic != MAGIC:
-            raise WireError(f"bad frame magic {bytes(magic)!r}, expected {MAGIC!r}")
-        if header_len > MAX_HEADER_BYTES:
-            raise WireError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+        header_len = decode_prefix(self._buf)
         end = _PREFIX.size + header_len
         if len(self._buf) < end:
             return None
-        try:
-            header = msgpack.unpackb(bytes(self._buf[_PREFIX.size : end]), raw=False)
-        except (ValueError, msgpack.UnpackException) as e:
-            raise WireError(f"frame header is not valid msgpack: {e}") from e
-        if not isinstance(header, dict):
-            raise WireError("a frame header must be a msgpack map")
-        nbytes = header.get("nbytes", 0)
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise WireError(f"frame 'nbytes' must be a non-negative int, got {nbytes!r}")
-        if nbytes > self._max_payload:
-            raise WireError(f"frame payload of {nbytes} bytes exceeds {self._max_payload}")
+        header, nbytes = decode_header(bytes(self._buf[_PREFIX.size : end]), self._max_payload)
         del self._buf[:end]
         payload = self._allocate(nbytes) if self._allocate is not None and nbytes else None
         return Frame(header, payload if payload is not None else bytearray(nbytes))

@@ -50,7 +50,7 @@ class OneShotServer:
 
 def _read(body: bytes, declared: int | None = None):
     server = OneShotServer(body, len(body) if declared is None else declared)
-    with Client(f"http://127.0.0.1:{server.port}", retries=0) as client:
+    with Client(f"http://127.0.0.1:{server.port}", retries=0, block_port=False) as client:
         return list(client.read_blocks("s"))
 
 

@@ -197,7 +197,7 @@ def test_bad_input_gets_its_status_and_changes_nothing(gateway, client):
 
 
 def test_health_metrics_and_docs(gateway, client):
-    assert client.health() == {"status": "ok"}
+    assert client.health() == {"status": "ok", "block_port": gateway.block_port}
     assert client.ready()
     with httpx.Client(base_url=gateway.url) as http:
         metrics = http.get("/metrics").text
@@ -307,7 +307,7 @@ def test_reads_on_the_devices_node_come_from_shared_memory(client):
     assert same([b.tensor for b in got], split_kv(LAYOUT, keys, values))
     assert all(b.exact for b in got)
     assert after["same_node_blocks"] - before["same_node_blocks"] == len(got)
-    assert after["leases_lost"] == 0
+    assert after["leases_lost"] == before["leases_lost"]
 
 
 def test_reads_land_in_the_callers_buffers(client):

@@ -1,7 +1,8 @@
 """Load through the gateway while the device, archive and router are killed with SIGKILL.
 
-Several clients (threads, each with its own HTTP connections) run agent
-sessions turn by turn through the real gateway; after every acknowledged turn
+Several clients (threads, each with its own connections: half of them send KV
+over the block port, half over HTTP) run agent sessions turn by turn through
+the real gateway; after every acknowledged turn
 they read the whole session back and compare every byte. Meanwhile a fault
 thread kills a device actor, the archive actor and the router by pid. Clients
 retry what the gateway answers 503 to (a service restarting) with the same
@@ -95,7 +96,8 @@ def _retry(tally: Tally, what, stop: float):
 
 
 def _client_loop(url: str, index: int, tally: Tally, progress: threading.Semaphore) -> None:
-    with Client(url, retries=0) as client:
+    # Half the clients send KV over the block port, half over HTTP.
+    with Client(url, retries=0, block_port=index % 2 == 0) as client:
         sids = [f"load-{index}-{j}" for j in range(SESSIONS_PER_CLIENT)]
         modes = {sid: ("archive" if j % 2 == 0 else "memory") for j, sid in enumerate(sids)}
         # Each session its own tokens and its own KV (the same tokens with other KV

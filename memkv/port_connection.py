@@ -1,0 +1,184 @@
+"""One client connection to a gateway's block port (memkv.api.block_port).
+
+Blocking sockets, no event loop: a request's frames go out with ``sendmsg``
+of the payloads' own memoryviews (no join), and each block of a read comes
+off the socket with ``readinto`` straight into its destination. Requests may
+be pipelined: :meth:`PortConnection.send` several, then :meth:`reply` to each
+in order.
+
+Import-light like :mod:`memkv.client` (no torch, no ray).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+from memkv.errors import MemkvError, UnauthorizedError
+from memkv.protocol.wire import MAGIC, MAX_HEADER_BYTES, WireError, encode_frame
+
+__all__ = ["PortConnection", "PortError", "ReplyBody"]
+
+_VERSION = 1
+_PREFIX_BYTES = 8
+#: Buffered reads below this size; larger ones go straight into their destination.
+_READ_BUFFER_BYTES = 256 << 10
+#: Buffers per sendmsg call (Linux's IOV_MAX is 1024).
+_IOV_MAX = 512
+
+
+class PortError(MemkvError):
+    """A reply with an error status: ``status`` and the gateway's error document."""
+
+    def __init__(self, status: int, error: dict[str, Any]) -> None:
+        super().__init__(f"{error.get('message', error)} (block port {status})")
+        self.status = status
+        self.error = error
+
+
+class ReplyBody:
+    """The ``body_bytes`` that follow a reply, read like an HTTP response body.
+
+    ``read(n)`` and ``readinto(view)`` stop at the body's end (then return
+    nothing), so a short body is seen by the frame parser as a cut stream.
+    """
+
+    def __init__(self, stream: Any, nbytes: int) -> None:
+        self._stream = stream
+        self.left = nbytes
+
+    def read(self, n: int) -> bytes:
+        data: bytes = self._stream.read(min(n, self.left)) if self.left else b""
+        self.left -= len(data)
+        return data
+
+    def readinto(self, view: memoryview) -> int:
+        if not self.left:
+            return 0
+        got: int = self._stream.readinto(view[: self.left]) or 0
+        self.left -= got
+        return got
+
+
+class PortConnection:
+    """A connection to a block port, authenticated once (its ``hello``).
+
+    Raises:
+        UnauthorizedError: the gateway refused the token.
+        OSError: the port could not be reached.
+    """
+
+    def __init__(self, host: str, port: int, *, token: str | None, timeout: float) -> None:
+        self._sock = socket.create_connection((host, port), timeout=timeout)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._stream = self._sock.makefile("rb", buffering=_READ_BUFFER_BYTES)
+        self._ids = itertools.count(1)
+        self._pending: list[int] = []  # ids sent and not answered yet, in order
+        self.broken = False
+        hello: dict[str, Any] = {"kind": "hello", "v": _VERSION}
+        if token:
+            hello["token"] = token
+        try:
+            self._send_all(encode_frame(hello))
+            welcome = self._header()
+        except Exception:
+            self.close()
+            raise
+        if welcome.get("kind") != "welcome":
+            self.close()
+            error = welcome.get("error") or {}
+            if error.get("status") == 401:
+                raise UnauthorizedError(f"{error.get('message')} (block port)")
+            raise PortError(int(welcome.get("status", 500)), error)
+        self.tenant = welcome.get("tenant")
+        self.max_body_bytes = int(welcome.get("max_body_bytes", 0))
+
+    def send(self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()) -> int:
+        """Send a request (``op`` and its fields) and its body frames; return its id."""
+        rid = next(self._ids)
+        request = {"kind": "request", "id": rid, **header}
+        if body or header.get("op") == "append":
+            request["body_bytes"] = sum(memoryview(c).nbytes for c in body)
+        try:
+            self._send_all([*encode_frame(request), *body])
+        except BaseException:
+            self.broken = True
+            raise
+        self._pending.append(rid)
+        return rid
+
+    def reply(self, rid: int) -> tuple[dict[str, Any], ReplyBody]:
+        """The reply to request ``rid`` (the oldest one pending) and its body.
+
+        The body must be read to its end before the next reply.
+
+        Raises:
+            PortError: the reply is an error; after one the gateway cannot go on
+                from (a malformed frame, a body refused unread) it closes the
+                connection, and :attr:`broken` is set.
+        """
+        if not self._pending or self._pending[0] != rid:
+            raise WireError(
+                f"replies come in request order: {self._pending[:1]} is next, not {rid}"
+            )
+        self._pending.pop(0)
+        try:
+            header = self._header()
+        except BaseException:
+            self.broken = True
+            raise
+        if header.get("kind") != "reply" or header.get("id") != rid:
+            self.broken = True
+            raise WireError(f"expected the reply to request {rid}, got {header!r:.200}")
+        status = int(header.get("status", 500))
+        if header.get("close"):
+            self.broken = True  # the gateway closes it after this reply
+        if status >= 400:
+            raise PortError(status, dict(header.get("error") or {}))
+        return header, ReplyBody(self._stream, int(header.get("body_bytes", 0)))
+
+    def request(
+        self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()
+    ) -> tuple[dict[str, Any], ReplyBody]:
+        return self.reply(self.send(header, body))
+
+    def close(self) -> None:
+        self.broken = True
+        self._stream.close()
+        self._sock.close()
+
+    # -- internals
+
+    def _header(self) -> dict[str, Any]:
+        prefix = self._exact(_PREFIX_BYTES)
+        if prefix[:4] != MAGIC:
+            raise WireError(f"bad frame magic {prefix[:4]!r}, expected {MAGIC!r}")
+        header_len = int.from_bytes(prefix[4:], "little")
+        if header_len > MAX_HEADER_BYTES:
+            raise WireError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+        header = msgpack.unpackb(self._exact(header_len), raw=False)
+        if not isinstance(header, dict):
+            raise WireError("a frame header must be a msgpack map")
+        return header
+
+    def _exact(self, n: int) -> bytes:
+        data: bytes = self._stream.read(n)
+        if len(data) != n:
+            raise ConnectionError("the block port closed the connection")
+        return data
+
+    def _send_all(self, chunks: Sequence[bytes | memoryview]) -> None:
+        views = [memoryview(c).cast("B") for c in chunks if memoryview(c).nbytes]
+        while views:
+            sent = self._sock.sendmsg(views[:_IOV_MAX])
+            while sent and views:  # drop what went, keep the rest of a partial one
+                if sent >= views[0].nbytes:
+                    sent -= views[0].nbytes
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0

@@ -1,0 +1,307 @@
+"""The block port: memkv's frames over bare TCP beside HTTP (memkv.api.block_port).
+
+Against the session's cluster and gateway (whose block port the client finds
+by itself), and gateways of their own for tokens and a short body timeout.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+import uuid
+
+import msgpack
+import pytest
+import torch
+
+from memkv.api.auth import Authenticator, TokenEntry, hash_token
+from memkv.client import Client, _append_body, _read_block_frames
+from memkv.errors import InvalidInputError, UnauthorizedError, UnknownSessionError
+from memkv.port_connection import PortConnection, PortError
+from memkv.protocol.wire import encode_frame
+from memkv.storage.layout import KVLayout, split_kv
+
+from ..kvdata import random_kv
+
+LAYOUT = KVLayout("port-test", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
+TOKENS = {
+    "alice": ("tok-alice", TokenEntry(hash_token("tok-alice"), "acme", frozenset({"write"}))),
+    "mallory": ("tok-mallory", TokenEntry(hash_token("tok-mallory"), "evil",
+                                          frozenset({"write"}))),
+}
+
+
+def _session(client: Client, tokens: int = 10, seed: int = 1):
+    """A new session, and the frames of its first append (not sent)."""
+    sid = f"port-{uuid.uuid4().hex[:8]}"
+    client.create_session(sid, LAYOUT, namespace=None)
+    keys, values = random_kv(LAYOUT, tokens, seed)
+    body, _ = _append_body(client.session(sid), list(range(seed, seed + tokens)), None,
+                           keys, values, None, None)
+    return sid, body, split_kv(LAYOUT, keys, values)
+
+
+def _port_stats(client: Client) -> dict:
+    return client.stats()["gateway"]["block_port"]
+
+
+def _raw(port: int, *frames: list) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    for chunks in frames:
+        sock.sendall(b"".join(bytes(c) for c in chunks))
+    return sock
+
+
+def _reply(sock: socket.socket) -> dict | None:
+    """The next frame's header off a raw socket (None: the gateway closed it)."""
+    prefix = _recv_exact(sock, 8)
+    if prefix is None:
+        return None
+    raw = _recv_exact(sock, int.from_bytes(prefix[4:], "little"))
+    assert raw is not None
+    return msgpack.unpackb(raw, raw=False)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        got = sock.recv(n - len(data))
+        if not got:
+            return None
+        data += got
+    return data
+
+
+def _eventually(check, timeout_s: float = 10.0) -> None:
+    """The gateway notices a closed connection on its own loop: wait for what follows."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "the gateway did not get there in time"
+        time.sleep(0.01)
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_the_client_finds_the_port_and_round_trips_exactly(gateway):
+    with Client(gateway.url) as c:
+        before = _port_stats(c)
+        sid, _, expected = _session(c)
+        keys, values = random_kv(LAYOUT, 10, 1)
+        result = c.append_turn(sid, list(range(1, 11)), keys, values)
+        assert c.block_path == "block port" and result.new_blocks == 3
+        got = list(c.read_blocks(sid))
+        assert [b.index for b in got] == [0, 1, 2]
+        assert all(torch.equal(b.tensor, e) for b, e in zip(got, expected, strict=True))
+        # Straight into caller buffers, as over HTTP.
+        out = [torch.empty_like(e) for e in expected]
+        list(c.read_blocks(sid, out=out))
+        assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
+        after = _port_stats(c)
+        assert after["requests"]["append"] - before["requests"].get("append", 0) == 1
+        assert after["requests"]["read"] - before["requests"].get("read", 0) == 2
+    with Client(gateway.url, block_port=False) as http:
+        assert [b.index for b in http.read_blocks(sid)] == [0, 1, 2]
+        assert http.block_path == "http"
+
+
+def test_pipelined_requests_are_answered_in_order(gateway):
+    with Client(gateway.url) as c:
+        sid, body, expected = _session(c, tokens=12, seed=2)
+        conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
+        try:
+            # Four requests on the wire before any reply is read.
+            ids = [
+                conn.send({"op": "append", "session_id": sid}, body),
+                conn.send({"op": "read", "session_id": sid, "start": 1}),
+                conn.send({"op": "read", "session_id": "port-missing"}),
+                conn.send({"op": "ping"}),
+            ]
+            head, _ = conn.reply(ids[0])
+            assert head["result"]["new_blocks"] == 3 and head["result"]["turn"] == 1
+            _, reply_body = conn.reply(ids[1])
+            blocks = list(_read_block_frames(reply_body))
+            assert [b.index for b in blocks] == [1, 2]
+            assert torch.equal(blocks[0].tensor, expected[1])
+            with pytest.raises(PortError) as missing:
+                conn.reply(ids[2])
+            assert missing.value.status == 404 and not conn.broken  # the connection goes on
+            assert conn.reply(ids[3])[0]["status"] == 200
+        finally:
+            conn.close()
+
+
+def test_a_replayed_turn_and_a_conflicting_one_answer_as_over_http(gateway):
+    with Client(gateway.url) as c:
+        sid, body, _ = _session(c, seed=3)
+        conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
+        try:
+            first, _ = conn.request({"op": "append", "session_id": sid}, body)
+            again, _ = conn.request({"op": "append", "session_id": sid}, body)
+            assert again["result"]["replayed"] and again["result"]["chain"] == \
+                first["result"]["chain"]
+        finally:
+            conn.close()
+
+
+def test_a_bad_checksum_is_refused_and_nothing_is_stored(gateway):
+    with Client(gateway.url) as c:
+        sid, body, _ = _session(c, seed=4)
+        payload = bytearray(bytes(body[2]))  # the first block's payload
+        payload[0] ^= 0xFF
+        conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
+        try:
+            with pytest.raises(PortError) as bad:
+                conn.request({"op": "append", "session_id": sid},
+                             [*body[:2], payload, *body[3:]])
+            assert bad.value.status == 422 and "checksum" in bad.value.error["message"]
+            # The body was read to its end: the connection goes on.
+            assert conn.request({"op": "ping"})[0]["status"] == 200
+        finally:
+            conn.close()
+        assert c.session(sid).turn == 0
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(gateway):
+    with Client(gateway.url) as c:
+        sid, _, _ = _session(c, seed=5)
+        sock = _raw(gateway.block_port, encode_frame({"kind": "hello", "v": 1}),
+                    encode_frame({"kind": "request", "id": 1, "op": "append",
+                                  "session_id": sid, "body_bytes": 1 << 40}))
+        try:
+            assert _reply(sock)["kind"] == "welcome"
+            reply = _reply(sock)
+            assert reply["status"] == 413 and reply["id"] == 1 and reply["close"]
+            assert _closed(sock)
+        finally:
+            sock.close()
+        assert c.session(sid).turn == 0
+
+
+def test_a_client_gone_mid_append_leaves_nothing_and_frees_its_staging(gateway):
+    staging = gateway._staging
+    free_before = staging._buddy.free_blocks() if staging is not None else None
+    with Client(gateway.url) as c:
+        sid, body, _ = _session(c, seed=6)
+        length = sum(memoryview(x).nbytes for x in body)
+        whole = b"".join(bytes(x) for x in body)
+        sock = _raw(gateway.block_port, encode_frame({"kind": "hello", "v": 1}),
+                    encode_frame({"kind": "request", "id": 1, "op": "append",
+                                  "session_id": sid, "body_bytes": length}))
+        assert _reply(sock)["kind"] == "welcome"
+        sock.sendall(whole[: length // 2])
+        sock.close()
+        # Nothing was stored, the staging went back, and the session takes the turn.
+        assert c.session(sid).turn == 0
+        if staging is not None:
+            _eventually(lambda: staging._buddy.free_blocks() == free_before)
+        keys, values = random_kv(LAYOUT, 10, 6)
+        assert c.append_turn(sid, list(range(6, 16)), keys, values).new_blocks == 3
+
+
+def test_garbage_and_hostile_frames_close_the_connection_and_the_server_stays_up(gateway):
+    rng = random.Random(7)
+    hostile = [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # HTTP on the block port
+        b"MKVF" + (1 << 31).to_bytes(4, "little"),  # a header far over the limit
+        b"MKVF" + (3).to_bytes(4, "little") + b"\xc1\xc1\xc1",  # not msgpack
+        bytes(encode_frame({"kind": "hello", "v": 99})[0]),  # a version not served
+        bytes(encode_frame({"kind": "request", "id": 1, "op": "read"})[0]),  # no hello
+    ]
+    hostile += [rng.randbytes(rng.randrange(1, 200)) for _ in range(20)]
+    hostile += [b"MKVF" + rng.randbytes(rng.randrange(4, 64)) for _ in range(20)]
+    for data in hostile:
+        sock = socket.create_connection(("127.0.0.1", gateway.block_port), timeout=10)
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            reply = _reply(sock)
+            assert reply is None or reply.get("status", 200) >= 400
+        except ConnectionResetError:
+            pass
+        finally:
+            sock.close()
+    # Still serving; after a bad request frame on a good connection too.
+    conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
+    try:
+        with pytest.raises(PortError) as bad:
+            conn.request({"op": "nonsense"})
+        assert bad.value.status == 422
+        with pytest.raises(PortError):
+            conn.request({"op": "read"})  # no session id
+        assert conn.request({"op": "ping"})[0]["status"] == 200
+    finally:
+        conn.close()
+
+
+def test_tokens_are_checked_once_per_connection_before_any_payload(cluster):
+    from memkv.api.server import GatewayServer
+
+    auth = Authenticator([e for _, e in TOKENS.values()], open_metrics=False)
+    with GatewayServer.start(cluster, host="127.0.0.1", port=0, auth=auth) as gw:
+        with pytest.raises(UnauthorizedError):
+            PortConnection("127.0.0.1", gw.block_port, token="tok-wrong", timeout=10)
+        with pytest.raises(UnauthorizedError):
+            Client(gw.url, token="tok-wrong").read_blocks("x").__next__()
+        # Refused at hello: the append behind it is never read.
+        sock = _raw(gw.block_port, encode_frame({"kind": "hello", "v": 1}),
+                    encode_frame({"kind": "request", "id": 1, "op": "append",
+                                  "session_id": "s", "body_bytes": 1 << 30}))
+        try:
+            assert _reply(sock)["status"] == 401 and _closed(sock)
+        finally:
+            sock.close()
+        with Client(gw.url, token="tok-alice") as alice, \
+                Client(gw.url, token="tok-mallory") as mallory:
+            sid, _, _ = _session(alice, seed=8)
+            keys, values = random_kv(LAYOUT, 10, 8)
+            alice.append_turn(sid, list(range(8, 18)), keys, values)
+            assert alice.block_path == "block port"
+            assert len(list(alice.read_blocks(sid))) == 3
+            with pytest.raises(UnknownSessionError):  # her tenant has no such session
+                list(mallory.read_blocks(sid))
+            assert mallory.block_path == "block port"
+        assert gw._app.state.block_port.stats.refused_connections >= 3
+
+
+def test_a_stalled_body_times_out_and_lets_go_of_its_staging(cluster):
+    from memkv.api.server import GatewayServer
+
+    with GatewayServer.start(cluster, host="127.0.0.1", port=0, body_timeout_s=0.5) as gw:
+        staging = gw._staging
+        free_before = staging._buddy.free_blocks() if staging is not None else None
+        with Client(gw.url) as c:
+            sid, body, _ = _session(c, seed=9)
+            length = sum(memoryview(x).nbytes for x in body)
+            sock = _raw(gw.block_port, encode_frame({"kind": "hello", "v": 1}),
+                        encode_frame({"kind": "request", "id": 1, "op": "append",
+                                      "session_id": sid, "body_bytes": length}))
+            try:
+                assert _reply(sock)["kind"] == "welcome"
+                sock.sendall(b"".join(bytes(x) for x in body)[: length - 10])
+                reply = _reply(sock)  # nothing more is sent: the gateway gives up
+                assert reply["status"] == 408 and _closed(sock)
+            finally:
+                sock.close()
+            assert c.session(sid).turn == 0
+        if staging is not None:
+            _eventually(lambda: staging._buddy.free_blocks() == free_before)
+
+
+def test_a_gateway_without_a_port_is_served_over_http(cluster):
+    from memkv.api.server import GatewayServer
+
+    with GatewayServer.start(cluster, host="127.0.0.1", port=0, block_port=None) as gw:
+        assert gw.block_port is None
+        with Client(gw.url) as c:
+            sid, _, _ = _session(c, seed=10)
+            keys, values = random_kv(LAYOUT, 10, 10)
+            c.append_turn(sid, list(range(10, 20)), keys, values)
+            assert c.block_path == "http" and len(list(c.read_blocks(sid))) == 3
+            with pytest.raises(InvalidInputError):
+                c.append_turn(sid, [1], blocks=[])  # errors as before
