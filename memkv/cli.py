@@ -73,11 +73,13 @@ def up(
         cluster,
         host=settings.host,
         port=settings.port,
+        block_port=settings.block_port,
         max_body_bytes=settings.max_body_bytes,
         put_staging_bytes=settings.put_staging_bytes,
         auth=auth,
     )
     summary["gateway"] = server.url
+    summary["block_port"] = server.block_port
     summary["auth"] = (
         "off" if not auth.enabled else f"token in {dev_token}" if dev_token else "tokens"
     )

@@ -535,6 +535,14 @@ class GatewaySettings(_Frozen):
     port: int = Field(
         default=8080, ge=0, le=_MAX_PORT, description="TCP port to bind (0: any free port)."
     )
+    block_port: int | None = Field(
+        default=8081,
+        ge=0,
+        le=_MAX_PORT,
+        description="TCP port of the block port on the same host: memkv's frames over bare "
+        "TCP beside HTTP, which clients use for KV bodies when /healthz advertises it "
+        "(docs/wire-format.md); 0: any free port; null: off (HTTP only).",
+    )
     max_body_bytes: int = Field(
         default=GIB, gt=0, description="Largest request body accepted (a turn's KV blocks)."
     )

@@ -28,6 +28,7 @@ def start_memkv_up(
         **os.environ,
         "MEMKV_DATA_DIR": str(data_dir),
         "MEMKV_GATEWAY__PORT": "0",
+        "MEMKV_GATEWAY__BLOCK_PORT": "0",
         **settings,
     }
     proc = subprocess.Popen(

@@ -33,6 +33,7 @@ def test_up_embedded_starts_and_stops_cleanly(tmp_path: Path):
             for bound in ("FLOOR_BYTES", "CAP_BYTES")
         },
         "MEMKV_GATEWAY__PORT": "0",  # any free port
+        "MEMKV_GATEWAY__BLOCK_PORT": "0",
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "memkv.cli", "up"],

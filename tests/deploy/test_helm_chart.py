@@ -81,6 +81,21 @@ def test_the_rendered_config_is_one_memkv_accepts(tmp_path):
         cfg = load_config(path, environ={})
         assert cfg.gateway.host == "0.0.0.0" and cfg.gateway.auth.enabled
         assert str(cfg.gateway.auth.tokens_file) == "/etc/memkv/tokens/tokens.yaml"
+        assert cfg.gateway.block_port == 8081
+
+
+def test_the_block_port_is_served_beside_http_or_turned_off():
+    docs = render(None)
+    service = one(docs, "Service")
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["blocks"]["port"] == 8081 and ports["blocks"]["targetPort"] == "blocks"
+    deployment = one(docs, "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "blocks", "containerPort": 8081} in container["ports"]
+    off = render({"gateway": {"blockPort": 0}})
+    assert [p["name"] for p in one(off, "Service")["spec"]["ports"]] == ["http"]
+    config = json.loads(one(off, "ConfigMap")["data"]["memkv.yaml"])
+    assert config["gateway"]["block_port"] is None
 
 
 def test_values_reach_the_manifests():
