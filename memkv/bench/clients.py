@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -195,7 +196,7 @@ def _gateway(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
 
     layout = KVLayout.from_dict(params["layout"])
     ops, op, per_session = params["ops"], params["op"], params["session_blocks"]
-    client = Client(params["url"])
+    client = Client(params["url"], block_port=params["block_port"])
     block = np.random.default_rng(index).standard_normal(layout.block_shape()).astype(np.float16)
     bt = layout.block_tokens
     sessions: list[str] = []
@@ -203,12 +204,15 @@ def _gateway(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
     def put(i: int) -> None:
         n = i % per_session
         if n == 0:
-            sid = f"{params['run']}-{op}-{index}-{i // per_session}"
+            path = "port" if params["block_port"] else "http"
+            sid = f"{params['run']}-{op}-{path}-{index}-{i // per_session}"
             client.create_session(sid, layout, namespace=params["namespace"])
             sessions.append(sid)
-        # A token of its own per client and session: every put stores a new block.
+        # Tokens of their own per run, path, client and session: every put stores a
+        # new block (the same tokens again would be deduplicated, and cost less).
         tokens = np.arange((n + 1) * bt, dtype=np.int64)
-        tokens[0] = 1_000_000 + index * 10_000 + i // per_session
+        tokens[0] = zlib.crc32(sessions[-1].encode())
+        tokens[1] = 1_000_000 + index * 10_000 + i // per_session
         client.append_turn(sessions[-1], tokens, blocks=[block], start_block=n)
 
     if op == "put":
@@ -235,7 +239,7 @@ def _gateway_session(params: dict[str, Any], index: int) -> Callable[[], list[fl
 
     from memkv.client import Client
 
-    client = Client(params["url"])
+    client = Client(params["url"], block_port=params["block_port"])
     client.session(params["session_id"])  # knows its turn: reads go straight to the device
     out = [np.empty(n, dtype=np.uint8) for n in params["block_bytes"]]
 
@@ -247,10 +251,49 @@ def _gateway_session(params: dict[str, Any], index: int) -> Callable[[], list[fl
     return lambda: _timed(read, params["ops"])
 
 
+def _gateway_append(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
+    """Appends of ``blocks`` new blocks in one request each (a long turn), to fresh sessions.
+
+    The sessions are made before the clock starts; each timed append is one
+    request carrying every block of its turn.
+    """
+    import numpy as np
+
+    from memkv.client import Client
+    from memkv.protocol.layout import KVLayout
+
+    layout = KVLayout.from_dict(params["layout"])
+    ops, count = params["ops"], params["blocks"]
+    client = Client(params["url"], block_port=params["block_port"])
+    rng = np.random.default_rng(index)
+    blocks = [rng.standard_normal(layout.block_shape()).astype(np.float16) for _ in range(count)]
+    sessions = []
+    for i in range(ops):
+        sid = f"{params['run']}-append-{params['block_port']}-{index}-{i}"
+        client.create_session(sid, layout, namespace=params["namespace"])
+        sessions.append(client.session(sid))
+    tokens = np.arange(count * layout.block_tokens, dtype=np.int64)
+
+    def append(i: int) -> None:
+        tokens[0] = zlib.crc32(sessions[i].session_id.encode())  # new blocks every time
+        result = client.append_turn(sessions[i].session_id, tokens, blocks=blocks)
+        if result.new_blocks != count:
+            raise RuntimeError(f"expected {count} new blocks, got {result.new_blocks}")
+
+    def timed_then_cleaned() -> list[float]:
+        latencies = _timed(append, ops)
+        for session in sessions:  # after the clock: the bench cluster's memory back
+            client.delete_session(session.session_id)
+        return latencies
+
+    return timed_then_cleaned
+
+
 _OPS: dict[str, Callable[[dict[str, Any], int], Callable[[], list[float]]]] = {
     "raw": _raw,
     "bare_http": _bare_http,
     "redis": _redis,
     "gateway": _gateway,
     "gateway_session": _gateway_session,
+    "gateway_append": _gateway_append,
 }

@@ -10,9 +10,12 @@ machine's absolute speed drifts with load):
   settings, read and written over ``http.client`` as memkv.client does: the
   ceiling of the HTTP stack the gateway is built on.
 * **Redis** (Debian's redis-server, redis-py with hiredis): LMCache's remote tier.
-* **gateway (HTTP)**: ``append_turn`` of one block per turn in 4096-token
-  sessions, and ``read_blocks`` of one block into a reused buffer, each client
-  a process of its own (the gateway runs in the bench process).
+* **gateway (HTTP)** and **gateway (block port)**: ``append_turn`` of one
+  block per turn in 4096-token sessions, and ``read_blocks`` of one block into
+  a reused buffer, each client a process of its own (the gateway runs in the
+  bench process); over HTTP and over the block port (memkv.api.block_port).
+* **a long turn**: one append of 16 blocks (64 MiB) in one request, beside the
+  raw socket streaming as many bytes.
 * **session reads** of a 4096-token session of 4 MiB blocks through the
   same-node path, in-cluster (Ray) and the gateway, against memcpy of the
   same bytes; and a real-size row: a Llama-3-8B-shaped session (512 MiB)
@@ -72,6 +75,19 @@ MEMCPY_RING_BYTES = 256 << 20
 MEMCPY_RING_MAX_BUFFERS = 256
 NAMESPACE = "bench-dataplane"
 BARE_ASGI = "bare ASGI (uvicorn)"
+GATEWAY_HTTP = "gateway (HTTP)"
+GATEWAY_PORT = "gateway (block port)"
+#: Blocks of the long-turn append row (64 MiB of 4 MiB blocks in one request).
+APPEND_BLOCKS = 16
+QUICK_APPEND_BLOCKS = 4
+#: The issue's targets for the block port and HTTP, as ratios in one run ([2/5]).
+TARGETS = {
+    "block_port_put_vs_raw": 0.7,
+    "block_port_get_vs_raw": 0.85,
+    "block_port_append_vs_raw_stream": 0.8,
+    "http_get_vs_bare_asgi": 0.9,
+    "http_put_vs_bare_asgi": 0.75,
+}
 #: One H100 SXM: 989 TFLOPS dense BF16 (NVIDIA H100 Tensor Core GPU datasheet; 1,979
 #: is the sparse figure). Prefill FLOPs of Llama-3-8B (8.03e9 parameters) for T
 #: tokens: 2*N*T for the weights plus 2*L*T^2*d for causal attention (QK^T and AV).
@@ -270,10 +286,13 @@ def _object_store_bytes() -> int:
     return int(ray.cluster_resources().get("object_store_memory", 0))
 
 
-def _gateway_session_reads(url: str, sid: str, route: Any, reps: int) -> list[float]:
+def _gateway_session_reads(
+    url: str, sid: str, route: Any, reps: int, block_port: bool
+) -> list[float]:
     layout = KVLayout.from_dict(route.layout)
     params = {
         "url": url,
+        "block_port": block_port,
         "session_id": sid,
         "ops": reps + 1,
         "block_bytes": [layout.block_nbytes(n) for n in route.tokens],
@@ -308,14 +327,15 @@ def _session_rows(
                 f"in-cluster ({label})", "read", _in_cluster_reads(ctx, sid, route, reps), nbytes
             )
         )
-        rows.append(
-            _from_latencies(
-                f"gateway ({label})",
-                "read",
-                _gateway_session_reads(ctx.get_gateway_url(), sid, route, reps),
-                nbytes,
+        for path, port in (("HTTP", False), ("block port", True)):
+            rows.append(
+                _from_latencies(
+                    f"gateway {path} ({label})",
+                    "read",
+                    _gateway_session_reads(ctx.get_gateway_url(), sid, route, reps, port),
+                    nbytes,
+                )
             )
-        )
         return rows
     finally:
         ctx.get_cluster().delete_session(sid)
@@ -430,7 +450,22 @@ def _levels(
                     "session_blocks": SESSION_BLOCKS,
                     "namespace": NAMESPACE,
                 }
-                out.append(_from_runs("gateway (HTTP)", op, measure("gateway", gw, c), nbytes))
+                for target, port in ((GATEWAY_HTTP, False), (GATEWAY_PORT, True)):
+                    out.append(_from_runs(target, op, measure("gateway", {**gw, "block_port": port},
+                                                              c), nbytes))
+    # A long turn: APPEND_BLOCKS blocks in one request, against the raw stream of as many bytes.
+    big = nbytes * (QUICK_APPEND_BLOCKS if ctx.quick else APPEND_BLOCKS)
+    append_ops = max(2, ops // 4)
+    with raw_socket_server(big) as raw_port:
+        out.append(_from_runs(
+            f"raw socket ({big >> 20} MiB)", "append",
+            measure("raw", {"nbytes": big, "ops": append_ops, "op": "put", "port": raw_port}, 1),
+            big))
+    for target, port in ((GATEWAY_HTTP, False), (GATEWAY_PORT, True)):
+        params = {"url": url, "layout": layout.to_dict(), "ops": append_ops,
+                  "blocks": big // nbytes, "namespace": NAMESPACE, "block_port": port}
+        out.append(_from_runs(f"{target} ({big >> 20} MiB)", "append",
+                              measure("gateway_append", params, 1), big))
     return out
 
 
@@ -486,10 +521,13 @@ def run(ctx: BenchContext) -> SuiteResult:
         vs_base: float | None = None
         vs_redis: float | None = None
         vs_bare: float | None = None
-        if r.target in ("gateway (HTTP)", BARE_ASGI):
+        if r.op == "append":
+            raw = find("raw socket (", "append")
+            vs_base = r.gb_s / raw.gb_s if raw and not r.target.startswith("raw") else None
+        elif r.target in (GATEWAY_HTTP, GATEWAY_PORT, BARE_ASGI):
             raw = find("raw socket", r.op, r.concurrency)
             vs_base = r.gb_s / raw.gb_s if raw else None
-        if r.target == "gateway (HTTP)":
+        if r.target in (GATEWAY_HTTP, GATEWAY_PORT):
             redis = find("redis", r.op, r.concurrency)
             bare = find(BARE_ASGI, r.op, r.concurrency)
             vs_redis = r.gb_s / redis.gb_s if redis else None
@@ -517,9 +555,30 @@ def run(ctx: BenchContext) -> SuiteResult:
                 vs_bare,
             ]
         )
-    gw_get, raw_get = find("gateway", "get"), find("raw socket", "get")
-    gw_put, raw_put = find("gateway", "put"), find("raw socket", "put")
-    bare_get, bare_put = find(BARE_ASGI, "get"), find(BARE_ASGI, "put")
+    gw_get, raw_get = find(GATEWAY_HTTP, "get"), find("raw socket", "get")
+    gw_put, raw_put = find(GATEWAY_HTTP, "put"), find("raw socket", "put")
+    port_get, port_put = find(GATEWAY_PORT, "get"), find(GATEWAY_PORT, "put")
+    port_append = find(f"{GATEWAY_PORT} (", "append")
+    raw_append = find("raw socket (", "append")
+
+    def ratio(a: LevelResult | None, b: LevelResult | None) -> float | None:
+        return a.gb_s / b.gb_s if a and b and b.gb_s else None
+
+    measured = {
+        "block_port_put_vs_raw": ratio(port_put, raw_put),
+        "block_port_get_vs_raw": ratio(port_get, raw_get),
+        "block_port_append_vs_raw_stream": ratio(port_append, raw_append),
+        "http_get_vs_bare_asgi": ratio(gw_get, bare_get := find(BARE_ASGI, "get")),
+        "http_put_vs_bare_asgi": ratio(gw_put, bare_put := find(BARE_ASGI, "put")),
+    }
+    notes.append(
+        "targets at 1 client ([2/5]): "
+        + "; ".join(
+            f"{name} {'n/a' if value is None else f'{value:.2f}'} (target >= {TARGETS[name]}, "
+            f"{'met' if value is not None and value >= TARGETS[name] else 'not met'})"
+            for name, value in measured.items()
+        )
+    )
     notes += [
         f"blocks of {nbytes / (1 << 20):.3g} MiB ({list(layout.block_shape())} fp16); every "
         f"client is a process of its own; each level runs {ROUNDS} rounds and GB/s is clients x "
@@ -570,7 +629,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             f"{real_size['break_even_gb_s']:.1f} GB/s."
         )
     series: dict[str, list[float | None]] = {}
-    for target in ("gateway (HTTP)", BARE_ASGI, "raw socket", "redis"):
+    for target in (GATEWAY_HTTP, GATEWAY_PORT, BARE_ASGI, "raw socket", "redis"):
         for op in ("get", "put"):
             vals = [(find(target, op, c).gb_s if find(target, op, c) else None) for c in levels]
             if any(v is not None for v in vals):
@@ -600,6 +659,8 @@ def run(ctx: BenchContext) -> SuiteResult:
             "crc32_gb_s": crc_gb_s,
             "real_size": real_size,
             "redis_found": redis_how,
+            "targets": TARGETS,
+            "measured": measured,
             "results": [asdict(r) for r in results],
         },
         notes=notes,

@@ -61,12 +61,18 @@ def test_dataplane_quick(ctx: BenchContext) -> None:
     found = {(r["target"], r["op"], r["concurrency"]) for r in doc["figures"]["results"]}
     for op in ("get", "put"):
         assert {("gateway (HTTP)", op, 1), ("raw socket", op, 1)} <= found
-        assert ("bare ASGI (uvicorn)", op, 1) in found
+        assert {("bare ASGI (uvicorn)", op, 1), ("gateway (block port)", op, 1)} <= found
     by_target = {(row[0], row[1]): row for row in doc["rows"]}
-    vs_bare = doc["columns"].index("vs bare ASGI")
+    vs_bare, vs_raw = doc["columns"].index("vs bare ASGI"), doc["columns"].index("vs ceiling")
     assert _positive(by_target[("gateway (HTTP)", "put")][vs_bare])
+    assert _positive(by_target[("gateway (block port)", "put")][vs_raw])
+    appends = {r[0].rsplit(" (", 1)[0]: r for r in doc["rows"] if r[1] == "append"}
+    assert set(appends) == {"raw socket", "gateway (HTTP)", "gateway (block port)"}
+    assert _positive(appends["gateway (block port)"][vs_raw])
+    assert set(doc["figures"]["measured"]) == set(doc["figures"]["targets"])
+    assert "block_port_put_vs_raw" in " ".join(result.notes)
     reads = {r["target"].split(" (")[0] for r in doc["figures"]["results"] if r["op"] == "read"}
-    assert reads == {"same-node", "in-cluster", "gateway"}
+    assert reads == {"same-node", "in-cluster", "gateway HTTP", "gateway block port"}
     for r in result.figures["results"]:
         assert r["ops"] > 0 and (_positive(r["gb_s"]) or r["op"] == "lock wait")
         assert 0 < r["p50_ms"] <= r["p99_ms"]
