@@ -570,11 +570,15 @@ def _destination(out: Sequence[Any] | None, count: int, nbytes: int) -> np.ndarr
     return flat
 
 
-def _read_block_frames(response: Any, out: Sequence[Any] | None = None) -> Iterator[Block]:
+def _read_block_frames(
+    response: Any, out: Sequence[Any] | None = None, *, body_ends: bool = True
+) -> Iterator[Block]:
     """Parse a block response straight off the socket; check the end frame and the length.
 
     ``response``: an ``http.client`` response, or a block port reply's body
-    (anything with ``read(n)`` and ``readinto(view)`` that ends with the body).
+    (anything with ``read(n)`` and ``readinto(view)``). ``body_ends``: the body
+    ends with its end frame (checked); False for a block port reply that runs
+    to its end frame, after which the connection's next reply follows.
     """
     count = 0
     while True:
@@ -596,7 +600,7 @@ def _read_block_frames(response: Any, out: Sequence[Any] | None = None) -> Itera
                 raise WireError(
                     f"stream ended after {count} blocks, its end frame says {header.get('count')}"
                 )
-            if response.read(1):
+            if body_ends and response.read(1):
                 raise WireError("bytes after the end frame")
             return
         if kind != "block":
@@ -672,6 +676,10 @@ class Client:
     def block_path(self) -> str:
         """``"block port"`` or ``"http"``: how KV bodies travel (known after the first)."""
         return "block port" if self._ports is not None and self._ports.usable else "http"
+
+    def uses_block_port(self) -> bool:
+        """Whether KV bodies go over the gateway's block port (connects to learn it)."""
+        return self._ports is not None and self._ports.get() is not None
 
     def _advertised_port(self) -> int | None:
         port = self.health().get("block_port")
@@ -963,6 +971,19 @@ class Client:
         ``namespace``: a public namespace the token may read (None: the
         tenant's). Read from the socket the way :meth:`read_blocks` reads.
         """
+        sent = (
+            self._over_port({"op": "read_keys", "namespace": namespace,
+                             "keys": [bytes(k) for k in keys]})
+            if self._ports is not None
+            else None
+        )
+        if sent is not None:
+            try:
+                return list(_read_block_frames(sent[2], None, body_ends=False))
+            except BaseException:
+                assert self._ports is not None
+                self._ports.drop()  # a half-read reply leaves the connection out of step
+                raise
         body = {"namespace": namespace, "keys": [bytes(k).hex() for k in keys]}
         if self._blocks is None:
             return list(self._read_via_httpx("POST", "/v1/blocks/read", json=body))

@@ -47,16 +47,21 @@ class ReplyBody:
     nothing), so a short body is seen by the frame parser as a cut stream.
     """
 
-    def __init__(self, stream: Any, nbytes: int) -> None:
+    def __init__(self, stream: Any, nbytes: int | None) -> None:
         self._stream = stream
+        #: Bytes of the body not read yet; None: a body that runs to its end frame.
         self.left = nbytes
 
     def read(self, n: int) -> bytes:
+        if self.left is None:
+            return bytes(self._stream.read(n))
         data: bytes = self._stream.read(min(n, self.left)) if self.left else b""
         self.left -= len(data)
         return data
 
     def readinto(self, view: memoryview) -> int:
+        if self.left is None:
+            return int(self._stream.readinto(view) or 0)
         if not self.left:
             return 0
         got: int = self._stream.readinto(view[: self.left]) or 0
@@ -139,7 +144,8 @@ class PortConnection:
             self.broken = True  # the gateway closes it after this reply
         if status >= 400:
             raise PortError(status, dict(header.get("error") or {}))
-        return header, ReplyBody(self._stream, int(header.get("body_bytes", 0)))
+        length = None if header.get("until_end") else int(header.get("body_bytes", 0))
+        return header, ReplyBody(self._stream, length)
 
     def request(
         self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()

@@ -765,6 +765,7 @@ def create_app(
     app.state.payload_bytes = payload_bytes
     app.state.release_plans = fetcher.release_all
     app.state.client_leases = client_leases
+    app.state.blocks_by_key = lambda body, who: read_blocks_by_key(body, who)
     app.openapi = lambda: _openapi_with_errors(app)  # type: ignore[method-assign]
 
     @app.post(

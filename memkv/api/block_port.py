@@ -30,7 +30,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from memkv.api.app import BodyTimeout, PayloadTooLarge, any_error_document
+from pydantic import ValidationError
+
+from memkv.api.app import BlocksByKeyIn, BodyTimeout, PayloadTooLarge, any_error_document
 from memkv.api.auth import Principal
 from memkv.api.body_budget import BodyHold
 from memkv.errors import InvalidInputError, MemkvError
@@ -132,8 +134,10 @@ class _Inbox(asyncio.BufferedProtocol):
         self._progress()
 
     def eof_received(self) -> bool:
+        # Requests already received are still answered (the peer may read replies
+        # after closing its side); the handler closes once it needs more bytes.
         self._fail(ConnectionGone("the peer closed the connection"))
-        return False
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(ConnectionGone(f"the connection was lost: {exc}" if exc else "closed"))
@@ -368,10 +372,13 @@ class BlockPortServer:
                 await self._append(inbox, who, rid, header)
             elif op == "read":
                 await self._read(inbox, who, rid, header)
+            elif op == "read_keys":
+                await self._read_keys(inbox, who, rid, header)
             elif op == "ping":
                 await inbox.write(encode_frame({"kind": "reply", "id": rid, "status": 200}))
             else:
-                raise InvalidInputError(f"unknown op {op!r}; expected append, read or ping")
+                raise InvalidInputError(
+                    f"unknown op {op!r}; expected append, read, read_keys or ping")
         except ConnectionGone:
             return False
         except _FatalToConnection as e:
@@ -468,28 +475,47 @@ class BlockPortServer:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidInputError(f"read's {name!r} must be a non-negative int")
         response = await self._app.state.session_blocks(who, session_id, start, end, turn)
-        head = encode_frame({"kind": "reply", "id": rid, "status": 200,
-                             "body_bytes": response.content_length})
+        await self._stream(inbox, response, {"kind": "reply", "id": rid, "status": 200,
+                                             "body_bytes": response.content_length},
+                           f"the read of {session_id!r}")
 
+    async def _read_keys(self, inbox: _Inbox, who: Principal, rid: int,
+                         header: dict[str, Any]) -> None:
+        keys = header.get("keys")
+        if not isinstance(keys, list) or not all(isinstance(k, bytes) for k in keys):
+            raise InvalidInputError("read_keys needs 'keys', a list of 16-byte keys")
+        try:
+            body = BlocksByKeyIn(namespace=header.get("namespace"),
+                                 keys=[k.hex() for k in keys])
+        except ValidationError as e:
+            raise InvalidInputError(f"read_keys: {e.errors()[0]['msg']}") from None
+        response = await self._app.state.blocks_by_key(body, who)
+        # A by-key response has no length known up front: its frames run to the end frame.
+        await self._stream(inbox, response, {"kind": "reply", "id": rid, "status": 200,
+                                             "until_end": True}, "the by-key read")
+
+    async def _stream(self, inbox: _Inbox, response: Any, head: dict[str, Any],
+                      what: str) -> None:
+        """Write an ASGI response's body after ``head``; cut short, the connection closes."""
         started = False
 
         async def send(message: dict[str, Any]) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                await inbox.write(head)
+                await inbox.write(encode_frame(head))
             elif message.get("body"):
                 await inbox.write([message["body"]])
 
         try:
-            await response({"type": "blockport"}, _no_receive, send)
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, _no_receive, send)
         except Exception as e:
             if not started:
                 raise
-            # Cut short of its body_bytes: the client sees it and raises, never a
-            # partial cache taken for a whole one. No reply can follow.
-            logger.warning("block port read of %r cut short: %s", session_id, e)
-            raise ConnectionGone("the read was cut short") from e
+            # Cut short: the client sees it and raises, never a partial cache taken
+            # for a whole one. No reply can follow.
+            logger.warning("block port: %s cut short: %s", what, e)
+            raise ConnectionGone(f"{what} was cut short") from e
 
     async def _reply_error(
         self, inbox: _Inbox, rid: int, exc: BaseException, *, closing: bool = False
@@ -507,4 +533,7 @@ class BlockPortServer:
 
 
 async def _no_receive() -> dict[str, Any]:
-    return {"type": "http.disconnect"}
+    # ASGI spec 2.4: responses do not listen for a disconnect; a write to a closed
+    # connection raises ConnectionGone instead.
+    await asyncio.get_running_loop().create_future()
+    raise AssertionError("unreachable")

@@ -607,6 +607,12 @@ def run(ctx: BenchContext) -> SuiteResult:
         "(no object store; memkv.staging). In-cluster session reads are timed after an "
         "untimed pass over the object store's worth of bytes (first-touch page faults).",
     ]
+    notes.append(
+        "every put and get moves blocks of its own (tokens new per run, path, client and "
+        "session); runs before 2026-12-03 reused the same tokens in every round, so later "
+        "rounds' puts were deduplicated and their gets read blocks already under read plans "
+        "(the 1-client HTTP GET was 0.82x bare ASGI then)."
+    )
     notes.append(_demotion_note(demotions))
     if drains:
         notes.append(

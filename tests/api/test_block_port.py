@@ -17,7 +17,12 @@ import torch
 
 from memkv.api.auth import Authenticator, TokenEntry, hash_token
 from memkv.client import Client, _append_body, _read_block_frames
-from memkv.errors import InvalidInputError, UnauthorizedError, UnknownSessionError
+from memkv.errors import (
+    InvalidInputError,
+    UnauthorizedError,
+    UnknownBlockError,
+    UnknownSessionError,
+)
 from memkv.port_connection import PortConnection, PortError
 from memkv.protocol.wire import encode_frame
 from memkv.storage.layout import KVLayout, split_kv
@@ -132,6 +137,36 @@ def test_pipelined_requests_are_answered_in_order(gateway):
                 conn.reply(ids[2])
             assert missing.value.status == 404 and not conn.broken  # the connection goes on
             assert conn.reply(ids[3])[0]["status"] == 200
+        finally:
+            conn.close()
+
+
+def test_blocks_by_key_come_over_the_port_and_the_connection_goes_on(gateway):
+    with Client(gateway.url) as c:
+        sid, body, expected = _session(c, tokens=12, seed=11)
+        keys, values = random_kv(LAYOUT, 12, 11)
+        c.append_turn(sid, list(range(11, 23)), keys, values)
+        found = c.match(LAYOUT, None, list(range(11, 23)))
+        before = _port_stats(c)["requests"].get("read_keys", 0)
+        got = c.read_blocks_by_key(None, list(reversed(found.blocks)))
+        assert all(torch.equal(b.tensor, e) for b, e in zip(got, expected[::-1], strict=True))
+        assert _port_stats(c)["requests"]["read_keys"] == before + 1
+        conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
+        try:
+            # A by-key reply runs to its end frame; the next reply follows it.
+            first = conn.send({"op": "read_keys", "namespace": None, "keys": found.blocks[:1]})
+            ping = conn.send({"op": "ping"})
+            head, reply_body = conn.reply(first)
+            assert head["until_end"]
+            (block,) = _read_block_frames(reply_body, body_ends=False)
+            assert torch.equal(block.tensor, expected[0])
+            assert conn.reply(ping)[0]["status"] == 200
+            with pytest.raises(PortError) as missing:
+                conn.request({"op": "read_keys", "keys": [b"\x01" * 16]})
+            assert missing.value.status == 404
+            with pytest.raises(PortError) as bad:
+                conn.request({"op": "read_keys", "keys": [b"short"]})
+            assert bad.value.status == 422
         finally:
             conn.close()
 
@@ -265,6 +300,10 @@ def test_tokens_are_checked_once_per_connection_before_any_payload(cluster):
             assert len(list(alice.read_blocks(sid))) == 3
             with pytest.raises(UnknownSessionError):  # her tenant has no such session
                 list(mallory.read_blocks(sid))
+            found = alice.match(LAYOUT, None, list(range(8, 18)))
+            assert len(alice.read_blocks_by_key(None, found.blocks)) == 3
+            with pytest.raises(UnknownBlockError):  # nor such blocks
+                mallory.read_blocks_by_key(None, found.blocks)
             assert mallory.block_path == "block port"
         assert gw._app.state.block_port.stats.refused_connections >= 3
 

@@ -118,7 +118,7 @@ class GatewayTransport:
         self._namespace = namespace
         self._client = Client(url, token=token, timeout=30.0, retries=1)
         self._plain_until = 0.0
-        self.path = "unknown"  # how loads come: "shared memory" or "http"
+        self.path = "unknown"  # how loads come: "shared memory", "block port" or "http"
 
     def match(self, token_ids: Sequence[int]) -> tuple[int, list[bytes]]:
         match = self._client.match(self.layout, self._namespace, list(token_ids))
@@ -161,11 +161,12 @@ class GatewayTransport:
         if not lease.local or not plans:
             release()
             self._plain_until = time.monotonic() + _NO_LEASES_RECHECK_S
-            if self.path != "http":
+            path = "block port" if self._client.uses_block_port() else "http"
+            if self.path != path:
                 why = ("the gateway runs on another host" if not lease.local
                        else "the gateway serves no shared memory (device.same_node_reads off)")
-                logger.info("memkv loads come over HTTP: %s", why)
-            self.path = "http"
+                logger.info("memkv loads come over the gateway's %s: %s", path, why)
+            self.path = path
             return None
         if self.path != "shared memory":
             logger.info("memkv loads come straight from this host's shared memory")
