@@ -36,7 +36,7 @@ import numpy as np
 
 from memkv import errors
 from memkv.errors import MemkvError
-from memkv.port_connection import PortConnection, PortError, ReplyBody
+from memkv.port_connection import AsyncPortConnection, PortConnection, PortError, ReplyBody
 from memkv.protocol.checksum import crc32
 from memkv.protocol.dtypes import numpy_view_dtype
 from memkv.protocol.exactness import LOSSY_STEPS, lossy_name
@@ -1039,7 +1039,12 @@ class Client:
 
 
 class AsyncClient:
-    """Asynchronous client of the memkv gateway (same methods as :class:`Client`)."""
+    """Asynchronous client of the memkv gateway (same methods as :class:`Client`).
+
+    Appends and session reads go over the gateway's block port when it
+    advertises one (``block_port=False``: HTTP only), on one connection that
+    concurrent calls share, pipelined.
+    """
 
     def __init__(
         self,
@@ -1049,14 +1054,77 @@ class AsyncClient:
         retries: int = 2,
         transport: httpx.AsyncBaseTransport | None = None,
         token: str | None = None,
+        block_port: bool = True,
     ) -> None:
+        auth = _auth_headers(token)
         self._http = httpx.AsyncClient(
-            base_url=base_url, timeout=timeout, transport=transport, headers=_auth_headers(token)
+            base_url=base_url, timeout=timeout, transport=transport, headers=auth
         )
         self._retries = retries
+        self._timeout = timeout
+        self._host = urlsplit(base_url).hostname or "127.0.0.1"
+        self._token = auth.get("authorization", "")[len("Bearer ") :] or None
+        self._port_wanted = block_port and transport is None
+        self._port_number: int | None = None
+        self._port_known = False
+        self._port: AsyncPortConnection | None = None
+        self._port_lock = asyncio.Lock()
+
+    @property
+    def block_path(self) -> str:
+        """``"block port"`` or ``"http"``: how KV bodies travel (known after the first)."""
+        return "block port" if self._port is not None and not self._port.broken else "http"
+
+    async def _port_connection(self) -> AsyncPortConnection | None:
+        if not self._port_wanted:
+            return None
+        async with self._port_lock:
+            if self._port is not None and not self._port.broken:
+                return self._port
+            if not self._port_known:
+                port = (await self.health()).get("block_port")
+                self._port_known = True
+                self._port_number = port if isinstance(port, int) else None
+            if self._port_number is None:
+                return None
+            try:
+                self._port = await AsyncPortConnection.open(
+                    self._host, self._port_number, token=self._token, timeout=self._timeout
+                )
+            except OSError as e:
+                logger.warning("block port %s:%s unreachable (%s): KV over HTTP from now on",
+                               self._host, self._port_number, e)
+                self._port_number = None
+                return None
+            return self._port
+
+    async def _over_port(
+        self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()
+    ) -> tuple[AsyncPortConnection, dict[str, Any], int | None, asyncio.Future[None]] | None:
+        """A request over the block port, retried like HTTP's; None: no port, use HTTP."""
+        attempt = 0
+        while True:
+            conn = await self._port_connection()
+            if conn is None:
+                return None
+            try:
+                reply, length, done = await conn.request(header, body)
+            except PortError as e:
+                if e.status not in _RETRY_STATUSES or attempt == self._retries:
+                    raise _port_error(e) from None
+            except (OSError, WireError):
+                conn.broken = True
+                if attempt == self._retries:
+                    raise
+            else:
+                return conn, reply, length, done
+            await asyncio.sleep(_BACKOFF_S * (2**attempt))
+            attempt += 1
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        if self._port is not None:
+            await self._port.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -1136,6 +1204,11 @@ class AsyncClient:
     ) -> TurnResult:
         session = await self.session(session_id)
         body, _ = _append_body(session, token_ids, blocks, keys, values, start_block, turn)
+        sent = await self._over_port({"op": "append", "session_id": session_id}, body)
+        if sent is not None:
+            _, reply, _, done = sent
+            done.set_result(None)
+            return _turn(reply["result"])
         r = await self._request(
             "POST",
             f"/v1/sessions/{session_id}/turns",
@@ -1148,6 +1221,12 @@ class AsyncClient:
     async def read_blocks(
         self, session_id: str, start: int = 0, end: int | None = None
     ) -> AsyncIterator[Block]:
+        sent = await self._over_port({"op": "read", "session_id": session_id, "start": start,
+                                      "end": end})
+        if sent is not None:
+            async for block in _port_blocks(*sent):
+                yield block
+            return
         params: dict[str, int] = {"start": start}
         if end is not None:
             params["end"] = end
@@ -1174,6 +1253,32 @@ class AsyncClient:
         data = (await self._request("POST", "/v1/match", json=body, idempotent=True)).json()
         return Match(int(data["tokens"]), [bytes.fromhex(k) for k in data["blocks"]],
                      data.get("publisher"))
+
+
+async def _port_blocks(
+    conn: AsyncPortConnection, reply: dict[str, Any], length: int | None,
+    done: asyncio.Future[None],
+) -> AsyncIterator[Block]:
+    """The blocks of a block port reply of ``length`` bytes, read to its end."""
+    parser = _BlockStream()
+    left = length or 0
+    try:
+        while left:
+            chunk = await conn.read(min(left, _ASYNC_READ_BYTES))
+            if not chunk:
+                raise WireError("the block stream was cut (the block port closed)")
+            left -= len(chunk)
+            for block in parser.feed(chunk):
+                yield block
+        parser.close()
+    finally:
+        if left:  # not read to its end: the connection is out of step
+            conn.broken = True
+        done.set_result(None)
+
+
+#: Bytes per read of an async block port reply (each is parsed as it comes).
+_ASYNC_READ_BYTES = 1 << 20
 
 
 def _joined(chunks: list[bytes | memoryview]) -> bytes:

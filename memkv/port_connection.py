@@ -11,6 +11,7 @@ Import-light like :mod:`memkv.client` (no torch, no ray).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import socket
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ import msgpack
 from memkv.errors import MemkvError, UnauthorizedError
 from memkv.protocol.wire import MAGIC, MAX_HEADER_BYTES, WireError, encode_frame
 
-__all__ = ["PortConnection", "PortError", "ReplyBody"]
+__all__ = ["AsyncPortConnection", "PortConnection", "PortError", "ReplyBody"]
 
 _VERSION = 1
 _PREFIX_BYTES = 8
@@ -188,3 +189,111 @@ class PortConnection:
                 else:
                     views[0] = views[0][sent:]
                     sent = 0
+
+
+class AsyncPortConnection:
+    """A block port connection for asyncio (:class:`memkv.client.AsyncClient`).
+
+    Coroutines may share it: each request is sent as soon as it is made
+    (pipelined), and replies are read in request order, each one's body to its
+    end by its own caller before the next reply is read.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+        self._ids = itertools.count(1)
+        self._send_lock = asyncio.Lock()
+        self._turn: asyncio.Future[None] | None = None  # the previous reply read to its end
+        self.broken = False
+
+    @classmethod
+    async def open(cls, host: str, port: int, *, token: str | None,
+                   timeout: float) -> AsyncPortConnection:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, limit=_READ_BUFFER_BYTES), timeout
+        )
+        conn = cls(reader, writer)
+        hello: dict[str, Any] = {"kind": "hello", "v": _VERSION}
+        if token:
+            hello["token"] = token
+        try:
+            writer.writelines(encode_frame(hello))
+            welcome = await asyncio.wait_for(conn.header(), timeout)
+        except BaseException:
+            await conn.aclose()
+            raise
+        if welcome.get("kind") != "welcome":
+            await conn.aclose()
+            error = welcome.get("error") or {}
+            if error.get("status") == 401:
+                raise UnauthorizedError(f"{error.get('message')} (block port)")
+            raise PortError(int(welcome.get("status", 500)), error)
+        return conn
+
+    async def request(
+        self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()
+    ) -> tuple[dict[str, Any], int | None, asyncio.Future[None]]:
+        """Send a request; return its reply's header, body length (None: to the end frame)
+        and the future to set once that body is read (the next reply waits for it)."""
+        loop = asyncio.get_running_loop()
+        async with self._send_lock:
+            rid = next(self._ids)
+            request = {"kind": "request", "id": rid, **header}
+            if body or header.get("op") == "append":
+                request["body_bytes"] = sum(memoryview(c).nbytes for c in body)
+            previous, done = self._turn, loop.create_future()
+            self._turn = done
+            try:
+                self._writer.writelines([*encode_frame(request), *body])
+                await self._writer.drain()
+            except BaseException:
+                self.broken = True
+                done.set_result(None)
+                raise
+        if previous is not None:
+            await previous
+        try:
+            reply = await self.header()
+        except BaseException:
+            self.broken = True
+            done.set_result(None)
+            raise
+        if reply.get("kind") != "reply" or reply.get("id") != rid:
+            self.broken = True
+            done.set_result(None)
+            raise WireError(f"expected the reply to request {rid}, got {reply!r:.200}")
+        if reply.get("close"):
+            self.broken = True
+        status = int(reply.get("status", 500))
+        if status >= 400:
+            done.set_result(None)
+            raise PortError(status, dict(reply.get("error") or {}))
+        length = None if reply.get("until_end") else int(reply.get("body_bytes", 0))
+        return reply, length, done
+
+    async def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes of the reply being read (fewer only at the connection's end)."""
+        return await self._reader.read(n)
+
+    async def header(self) -> dict[str, Any]:
+        try:
+            prefix = await self._reader.readexactly(_PREFIX_BYTES)
+            if prefix[:4] != MAGIC:
+                raise WireError(f"bad frame magic {prefix[:4]!r}, expected {MAGIC!r}")
+            header_len = int.from_bytes(prefix[4:], "little")
+            if header_len > MAX_HEADER_BYTES:
+                raise WireError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+            header = msgpack.unpackb(await self._reader.readexactly(header_len), raw=False)
+        except asyncio.IncompleteReadError as e:
+            raise ConnectionError("the block port closed the connection") from e
+        if not isinstance(header, dict):
+            raise WireError("a frame header must be a msgpack map")
+        return header
+
+    async def aclose(self) -> None:
+        self.broken = True
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except OSError:
+            pass

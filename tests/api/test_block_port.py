@@ -344,3 +344,33 @@ def test_a_gateway_without_a_port_is_served_over_http(cluster):
             assert c.block_path == "http" and len(list(c.read_blocks(sid))) == 3
             with pytest.raises(InvalidInputError):
                 c.append_turn(sid, [1], blocks=[])  # errors as before
+
+
+def test_the_async_client_pipelines_concurrent_calls_on_one_connection(gateway):
+    import asyncio
+
+    from memkv.client import AsyncClient
+
+    with Client(gateway.url) as sync:
+        sessions = [_session(sync, tokens=8, seed=20 + i) for i in range(4)]
+        before = _port_stats(sync)
+
+    async def main():
+        async with AsyncClient(gateway.url) as c:
+            async def one(i, sid):
+                keys, values = random_kv(LAYOUT, 8, 20 + i)
+                await c.append_turn(sid, list(range(20 + i, 28 + i)), keys, values)
+                return [b async for b in c.read_blocks(sid)]
+
+            got = await asyncio.gather(*(one(i, sid) for i, (sid, _, _) in enumerate(sessions)))
+            assert c.block_path == "block port"
+            return got
+
+    got = asyncio.run(main())
+    for blocks, (_, _, expected) in zip(got, sessions, strict=True):
+        assert len(blocks) == 2
+        assert all(torch.equal(b.tensor, e) for b, e in zip(blocks, expected, strict=True))
+    with Client(gateway.url) as sync:
+        after = _port_stats(sync)
+    assert after["requests"]["append"] - before["requests"].get("append", 0) == 4
+    assert after["connections"] - before["connections"] == 1  # all four on one connection
