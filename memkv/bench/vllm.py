@@ -14,11 +14,14 @@ off, one after the other:
 3. ``memkv warm (gateway, shared memory)``: a new engine given the gateway's
    URL; the gateway runs on this host, so the connector leases the blocks and
    copies them from the devices' shared memory straight into the paged cache.
-4. ``memkv warm (gateway, HTTP)``: the same with ``same_node`` off: the blocks
-   come as frames over HTTP (what an engine on another host gets).
-5. ``memkv warm (cluster)``: a new engine inside the Ray cluster; leases from
+4. ``memkv warm (gateway, block port)``: the same with ``same_node`` off: the
+   blocks come as frames over the gateway's block port (what an engine on
+   another host gets).
+5. ``memkv warm (gateway, HTTP)``: the same with the block port off too: frames
+   over HTTP.
+6. ``memkv warm (cluster)``: a new engine inside the Ray cluster; leases from
    the devices themselves, the same copy into the paged cache.
-6. ``vLLM prefix-cache hit``: no memkv, vLLM's own prefix cache on, the prompt
+7. ``vLLM prefix-cache hit``: no memkv, vLLM's own prefix cache on, the prompt
    sent once before: the KV is already in place, the ideal a load competes with.
 
 Beside them, single-core memcpy of the same bytes (the ceiling a load's
@@ -160,7 +163,9 @@ def run(ctx: BenchContext) -> SuiteResult:
         ("baseline", "-", None, REPEATS, {}),
         ("memkv cold", "gateway", gateway, 1, {}),
         ("memkv warm", "gateway, shared memory", gateway, REPEATS, {}),
-        ("memkv warm", "gateway, HTTP", {**gateway, "same_node": False}, REPEATS, {}),
+        ("memkv warm", "gateway, block port", {**gateway, "same_node": False}, REPEATS, {}),
+        ("memkv warm", "gateway, HTTP", {**gateway, "same_node": False, "block_port": False},
+         REPEATS, {}),
         ("memkv warm", "cluster", in_cluster, REPEATS, {}),
         ("vLLM prefix-cache hit", "-", None, REPEATS, {"prefix_caching": True}),
     ]

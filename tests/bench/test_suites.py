@@ -272,14 +272,15 @@ def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path
     reason="no .venv-vllm (make vllm-venv)",
 )
 def test_vllm_quick(ctx: BenchContext) -> None:
-    """Six real engines: the warm ones load the prefix and answer the baseline's token."""
+    """Seven real engines: the warm ones load the prefix and answer the baseline's token."""
     result = run_suite("vllm", ctx)
     doc = _written(ctx, "vllm")
     runs = {(r["engine"], r["transport"]): r for r in doc["figures"]["runs"]}
     assert runs[("baseline", "-")]["cached_tokens"] == 0
     assert runs[("memkv cold", "gateway")]["cached_tokens"] == 0
     assert runs[("vLLM prefix-cache hit", "-")]["cached_tokens"] == 480
-    for transport in ("gateway, shared memory", "gateway, HTTP", "cluster"):
+    for transport in ("gateway, shared memory", "gateway, block port", "gateway, HTTP",
+                      "cluster"):
         warm = runs[("memkv warm", transport)]
         assert warm["cached_tokens"] == 480  # 15 of the 16 blocks: the last token is computed
         assert warm["connector"]["hit_tokens"] == 480 and warm["connector"]["load_failures"] == 0

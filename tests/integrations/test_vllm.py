@@ -101,7 +101,8 @@ def test_vllm_loads_prefixes_and_agent_turns_from_memkv_with_identical_output(
     }
     baseline = _engine("baseline", tmp_path / "baseline.json")
     runs = {
-        # Through the gateway: a first engine stores (its later turns load over HTTP),
+        # Through the gateway: a first engine stores (its later turns load over the
+        # gateway's block port, which it found by itself; its saves go there too),
         # a fresh engine process loads straight from this host's shared memory (the
         # gateway's leases), writing all layers before the forward pass.
         "gateway-first": _engine(
@@ -136,10 +137,15 @@ def test_vllm_loads_prefixes_and_agent_turns_from_memkv_with_identical_output(
             assert run["connector"]["load_failures"] == run["connector"]["save_failures"] == 0
 
     # Which way the blocks came: the connector picked it by itself.
-    http, shm = runs["gateway-first"]["connector"], runs["gateway-second"]["connector"]
-    assert http["load_blocks_fetched"] == http["load_blocks"] > 0
-    assert http["load_blocks_shared_memory"] == 0
+    fetched, shm = runs["gateway-first"]["connector"], runs["gateway-second"]["connector"]
+    assert fetched["load_blocks_fetched"] == fetched["load_blocks"] > 0
+    assert fetched["load_blocks_shared_memory"] == 0
     assert shm["load_blocks_shared_memory"] == shm["load_blocks"] > 0
+    from memkv.client import Client
+
+    with Client(memkv_deployment.url, token=memkv_deployment.token) as admin:
+        port = admin.stats()["gateway"]["block_port"]["requests"]
+    assert port.get("read_keys", 0) > 0 and port.get("append", 0) > 0  # fetches and saves
     for run in runs.values():
         assert run["connector"].get("load_checksum_failures", 0) == 0
 

@@ -32,6 +32,8 @@ Configuration (``kv_connector_extra_config``)::
                                         #   straight into the paged cache (needs
                                         #   device.same_node_reads; gateway: on by default,
                                         #   cluster: off by default)
+     "block_port": true,                # gateway: blocks not leased, and saves, over the
+                                        #   gateway's block port where it has one (else HTTP)
      "connect_timeout_s": 10,           # cluster: the most engine start waits to join
                                         #   Ray; later requests compute while it goes on
      "model_id": "my-llama",            # part of every block hash (default: the model path)

@@ -110,13 +110,14 @@ class GatewayTransport:
         token: str | None,
         namespace: str | None,
         same_node: bool = True,
+        block_port: bool = True,
     ) -> None:
         from memkv.client import Client
 
         self.layout = layout
         self._same_node = same_node
         self._namespace = namespace
-        self._client = Client(url, token=token, timeout=30.0, retries=1)
+        self._client = Client(url, token=token, timeout=30.0, retries=1, block_port=block_port)
         self._plain_until = 0.0
         self.path = "unknown"  # how loads come: "shared memory", "block port" or "http"
 
@@ -330,6 +331,7 @@ def transport_from_config(layout: KVLayout, extra: dict[str, Any]) -> KVTranspor
             token=extra.get("token"),
             namespace=extra.get("namespace"),
             same_node=bool(extra.get("same_node", True)),
+            block_port=bool(extra.get("block_port", True)),
         )
     if kind == "cluster":
         address = extra.get("ray_address")
