@@ -965,12 +965,18 @@ class Client:
                 yield from parser.feed(chunk)
             parser.close()
 
-    def read_blocks_by_key(self, namespace: str | None, keys: Sequence[bytes]) -> list[Block]:
+    def read_blocks_by_key(
+        self, namespace: str | None, keys: Sequence[bytes], *, out: Sequence[Any] | None = None
+    ) -> list[Block]:
         """Blocks by key (e.g. a prefix :meth:`match` found), in the order asked.
 
         ``namespace``: a public namespace the token may read (None: the
-        tenant's). Read from the socket the way :meth:`read_blocks` reads.
+        tenant's). Read from the socket the way :meth:`read_blocks` reads,
+        into ``out`` when given (one buffer per key, as :meth:`read_blocks`).
         """
+        if out is not None and len(out) < len(keys):
+            raise errors.InvalidInputError(f"{len(keys)} keys need as many out buffers, "
+                                           f"got {len(out)}")
         sent = (
             self._over_port({"op": "read_keys", "namespace": namespace,
                              "keys": [bytes(k) for k in keys]})
@@ -979,13 +985,15 @@ class Client:
         )
         if sent is not None:
             try:
-                return list(_read_block_frames(sent[2], None, body_ends=False))
+                return list(_read_block_frames(sent[2], out, body_ends=False))
             except BaseException:
                 assert self._ports is not None
                 self._ports.drop()  # a half-read reply leaves the connection out of step
                 raise
         body = {"namespace": namespace, "keys": [bytes(k).hex() for k in keys]}
         if self._blocks is None:
+            if out is not None:
+                raise errors.InvalidInputError("out= needs the default transport")
             return list(self._read_via_httpx("POST", "/v1/blocks/read", json=body))
         import json
 
@@ -994,7 +1002,7 @@ class Client:
             "POST", "/v1/blocks/read", [payload], len(payload), content_type="application/json"
         )
         try:
-            return list(_read_block_frames(response, None))
+            return list(_read_block_frames(response, out))
         except BaseException:
             self._blocks.drop()
             raise

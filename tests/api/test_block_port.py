@@ -151,6 +151,13 @@ def test_blocks_by_key_come_over_the_port_and_the_connection_goes_on(gateway):
         got = c.read_blocks_by_key(None, list(reversed(found.blocks)))
         assert all(torch.equal(b.tensor, e) for b, e in zip(got, expected[::-1], strict=True))
         assert _port_stats(c)["requests"]["read_keys"] == before + 1
+        # Into the caller's buffers, over the port and over HTTP alike.
+        for client in (c, Client(gateway.url, block_port=False)):
+            out = [torch.empty_like(e) for e in expected]
+            client.read_blocks_by_key(None, found.blocks, out=out)
+            assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
+            with pytest.raises(InvalidInputError, match="out buffers"):
+                client.read_blocks_by_key(None, found.blocks, out=out[:1])
         conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
         try:
             # A by-key reply runs to its end frame; the next reply follows it.

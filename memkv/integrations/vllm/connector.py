@@ -32,6 +32,8 @@ Configuration (``kv_connector_extra_config``)::
                                         #   straight into the paged cache (needs
                                         #   device.same_node_reads; gateway: on by default,
                                         #   cluster: off by default)
+     "fetch_buffer_bytes": 1073741824,  # fetched blocks are read into reused, prefaulted
+                                        #   buffers; this much is kept between steps
      "block_port": true,                # gateway: blocks not leased, and saves, over the
                                         #   gateway's block port where it has one (else HTTP)
      "connect_timeout_s": 10,           # cluster: the most engine start waits to join
@@ -80,6 +82,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from memkv.errors import InvalidInputError, MemkvError
 from memkv.gpu_kernels import ops as kernels
+from memkv.integrations.vllm.block_buffers import BlockBuffers
 from memkv.integrations.vllm.direct_load import DirectLoad, PinnedStaging, cache_words
 from memkv.integrations.vllm.metrics import MemkvConnectorStats, MemkvPromMetrics, StatsRecorder
 from memkv.integrations.vllm.stats_file import write_part
@@ -123,6 +126,8 @@ except ImportError:  # pragma: no cover - the gateway transport needs no Ray
 #: Blocks travel in requests of at most this many bytes: a 4096-token prompt of a
 #: Llama-3-8B-shaped model is 512 MiB, over a gateway's body limit in one piece.
 _REQUEST_BYTES = 64 << 20
+#: Fetched-block buffers kept between steps for reuse (the rest of a big load is freed).
+FETCH_BUFFER_KEEP_BYTES = 1 << 30
 
 
 def _request_bytes(extra: dict[str, Any]) -> int:
@@ -219,6 +224,10 @@ class MemkvConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._layer_names: list[str] = []
         self._fetched: list[_Fetched] = []
+        self._buffers = BlockBuffers(
+            self.layout.block_nbytes(),
+            int(self._extra.get("fetch_buffer_bytes", FETCH_BUFFER_KEEP_BYTES)),
+        )
         self._direct: list[_Direct] = []
         self._maps = SegmentMaps()  # this host's memkv segments, mapped once
         self._words: dict[int, np.ndarray] = {}  # CPU layer caches as numpy words
@@ -539,6 +548,7 @@ class MemkvConnector(KVConnectorBase_V1):
                 self._failed_requests.add(direct.load.req_id)
         self._fetched = []
         self._direct = []
+        self._buffers.give_back()  # every fetched block is in the paged cache now
 
     def _chunk_blocks(self) -> int:
         return max(1, self._request_bytes // self.layout.block_nbytes())
@@ -547,7 +557,9 @@ class MemkvConnector(KVConnectorBase_V1):
         per = self._chunk_blocks()
         blocks: list[torch.Tensor] = []
         for i in range(0, len(keys), per):
-            blocks.extend(self.transport().read(keys[i : i + per]))
+            chunk = keys[i : i + per]
+            # Into the step's reused buffers: no page faults inside the load.
+            blocks.extend(self.transport().read(chunk, out=self._buffers.take(len(chunk))))
         return blocks
 
     def _save(self, session_id: str, save: _Save, blocks: list[torch.Tensor]) -> None:

@@ -57,8 +57,10 @@ class KVTransport(Protocol):
         """Leading tokens cached (whole blocks) and their block keys."""
         ...
 
-    def read(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
-        """The blocks of ``keys``, in that order."""
+    def read(self, keys: Sequence[bytes], out: Sequence[Any] | None = None
+             ) -> list[torch.Tensor]:
+        """The blocks of ``keys``, in that order; read into ``out`` (one full-size
+        buffer per key) where the transport copies them (a hint: it may not)."""
         ...
 
     def save(
@@ -125,8 +127,9 @@ class GatewayTransport:
         match = self._client.match(self.layout, self._namespace, list(token_ids))
         return int(match.tokens), [bytes(k) for k in match.blocks]
 
-    def read(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
-        blocks = self._client.read_blocks_by_key(self._namespace, list(keys))
+    def read(self, keys: Sequence[bytes], out: Sequence[Any] | None = None
+             ) -> list[torch.Tensor]:
+        blocks = self._client.read_blocks_by_key(self._namespace, list(keys), out=out)
         _check_keys([bytes(b.key) for b in blocks], keys)
         return [b.tensor for b in blocks]
 
@@ -276,7 +279,9 @@ class ClusterTransport:
     def match(self, token_ids: Sequence[int]) -> tuple[int, list[bytes]]:
         return self._cluster.match_prefix(self.layout, self._namespace, token_ids)
 
-    def read(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+    def read(self, keys: Sequence[bytes], out: Sequence[Any] | None = None
+             ) -> list[torch.Tensor]:
+        # Zero-copy views of Ray objects (or shared memory): nothing to read into.
         from memkv.actors.payload import from_payload
 
         payloads = self._cluster.blocks_by_key(keys, self._namespace, same_node=self._same_node)
