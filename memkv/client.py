@@ -424,7 +424,33 @@ class _BlockStream:
             raise WireError(f"the block stream was cut after {self._count} blocks (no end frame)")
 
 
-class _Connections:
+class _PerThread:
+    """One connection per thread, each closed by :meth:`close` (what both kinds share)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._all: list[Any] = []
+        self._lock = threading.Lock()
+
+    def _keep(self, conn: Any) -> None:
+        self._local.conn = conn
+        with self._lock:
+            self._all.append(conn)
+
+    def drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+
+
+class _Connections(_PerThread):
     """One persistent ``http.client`` connection per thread, for the block routes.
 
     Block bodies skip httpx: ``http.client`` sends a list of memoryviews with
@@ -440,34 +466,18 @@ class _Connections:
         self._host = parts.hostname or "127.0.0.1"
         self._port = parts.port or (443 if self._https else 80)
         self._timeout = timeout
-        self._local = threading.local()
-        self._all: list[http.client.HTTPConnection] = []
-        self._lock = threading.Lock()
+        super().__init__()
 
     def get(self) -> http.client.HTTPConnection:
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is None:
             cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
             conn = cls(self._host, self._port, timeout=self._timeout)
-            self._local.conn = conn
-            with self._lock:
-                self._all.append(conn)
+            self._keep(conn)
         return conn
 
-    def drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
 
-    def close(self) -> None:
-        with self._lock:
-            for conn in self._all:
-                conn.close()
-            self._all.clear()
-
-
-class _PortConnections:
+class _PortConnections(_PerThread):
     """One block-port connection per thread, once the gateway has advertised its port.
 
     A port that cannot be reached is not tried again: HTTP carries everything.
@@ -476,16 +486,14 @@ class _PortConnections:
     def __init__(
         self, base_url: str, auth: dict[str, str], timeout: float, discover: Any
     ) -> None:
+        super().__init__()
         self._host = urlsplit(base_url).hostname or "127.0.0.1"
-        self._token = auth.get("authorization", "")[len("Bearer ") :] or None
+        self._token = _bearer(auth)
         self._timeout = timeout
         self._discover = discover
         self._port: int | None = None
         self._known = False
         self.usable = False
-        self._local = threading.local()
-        self._all: list[PortConnection] = []
-        self._lock = threading.Lock()
 
     def get(self) -> PortConnection | None:
         conn: PortConnection | None = getattr(self._local, "conn", None)
@@ -504,22 +512,13 @@ class _PortConnections:
             self._port, self.usable = None, False
             return None
         self.usable = True
-        self._local.conn = conn
-        with self._lock:
-            self._all.append(conn)
+        self._keep(conn)
         return conn
 
-    def drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
 
-    def close(self) -> None:
-        with self._lock:
-            for conn in self._all:
-                conn.close()
-            self._all.clear()
+def _bearer(auth: dict[str, str]) -> str | None:
+    """The token of an ``Authorization: Bearer`` header dict (the block port's hello)."""
+    return auth.get("authorization", "")[len("Bearer ") :] or None
 
 
 def _port_error(e: PortError) -> MemkvError:
@@ -1071,7 +1070,7 @@ class AsyncClient:
         self._retries = retries
         self._timeout = timeout
         self._host = urlsplit(base_url).hostname or "127.0.0.1"
-        self._token = auth.get("authorization", "")[len("Bearer ") :] or None
+        self._token = _bearer(auth)
         self._port_wanted = block_port and transport is None
         self._port_number: int | None = None
         self._port_known = False

@@ -17,19 +17,35 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
-
 from memkv.errors import MemkvError, UnauthorizedError
-from memkv.protocol.wire import MAGIC, MAX_HEADER_BYTES, WireError, encode_frame
+from memkv.protocol.wire import PREFIX_BYTES, WireError, decode_header, decode_prefix, encode_frame
 
 __all__ = ["AsyncPortConnection", "PortConnection", "PortError", "ReplyBody"]
 
 _VERSION = 1
-_PREFIX_BYTES = 8
+#: Reply headers announce no payload of their own (a body follows as ``body_bytes``).
+_NO_PAYLOAD_LIMIT = 0
 #: Buffered reads below this size; larger ones go straight into their destination.
 _READ_BUFFER_BYTES = 256 << 10
 #: Buffers per sendmsg call (Linux's IOV_MAX is 1024).
 _IOV_MAX = 512
+
+
+def _hello(token: str | None) -> list[bytes | memoryview]:
+    hello: dict[str, Any] = {"kind": "hello", "v": _VERSION}
+    if token:
+        hello["token"] = token
+    return encode_frame(hello)
+
+
+def _check_welcome(welcome: dict[str, Any]) -> None:
+    """Raise what a refused hello means (UnauthorizedError for a bad token)."""
+    if welcome.get("kind") == "welcome":
+        return
+    error = welcome.get("error") or {}
+    if error.get("status") == 401:
+        raise UnauthorizedError(f"{error.get('message')} (block port)")
+    raise PortError(int(welcome.get("status", 500)), error)
 
 
 class PortError(MemkvError):
@@ -85,21 +101,13 @@ class PortConnection:
         self._ids = itertools.count(1)
         self._pending: list[int] = []  # ids sent and not answered yet, in order
         self.broken = False
-        hello: dict[str, Any] = {"kind": "hello", "v": _VERSION}
-        if token:
-            hello["token"] = token
         try:
-            self._send_all(encode_frame(hello))
+            self._send_all(_hello(token))
             welcome = self._header()
+            _check_welcome(welcome)
         except Exception:
             self.close()
             raise
-        if welcome.get("kind") != "welcome":
-            self.close()
-            error = welcome.get("error") or {}
-            if error.get("status") == 401:
-                raise UnauthorizedError(f"{error.get('message')} (block port)")
-            raise PortError(int(welcome.get("status", 500)), error)
         self.tenant = welcome.get("tenant")
         self.max_body_bytes = int(welcome.get("max_body_bytes", 0))
 
@@ -161,16 +169,8 @@ class PortConnection:
     # -- internals
 
     def _header(self) -> dict[str, Any]:
-        prefix = self._exact(_PREFIX_BYTES)
-        if prefix[:4] != MAGIC:
-            raise WireError(f"bad frame magic {prefix[:4]!r}, expected {MAGIC!r}")
-        header_len = int.from_bytes(prefix[4:], "little")
-        if header_len > MAX_HEADER_BYTES:
-            raise WireError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
-        header = msgpack.unpackb(self._exact(header_len), raw=False)
-        if not isinstance(header, dict):
-            raise WireError("a frame header must be a msgpack map")
-        return header
+        header_len = decode_prefix(self._exact(PREFIX_BYTES))
+        return decode_header(self._exact(header_len), _NO_PAYLOAD_LIMIT)[0]
 
     def _exact(self, n: int) -> bytes:
         data: bytes = self._stream.read(n)
@@ -213,21 +213,12 @@ class AsyncPortConnection:
             asyncio.open_connection(host, port, limit=_READ_BUFFER_BYTES), timeout
         )
         conn = cls(reader, writer)
-        hello: dict[str, Any] = {"kind": "hello", "v": _VERSION}
-        if token:
-            hello["token"] = token
         try:
-            writer.writelines(encode_frame(hello))
-            welcome = await asyncio.wait_for(conn.header(), timeout)
+            writer.writelines(_hello(token))
+            _check_welcome(await asyncio.wait_for(conn.header(), timeout))
         except BaseException:
             await conn.aclose()
             raise
-        if welcome.get("kind") != "welcome":
-            await conn.aclose()
-            error = welcome.get("error") or {}
-            if error.get("status") == 401:
-                raise UnauthorizedError(f"{error.get('message')} (block port)")
-            raise PortError(int(welcome.get("status", 500)), error)
         return conn
 
     async def request(
@@ -277,18 +268,11 @@ class AsyncPortConnection:
 
     async def header(self) -> dict[str, Any]:
         try:
-            prefix = await self._reader.readexactly(_PREFIX_BYTES)
-            if prefix[:4] != MAGIC:
-                raise WireError(f"bad frame magic {prefix[:4]!r}, expected {MAGIC!r}")
-            header_len = int.from_bytes(prefix[4:], "little")
-            if header_len > MAX_HEADER_BYTES:
-                raise WireError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
-            header = msgpack.unpackb(await self._reader.readexactly(header_len), raw=False)
+            header_len = decode_prefix(await self._reader.readexactly(PREFIX_BYTES))
+            raw = await self._reader.readexactly(header_len)
         except asyncio.IncompleteReadError as e:
             raise ConnectionError("the block port closed the connection") from e
-        if not isinstance(header, dict):
-            raise WireError("a frame header must be a msgpack map")
-        return header
+        return decode_header(raw, _NO_PAYLOAD_LIMIT)[0]
 
     async def aclose(self) -> None:
         self.broken = True

@@ -456,9 +456,7 @@ class BlockPortServer:
                     await inbox.readinto(memoryview(payload).cast("B"), hold)
                 left -= nbytes
                 frames.append(Frame(frame_header, payload))
-        except (WireError, BodyTimeout, ConnectionGone) as e:
-            if isinstance(e, ConnectionGone):
-                raise
+        except (WireError, BodyTimeout) as e:
             raise _FatalToConnection(e) from e
         return frames
 
