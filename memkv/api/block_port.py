@@ -27,7 +27,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -252,14 +252,7 @@ class PortStats:
     errors: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "port": self.port,
-            "connections": self.connections,
-            "open_connections": self.open_connections,
-            "refused_connections": self.refused_connections,
-            "requests": dict(self.requests),
-            "errors": dict(self.errors),
-        }
+        return asdict(self)  # copies the dicts: a snapshot, not live counters
 
 
 class _FatalToConnection(Exception):
