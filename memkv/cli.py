@@ -49,7 +49,7 @@ def up(
 ) -> None:
     """Start memkv (embedded) or bring up its actors on a Ray cluster, and serve the gateway."""
     from memkv.api.auth import deployment_authenticator
-    from memkv.api.server import GatewayServer
+    from memkv.api.workers import Gateway
     from memkv.cluster import connect
     from memkv.config import data_dir
 
@@ -69,8 +69,9 @@ def up(
         return
     settings = cluster.config.gateway
     auth, dev_token = deployment_authenticator(settings.auth, data_dir())
-    server = GatewayServer.start(
+    server = Gateway.start(
         cluster,
+        workers=settings.workers,
         host=settings.host,
         port=settings.port,
         block_port=settings.block_port,
@@ -80,6 +81,7 @@ def up(
     )
     summary["gateway"] = server.url
     summary["block_port"] = server.block_port
+    summary["gateway_workers"] = server.workers
     summary["auth"] = (
         "off" if not auth.enabled else f"token in {dev_token}" if dev_token else "tokens"
     )

@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 import msgpack
@@ -1027,7 +1027,7 @@ class Client:
 
     def release_lease(self, lease_id: str) -> None:
         """Give a lease back (blocks may move again); one that ran out answers UnknownBlockError."""
-        self._request("DELETE", f"/v1/blocks/lease/{lease_id}", idempotent=True)
+        self._request("DELETE", f"/v1/blocks/lease/{quote(lease_id, safe='')}", idempotent=True)
 
     def match(
         self, layout: KVLayout, namespace: str | None, token_ids: Sequence[int] | np.ndarray

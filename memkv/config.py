@@ -543,6 +543,14 @@ class GatewaySettings(_Frozen):
         "TCP beside HTTP, which clients use for KV bodies when /healthz advertises it "
         "(docs/wire-format.md); 0: any free port; null: off (HTTP only).",
     )
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Gateway processes on this node, all on the same HTTP and block port "
+        "(SO_REUSEPORT; the kernel spreads connections): one event loop each, so more "
+        "cores for KV bodies. Each has its own staging segment (put_staging_bytes each).",
+    )
     max_body_bytes: int = Field(
         default=GIB, gt=0, description="Largest request body accepted (a turn's KV blocks)."
     )

@@ -34,6 +34,7 @@ def test_up_embedded_starts_and_stops_cleanly(tmp_path: Path):
         },
         "MEMKV_GATEWAY__PORT": "0",  # any free port
         "MEMKV_GATEWAY__BLOCK_PORT": "0",
+        "MEMKV_GATEWAY__WORKERS": "2",  # a second gateway process on the same ports
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "memkv.cli", "up"],
@@ -65,8 +66,15 @@ def test_up_embedded_starts_and_stops_cleanly(tmp_path: Path):
         stats = summary["gateway"] + "/v1/stats"
         assert httpx.get(stats, timeout=30).status_code == 401
         token = token_file.read_text().strip()
-        answer = httpx.get(stats, headers={"authorization": f"Bearer {token}"}, timeout=30)
-        assert answer.status_code == 200 and answer.json()["sessions"] == 0
+        assert summary["gateway_workers"] == 2
+        workers = set()
+        for _ in range(64):  # a new connection each time: both workers answer, with the token
+            answer = httpx.get(stats, headers={"authorization": f"Bearer {token}"}, timeout=30)
+            assert answer.status_code == 200 and answer.json()["sessions"] == 0
+            workers.add(answer.json()["gateway"]["worker"])
+            if workers == {0, 1}:
+                break
+        assert workers == {0, 1}
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0

@@ -208,3 +208,14 @@ def test_a_device_without_same_node_reads_plans_nothing_and_reads_go_in_cluster(
         assert [g.array.tobytes() for g in got] == [b.numpy().tobytes() for b in blocks]
     finally:
         dev.close()
+
+
+def test_a_lease_with_an_owner_is_released_only_by_that_owner():
+    unpinned: list[tuple[bytes, ...]] = []
+    table = LeaseTable(lambda keys: unpinned.append(tuple(keys)), clock=SteppingClock())
+    lease = table.grant([b"k"], 10.0, owner="acme")
+    assert not table.release(lease.lease_id, "evil") and not table.release(lease.lease_id)
+    assert len(table) == 1 and unpinned == []  # still pinned for its owner
+    assert table.release(lease.lease_id, "acme") and unpinned == [(b"k",)]
+    anyone = table.grant([b"j"], 10.0)  # no owner: whoever holds the id
+    assert table.release(anyone.lease_id, "evil")

@@ -432,13 +432,15 @@ class DeviceCache:
         stream: str | None = None,
         ttl_s: float = DEFAULT_LEASE_S,
         ahead: Sequence[bytes] = (),
+        owner: str | None = None,
     ) -> ReadPlan:
         """Pin blocks and say where a reader on this node copies them from (same-node path).
 
         The blocks stay pinned until :meth:`release_lease` or for ``ttl_s``
         seconds, whichever comes first. Entries that are None could not be
         planned (read them with :meth:`get_blocks`). ``ahead`` (read-ahead) are
-        planned after ``keys`` only where they are in memory already.
+        planned after ``keys`` only where they are in memory already. ``owner``:
+        only a release naming it ends the lease early (a client's tenant).
 
         A deployment without ``same_node_reads`` answers a plan of no entries
         (``same_node`` False).
@@ -469,7 +471,7 @@ class DeviceCache:
             hashes, stream=stream, ahead=[BlockHash(bytes(k)) for k in ahead]
         )
         pinned = [p.key for p in planned if p is not None]
-        lease = self.leases.grant(pinned, float(ttl_s))
+        lease = self.leases.grant(pinned, float(ttl_s), owner)
         return ReadPlan(
             lease_id=lease.lease_id,
             device_id=self.device_id,
@@ -502,9 +504,10 @@ class DeviceCache:
         """Those of ``keys`` this device keeps (a reader's pin outlives a delete)."""
         return self.pool.held(keys)
 
-    def release_lease(self, lease_id: str) -> bool:
-        """Unpin a plan's blocks. False if the lease had run out (discard what was copied)."""
-        return self.leases.release(lease_id)
+    def release_lease(self, lease_id: str, owner: str | None = None) -> bool:
+        """Unpin a plan's blocks. False if the lease had run out (discard what was copied),
+        or is ``owner``'s to release and someone else asked."""
+        return self.leases.release(lease_id, owner)
 
     # -- prefetch ----------------------------------------------------------------------
 

@@ -22,6 +22,8 @@ class Lease:
     lease_id: str
     keys: tuple[bytes, ...]
     expires_at: float
+    #: Who may release it (a client's tenant); None: whoever holds the id.
+    owner: str | None = None
 
 
 class LeaseTable:
@@ -47,24 +49,33 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, keys: Sequence[bytes], ttl_s: float) -> Lease:
-        """A new lease on ``keys`` (already pinned by the caller) for ``ttl_s`` seconds."""
+    def grant(self, keys: Sequence[bytes], ttl_s: float, owner: str | None = None) -> Lease:
+        """A new lease on ``keys`` (already pinned by the caller) for ``ttl_s`` seconds.
+
+        ``owner``: only a release naming the same owner ends it (a client lease
+        is released through any gateway worker, each checking its caller's tenant).
+        """
         self.sweep()
-        lease = Lease(uuid.uuid4().hex, tuple(keys), self._clock() + ttl_s)
+        lease = Lease(uuid.uuid4().hex, tuple(keys), self._clock() + ttl_s, owner)
         with self._lock:
             self._leases[lease.lease_id] = lease
             self.granted += 1
         return lease
 
-    def release(self, lease_id: str) -> bool:
+    def release(self, lease_id: str, owner: str | None = None) -> bool:
         """End a lease. True if it was still valid; False if it had expired (or never was).
 
         A reader that gets False must discard what it copied: the blocks may
-        have moved while it read.
+        have moved while it read. A lease with an owner is released only by
+        that owner: for anyone else it answers False and stays.
         """
         now = self._clock()
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.owner is not None and lease.owner != owner:
+                lease = None  # another tenant's lease is as unknown as a missing one
+            if lease is not None:
+                del self._leases[lease_id]
         if lease is None:
             self.sweep()
             return False

@@ -50,7 +50,13 @@ from memkv.api.blocks import (
     PlanCache,
 )
 from memkv.api.body_budget import BodyBudget, BodyHold
-from memkv.api.client_leases import DEFAULT_TTL_S, MAX_TTL_S, ClientLeases, plan_entry_json
+from memkv.api.client_leases import (
+    DEFAULT_TTL_S,
+    MAX_TTL_S,
+    ClientLeases,
+    parse_lease_id,
+    plan_entry_json,
+)
 from memkv.api.observe import StatsSnapshot, engine_metrics
 from memkv.errors import (
     BlockLostError,
@@ -368,6 +374,13 @@ def create_app(
     )
     client_leases = ClientLeases(max_bytes=client_lease_bytes)
     host_shm = shm_identity()
+    devices_by_id: dict[str, Any] = {}
+
+    async def device_named(device_id: str) -> Any | None:
+        """A device's handle by id (shard 0 is asked again for one not known yet)."""
+        if device_id not in devices_by_id:
+            devices_by_id.update(await routers.first.devices.remote())
+        return devices_by_id.get(device_id)
 
     # Outermost first: metrics see every request; block reads skip FastAPI's
     # dependency machinery (their hot path), every other request goes on to it.
@@ -431,10 +444,13 @@ def create_app(
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, Any]:
         """The gateway process is up (no token needed); ``block_port``: where its block
-        port listens, when it has one (clients use it for KV bodies)."""
+        port listens, when it has one (clients use it for KV bodies); ``worker``:
+        which of the node's gateway processes answered (``gateway.workers``)."""
         port = getattr(app.state, "block_port", None)
-        return {"status": "ok"} if port is None else {"status": "ok",
-                                                      "block_port": port.stats.port}
+        health: dict[str, Any] = {"status": "ok", "worker": getattr(app.state, "worker", 0)}
+        if port is not None:
+            health["block_port"] = port.stats.port
+        return health
 
     @app.get("/readyz", tags=["health"])
     async def readyz() -> JSONResponse:
@@ -882,22 +898,22 @@ def create_app(
         planned: dict[bytes, dict[str, Any]] = {}
         leases: list[dict[str, Any]] = []
         for device_id, device, group in groups if same_node_reads and this_node else []:
-            plan = await device.read_plan.remote(list(group), None, body.ttl_s)
+            plan = await device.read_plan.remote(list(group), None, body.ttl_s, (), who.tenant)
             nbytes = sum(e.nbytes for e in plan.entries if e is not None)
             if not plan.same_node or plan.node_id != this_node or not plan.lease_id:
                 if plan.lease_id:
-                    device.release_lease.remote(plan.lease_id)
+                    device.release_lease.remote(plan.lease_id, who.tenant)
                 continue
             if nbytes > client_leases.room():
                 client_leases.refused_over_budget += 1
-                device.release_lease.remote(plan.lease_id)
+                device.release_lease.remote(plan.lease_id, who.tenant)
                 continue
-            client_leases.add(who.tenant, device, plan, body.ttl_s)
+            public_id = client_leases.add(who.tenant, device, plan, body.ttl_s)
             for entry in plan.entries:
                 if entry is not None:
                     planned[entry.key] = plan_entry_json(entry, len(leases))
             leases.append({
-                "id": plan.lease_id, "device_id": device_id,
+                "id": public_id, "device_id": device_id,
                 "incarnation": plan.incarnation, "expires_at": plan.expires_at,
             })
         return {
@@ -908,13 +924,19 @@ def create_app(
 
     @app.delete("/v1/blocks/lease/{lease_id}", status_code=204, tags=["kv"])
     async def release_block_lease(
-        lease_id: Annotated[str, Path(max_length=128)], who: Principal = Reader
+        lease_id: Annotated[str, Path(max_length=256)], who: Principal = Reader
     ) -> Response:
-        """Give a lease back: its blocks may move again. Unknown (or run out): 404."""
+        """Give a lease back (through any gateway worker): its blocks may move again.
+        Unknown, run out, or another tenant's: 404."""
+        parsed = parse_lease_id(lease_id)
         device = client_leases.take(who.tenant, lease_id)
-        if device is None:
+        if device is None and parsed is not None:
+            # Granted by another worker (or replica): the id names the device.
+            device = await device_named(parsed[1])
+        if parsed is None or device is None or not await device.release_lease.remote(
+            parsed[0], who.tenant
+        ):
             raise UnknownBlockError(f"no live lease {lease_id!r} of this caller")
-        await device.release_lease.remote(lease_id)
         return Response(status_code=204)
 
     @app.post("/v1/match", tags=["kv"])
@@ -944,6 +966,7 @@ def create_app(
         # This gateway's own read paths: how many blocks it served from shared
         # memory and how many in-cluster, and leases that ran out mid-write.
         out["gateway"] = {
+            "worker": getattr(app.state, "worker", 0),  # of gateway.workers: only its own figures
             "plan_cache": fetcher.plan_stats(),
             "client_leases": client_leases.stats(),
             "same_node_blocks": fetcher.same_node_blocks,

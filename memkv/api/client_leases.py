@@ -19,6 +19,13 @@ over HTTP), never an error.
 Whether the client is on the gateway's host is the client's to tell: the
 answer names the host's shared memory (:func:`memkv.same_node.shm_identity`),
 and a client elsewhere sees another name and reads over HTTP instead.
+
+A lease's id names its device (``<lease>.<device id>``), and the device keeps
+the lease's owner (the caller's tenant): so any gateway worker or replica can
+take a lease back, not only the one that granted it (``gateway.workers`` share
+one port; a client's next connection may land on another). The byte bound is
+each worker's own; a lease given back elsewhere counts against its granting
+worker until it would have run out.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Any
 
 from memkv.protocol.messages import PlanEntry, ReadPlan
 
-__all__ = ["ClientLeases", "plan_entry_json"]
+__all__ = ["ClientLeases", "parse_lease_id", "plan_entry_json"]
 
 #: Longest lease a client may ask for: a load copies in well under a second.
 MAX_TTL_S = 60.0
@@ -72,21 +79,25 @@ class ClientLeases:
         self._expire()
         return max(0, self.max_bytes - self._bytes)
 
-    def add(self, tenant: str | None, device: Any, plan: ReadPlan, ttl_s: float) -> None:
+    def add(self, tenant: str | None, device: Any, plan: ReadPlan, ttl_s: float) -> str:
+        """Count ``plan`` (granted to ``tenant``) against the bound; its client-facing id."""
         nbytes = sum(e.nbytes for e in plan.entries if e is not None)
-        self._issued[plan.lease_id] = _Issued(
+        public_id = f"{plan.lease_id}.{plan.device_id}"
+        self._issued[public_id] = _Issued(
             tenant, device, plan.lease_id, nbytes, self._clock() + ttl_s
         )
         self._bytes += nbytes
         self.granted += 1
+        return public_id
 
-    def take(self, tenant: str | None, lease_id: str) -> Any | None:
-        """The device of ``tenant``'s live lease ``lease_id`` (forgotten now), or None."""
+    def take(self, tenant: str | None, public_id: str) -> Any | None:
+        """The device of ``tenant``'s lease ``public_id`` if this worker granted it
+        (forgotten now), else None: release it at the device its id names."""
         self._expire()
-        issued = self._issued.get(lease_id)
+        issued = self._issued.get(public_id)
         if issued is None or issued.tenant != tenant:
-            return None  # another tenant's lease is as unknown as a missing one
-        del self._issued[lease_id]
+            return None
+        del self._issued[public_id]
         self._bytes -= issued.nbytes
         return issued.device
 
@@ -105,6 +116,14 @@ class ClientLeases:
             "granted": self.granted,
             "refused_over_budget": self.refused_over_budget,
         }
+
+
+def parse_lease_id(public_id: str) -> tuple[str, str] | None:
+    """``(device lease id, device id)`` of a client-facing lease id, or None if malformed."""
+    lease_id, dot, device_id = public_id.partition(".")
+    if not dot or not lease_id or not device_id:
+        return None
+    return lease_id, device_id
 
 
 def plan_entry_json(entry: PlanEntry, lease: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import ray
 import uvicorn
 import uvloop
 
+from memkv.actors.router_shards import RouterShards
 from memkv.api.app import create_app
 from memkv.api.auth import Authenticator
 from memkv.api.block_port import BlockPortServer
@@ -31,6 +32,19 @@ UVICORN_SETTINGS: dict[str, Any] = {
 # How long start() waits for uvicorn to report that it is serving.
 _STARTUP_TIMEOUT_S = 30.0
 _POLL_S = 0.02
+
+
+def _bound(host: str, port: int, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class GatewayServer:
@@ -78,11 +92,14 @@ class GatewayServer:
         auth: Authenticator | None = None,
         block_port: int | None = 0,
         body_timeout_s: float = 30.0,
+        reuse_port: bool = False,
+        worker: int = 0,
     ) -> GatewayServer:
         """Bind ``host:port`` (0 = any free port) and serve until :meth:`stop`.
 
         Args:
-            cluster: a :class:`memkv.cluster.MemkvCluster` (its router shards are used).
+            cluster: a :class:`memkv.cluster.MemkvCluster`, or the router shards
+                (:class:`RouterShards`) of one (a gateway worker gets those).
             put_staging_bytes: shared memory for append bodies (memkv.staging),
                 made only where a device runs on this node; 0 = none.
             same_node_reads, plan_cache_bytes, auth: see :func:`memkv.api.app.create_app`.
@@ -90,11 +107,16 @@ class GatewayServer:
                 one; None: no block port, HTTP only).
             body_timeout_s: an append body (HTTP or block port) that sends nothing
                 for this long is answered 408 and its buffers let go.
+            reuse_port: bind both ports with ``SO_REUSEPORT``, so that other
+                worker processes of this gateway can bind them too and the
+                kernel spreads connections over them (memkv.api.workers).
+            worker: this process's index among them (``/healthz`` and stats say it).
         """
-        staging = staging_for(ray.get(cluster.router.devices.remote()).values(),
+        routers = cluster if isinstance(cluster, RouterShards) else cluster.routers
+        staging = staging_for(ray.get(routers.first.devices.remote()).values(),
                               put_staging_bytes) if put_staging_bytes > 0 else None
         app = create_app(
-            cluster.routers,
+            routers,
             max_body_bytes=max_body_bytes,
             same_node_reads=same_node_reads,
             plan_cache_bytes=plan_cache_bytes,
@@ -102,14 +124,11 @@ class GatewayServer:
             auth=auth,
             body_timeout_s=body_timeout_s,
         )
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        app.state.worker = worker
+        sock = _bound(host, port, reuse_port)
         port_sock = None
         if block_port is not None:
-            port_sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            port_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            port_sock.bind((host, block_port))
+            port_sock = _bound(host, block_port, reuse_port)
             port_sock.listen(128)
         server = uvicorn.Server(uvicorn.Config(app, **UVICORN_SETTINGS))
 

@@ -110,7 +110,16 @@ def test_leases_follow_the_token_tenant_and_cannot_be_released_by_another(cluste
             (plan,) = lease.plans
             with pytest.raises(UnknownBlockError):
                 mallory.release_lease(plan.lease_id)  # another tenant's: as if missing
-            alice.release_lease(plan.lease_id)
+            # Through another gateway (a worker that did not grant it) the device
+            # itself checks the tenant: refused for mallory, done for alice.
+            with GatewayServer.start(cluster, host="127.0.0.1", port=0, auth=auth) as gw2:
+                with Client(gw2.url, token="tok-mallory") as mallory2, \
+                        Client(gw2.url, token="tok-alice") as alice2:
+                    with pytest.raises(UnknownBlockError):
+                        mallory2.release_lease(plan.lease_id)
+                    alice2.release_lease(plan.lease_id)
+            with pytest.raises(UnknownBlockError):
+                alice.release_lease(plan.lease_id)  # given back already
         r = httpx.post(gw.url + "/v1/blocks/lease", json={"keys": [k.hex() for k in keys]})
         assert r.status_code == 401
 

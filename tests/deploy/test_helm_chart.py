@@ -82,6 +82,14 @@ def test_the_rendered_config_is_one_memkv_accepts(tmp_path):
         assert cfg.gateway.host == "0.0.0.0" and cfg.gateway.auth.enabled
         assert str(cfg.gateway.auth.tokens_file) == "/etc/memkv/tokens/tokens.yaml"
         assert cfg.gateway.block_port == 8081
+        assert cfg.gateway.workers == 2  # the pod's two requested cores, one event loop each
+
+
+def test_gateway_workers_are_a_value_and_checked_by_the_schema():
+    config = json.loads(one(render({"gateway": {"workers": 4}}), "ConfigMap")["data"]["memkv.yaml"])
+    assert config["gateway"]["workers"] == 4
+    with pytest.raises(Exception, match="workers"):
+        render({"gateway": {"workers": 0}})
 
 
 def test_the_block_port_is_served_beside_http_or_turned_off():

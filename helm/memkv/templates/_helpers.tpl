@@ -98,6 +98,7 @@ JSON (which is YAML): values arrive as float64, and toYaml would write a size su
   "gateway" (dict
     "host" "0.0.0.0"
     "port" (int .Values.gateway.port)
+    "workers" (int .Values.gateway.workers)
     "block_port" (ternary (int .Values.gateway.blockPort) nil (gt (int .Values.gateway.blockPort) 0))
     "max_body_bytes" (int64 .Values.gateway.maxBodyBytes)
     "auth" (dict

@@ -1,0 +1,105 @@
+"""``gateway.workers``: several gateway processes on one HTTP and one block port.
+
+Against the session's cluster: worker 0 in this process, worker 1 a Ray actor
+on this node. Which worker a connection lands on is the kernel's choice, so
+each client first asks ``/healthz`` (over the connection it then keeps).
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+
+import httpx
+import pytest
+
+from memkv.api.workers import Gateway
+from memkv.client import Client
+from memkv.errors import UnknownBlockError
+from memkv.storage.layout import KVLayout, split_kv
+
+from ..kvdata import random_kv
+
+LAYOUT = KVLayout("workers-test", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
+# Fresh connections until both workers have answered: the kernel hashes each
+# connection's source port, so 64 misses in a row would be a 2^-63 event.
+_TRIES = 64
+
+
+@pytest.fixture(scope="module")
+def two_workers(cluster):
+    with Gateway.start(cluster, workers=2, host="127.0.0.1", port=0,
+                       max_body_bytes=8 << 20) as gw:
+        yield gw
+
+
+def _client_on(gw: Gateway, worker: int, **options) -> Client:
+    """A client whose HTTP connection is served by ``worker``."""
+    for _ in range(_TRIES):
+        client = Client(gw.url, **options)
+        if client.health()["worker"] == worker:
+            return client
+        client.close()
+    raise AssertionError(f"no connection landed on worker {worker} in {_TRIES} tries")
+
+
+def test_both_workers_serve_the_same_ports(two_workers):
+    assert two_workers.workers == 2
+    seen = set()
+    for _ in range(_TRIES):
+        with httpx.Client() as h:  # a new connection each time
+            health = h.get(two_workers.url + "/healthz").json()
+        seen.add(health["worker"])
+        assert health["block_port"] == two_workers.block_port
+        if seen == {0, 1}:
+            break
+    assert seen == {0, 1}
+
+
+@pytest.mark.parametrize("block_port", [False, True], ids=["http", "block-port"])
+def test_what_one_worker_stores_another_serves(two_workers, block_port):
+    writer = _client_on(two_workers, 0, block_port=block_port)
+    reader = _client_on(two_workers, 1, block_port=block_port)
+    with writer, reader:
+        sid = f"w-{uuid.uuid4().hex[:8]}"
+        writer.create_session(sid, LAYOUT)
+        keys, values = random_kv(LAYOUT, 12, seed=7)
+        writer.append_turn(sid, list(range(12)), keys, values)
+        expected = split_kv(LAYOUT, keys, values)
+        got = list(reader.read_blocks(sid))
+        assert [b.array.tobytes() for b in got] == [e.numpy().tobytes() for e in expected]
+        assert reader.stats()["gateway"]["worker"] == 1
+
+
+def test_a_lease_granted_by_one_worker_is_given_back_through_another(two_workers):
+    grantor = _client_on(two_workers, 0)
+    other = _client_on(two_workers, 1)
+    with grantor, other:
+        sid = f"wl-{uuid.uuid4().hex[:8]}"
+        grantor.create_session(sid, LAYOUT, namespace="t-workers")
+        keys, values = random_kv(LAYOUT, 8, seed=9)
+        grantor.append_turn(sid, list(range(8)), keys, values)
+        block_keys = grantor.match(LAYOUT, "t-workers", list(range(8))).blocks
+        lease = grantor.lease_blocks("t-workers", block_keys)
+        (plan,) = lease.plans
+        other.release_lease(plan.lease_id)
+        with pytest.raises(UnknownBlockError):
+            grantor.release_lease(plan.lease_id)  # gone at the device, whoever asks
+
+
+def test_stopping_closes_every_worker(cluster):
+    gw = Gateway.start(cluster, workers=2, host="127.0.0.1", port=0, max_body_bytes=8 << 20)
+    actors = list(gw.actors)
+    gw.stop()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", gw.port), timeout=2).close()
+    import ray
+
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.info.remote(), timeout=30)
+
+
+def test_workers_must_be_at_least_one(cluster):
+    with pytest.raises(ValueError, match="gateway.workers"):
+        Gateway.start(cluster, workers=0, port=0)
