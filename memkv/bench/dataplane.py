@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from memkv.bench.clients import ClientRun, run_clients
-from memkv.bench.context import BenchContext
+from memkv.bench.context import BENCH_MAX_BODY_BYTES, BenchContext
 from memkv.bench.demotion import TIER_BLOCKS, DemotionRun, measure_demotions
 from memkv.bench.peers import bare_asgi_server, raw_socket_server, redis_server
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
@@ -77,6 +77,9 @@ NAMESPACE = "bench-dataplane"
 BARE_ASGI = "bare ASGI (uvicorn)"
 GATEWAY_HTTP = "gateway (HTTP)"
 GATEWAY_PORT = "gateway (block port)"
+#: The block port with gateway.workers = 2, at the top concurrency level only.
+WORKERS = 2
+GATEWAY_PORT_WORKERS = f"gateway (block port, {WORKERS} workers)"
 #: Blocks of the long-turn append row (64 MiB of 4 MiB blocks in one request).
 APPEND_BLOCKS = 16
 QUICK_APPEND_BLOCKS = 4
@@ -87,6 +90,7 @@ TARGETS = {
     "block_port_append_vs_raw_stream": 0.8,
     "http_get_vs_bare_asgi": 0.9,
     "http_put_vs_bare_asgi": 0.75,
+    "block_port_put_vs_raw_8_clients_2_workers": 0.5,
 }
 #: One H100 SXM: 989 TFLOPS dense BF16 (NVIDIA H100 Tensor Core GPU datasheet; 1,979
 #: is the sparse figure). Prefill FLOPs of Llama-3-8B (8.03e9 parameters) for T
@@ -409,9 +413,9 @@ def _levels(
     out: list[LevelResult] = []
     url = ctx.get_gateway_url()
 
-    def measure(kind: str, params: dict[str, Any], c: int) -> list[list[ClientRun]]:
+    def measure(kind: str, params: dict[str, Any], c: int, tag: str = "") -> list[list[ClientRun]]:
         return [
-            run_clients(kind, {**params, "run": f"{run}-{c}-{k}"}, c,
+            run_clients(kind, {**params, "run": f"{run}{tag}-{c}-{k}"}, c,
                         before_start=lambda: _drain_cold(ctx, drains))
             for k in range(rounds)
         ]
@@ -453,6 +457,18 @@ def _levels(
                 for target, port in ((GATEWAY_HTTP, False), (GATEWAY_PORT, True)):
                     out.append(_from_runs(target, op, measure("gateway", {**gw, "block_port": port},
                                                               c), nbytes))
+        # The most clients again, against a gateway of WORKERS processes on one port pair.
+        from memkv.api.workers import Gateway
+
+        c = levels[-1]
+        with Gateway.start(ctx.get_cluster(), workers=WORKERS, host="127.0.0.1", port=0,
+                           block_port=0, max_body_bytes=BENCH_MAX_BODY_BYTES) as workers:
+            for op in ("get", "put"):
+                params = {"url": workers.url, "layout": layout.to_dict(), "ops": ops, "op": op,
+                          "session_blocks": SESSION_BLOCKS, "namespace": NAMESPACE,
+                          "block_port": True}
+                out.append(_from_runs(GATEWAY_PORT_WORKERS, op,
+                                      measure("gateway", params, c, "w"), nbytes))
     # A long turn: APPEND_BLOCKS blocks in one request, against the raw stream of as many bytes.
     big = nbytes * (QUICK_APPEND_BLOCKS if ctx.quick else APPEND_BLOCKS)
     append_ops = max(2, ops // 4)
@@ -524,10 +540,10 @@ def run(ctx: BenchContext) -> SuiteResult:
         if r.op == "append":
             raw = find("raw socket (", "append")
             vs_base = r.gb_s / raw.gb_s if raw and not r.target.startswith("raw") else None
-        elif r.target in (GATEWAY_HTTP, GATEWAY_PORT, BARE_ASGI):
+        elif r.target in (GATEWAY_HTTP, GATEWAY_PORT, GATEWAY_PORT_WORKERS, BARE_ASGI):
             raw = find("raw socket", r.op, r.concurrency)
             vs_base = r.gb_s / raw.gb_s if raw else None
-        if r.target in (GATEWAY_HTTP, GATEWAY_PORT):
+        if r.target in (GATEWAY_HTTP, GATEWAY_PORT, GATEWAY_PORT_WORKERS):
             redis = find("redis", r.op, r.concurrency)
             bare = find(BARE_ASGI, r.op, r.concurrency)
             vs_redis = r.gb_s / redis.gb_s if redis else None
@@ -570,9 +586,12 @@ def run(ctx: BenchContext) -> SuiteResult:
         "block_port_append_vs_raw_stream": ratio(port_append, raw_append),
         "http_get_vs_bare_asgi": ratio(gw_get, bare_get := find(BARE_ASGI, "get")),
         "http_put_vs_bare_asgi": ratio(gw_put, bare_put := find(BARE_ASGI, "put")),
+        "block_port_put_vs_raw_8_clients_2_workers": ratio(
+            find(GATEWAY_PORT_WORKERS, "put", levels[-1]), find("raw socket", "put", levels[-1])
+        ),
     }
     notes.append(
-        "targets at 1 client ([2/5]): "
+        f"targets ([2/5]; at 1 client, the workers' at {levels[-1]}): "
         + "; ".join(
             f"{name} {'n/a' if value is None else f'{value:.2f}'} (target >= {TARGETS[name]}, "
             f"{'met' if value is not None and value >= TARGETS[name] else 'not met'})"

@@ -62,10 +62,12 @@ def test_dataplane_quick(ctx: BenchContext) -> None:
     for op in ("get", "put"):
         assert {("gateway (HTTP)", op, 1), ("raw socket", op, 1)} <= found
         assert {("bare ASGI (uvicorn)", op, 1), ("gateway (block port)", op, 1)} <= found
+        assert ("gateway (block port, 2 workers)", op, 1) in found  # the top level: 1 in quick
     by_target = {(row[0], row[1]): row for row in doc["rows"]}
     vs_bare, vs_raw = doc["columns"].index("vs bare ASGI"), doc["columns"].index("vs ceiling")
     assert _positive(by_target[("gateway (HTTP)", "put")][vs_bare])
     assert _positive(by_target[("gateway (block port)", "put")][vs_raw])
+    assert _positive(by_target[("gateway (block port, 2 workers)", "put")][vs_raw])
     appends = {r[0].rsplit(" (", 1)[0]: r for r in doc["rows"] if r[1] == "append"}
     assert set(appends) == {"raw socket", "gateway (HTTP)", "gateway (block port)"}
     assert _positive(appends["gateway (block port)"][vs_raw])
