@@ -21,7 +21,14 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv vllm-venv browser test lint typecheck unit demo bench bench-eviction bench-codecs clean soak
+# GPU checks get a venv of their own: a CUDA build of torch and CuPy (the `gpu` extra).
+GPU_VENV       := .venv-gpu
+GPU_PY         := $(GPU_VENV)/bin/python
+GPU_STAMP      := $(GPU_VENV)/.memkv-installed
+# PyPI's Linux wheel of torch is the CUDA build (pip resolves it on a GPU host).
+GPU_TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv vllm-venv gpu-venv gpu-check browser test lint typecheck unit demo bench bench-eviction bench-codecs clean soak
 
 venv: $(STAMP)
 
@@ -43,6 +50,23 @@ $(VLLM_STAMP): pyproject.toml $(STAMP)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check -e . \
 		"ray[default]==$$($(PY) -c 'import ray; print(ray.__version__)')"
 	touch $(VLLM_STAMP)
+
+gpu-venv: $(GPU_STAMP)
+
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install -q --disable-pip-version-check $(GPU_TORCH_SPEC)
+	$(GPU_PY) -m pip install -q --disable-pip-version-check -e '.[dev,gpu]'
+	touch $(GPU_STAMP)
+
+# The day a GPU is there, one command: every GPU-marked test (kernels against their CPU
+# reference, device and pinned arenas), then the kernels suite's device figures. Refuses
+# to pass on a machine without a usable CUDA device rather than skip everything.
+gpu-check: $(GPU_STAMP)
+	@$(GPU_PY) -c "import sys, cupy; sys.exit(0 if cupy.is_available() else \
+		'make gpu-check needs a CUDA device: cupy.is_available() is false here')"
+	timeout 180 $(GPU_PY) -m pytest -q -m gpu -p no:cacheprovider tests
+	timeout 120 $(GPU_PY) -m memkv.cli bench kernels --quick --out $(GPU_VENV)/gpu-check
 
 lint: $(STAMP)
 	$(PY) -m ruff check memkv tests
@@ -86,4 +110,4 @@ bench-codecs: $(STAMP)
 	$(PY) -m memkv.cli bench codecs
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(GPU_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
