@@ -10,8 +10,9 @@ names its device (memkv.api.client_leases).
 
 Worker 0 runs in the calling process (``memkv up``'s), as a single gateway
 always did; the others are Ray actors pinned to this node (no CPUs reserved:
-they serve, they do not compute), restarted by Ray if one dies while the
-rest keep the ports open.
+they serve, they do not compute). A worker that dies is not restarted (Ray
+cannot promise a restarted actor its constructor's handles): the others keep
+the ports open and take its connections; ``memkv up`` again brings it back.
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ __all__ = ["Gateway", "GatewayProcess", "GatewayWorker"]
 
 logger = logging.getLogger(__name__)
 
-# A worker that keeps failing at start (a port taken by someone else) is not retried for ever.
-_WORKER_RESTARTS = 3
-
 
 class GatewayProcess:
     """One more gateway process on this node, on the first worker's ports (an actor)."""
@@ -47,7 +45,7 @@ class GatewayProcess:
         self._server.stop()
 
 
-GatewayWorker = ray.remote(num_cpus=0, max_restarts=_WORKER_RESTARTS)(GatewayProcess)
+GatewayWorker = ray.remote(num_cpus=0, max_restarts=0)(GatewayProcess)
 
 
 class Gateway:

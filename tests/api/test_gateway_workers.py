@@ -7,7 +7,9 @@ each client first asks ``/healthz`` (over the connection it then keeps).
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 import uuid
 
 import httpx
@@ -41,6 +43,30 @@ def _client_on(gw: Gateway, worker: int, **options) -> Client:
             return client
         client.close()
     raise AssertionError(f"no connection landed on worker {worker} in {_TRIES} tries")
+
+
+def _wait_dead(actor, timeout_s: float = 30.0) -> None:
+    """Until the actor answers RayActorError (a call sent just after ray.kill may still run)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.info.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the worker actor is still alive"
+
+
+def _wait_exited(pid: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, f"process {pid} is still running"
+        time.sleep(0.01)  # polling a pid: there is no event to wait on
 
 
 def test_both_workers_serve_the_same_ports(two_workers):
@@ -93,13 +119,25 @@ def test_stopping_closes_every_worker(cluster):
     gw.stop()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", gw.port), timeout=2).close()
-    import ray
 
     for actor in actors:
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.info.remote(), timeout=30)
+        _wait_dead(actor)
 
 
 def test_workers_must_be_at_least_one(cluster):
     with pytest.raises(ValueError, match="gateway.workers"):
         Gateway.start(cluster, workers=0, port=0)
+
+
+def test_a_dead_worker_leaves_the_ports_to_the_others(cluster):
+    import ray
+
+    with Gateway.start(cluster, workers=2, host="127.0.0.1", port=0) as gw:
+        (actor,) = gw.actors
+        pid = ray.get(actor.info.remote())["pid"]
+        ray.kill(actor, no_restart=True)
+        _wait_dead(actor)
+        _wait_exited(pid)  # its listening sockets close with the process
+        for _ in range(16):  # every new connection lands on the worker that is left
+            with httpx.Client() as h:
+                assert h.get(gw.url + "/healthz").json()["worker"] == 0
