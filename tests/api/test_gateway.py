@@ -197,7 +197,7 @@ def test_bad_input_gets_its_status_and_changes_nothing(gateway, client):
 
 
 def test_health_metrics_and_docs(gateway, client):
-    assert client.health() == {"status": "ok", "block_port": gateway.block_port}
+    assert client.health() == {"status": "ok", "worker": 0, "block_port": gateway.block_port}
     assert client.ready()
     with httpx.Client(base_url=gateway.url) as http:
         metrics = http.get("/metrics").text
