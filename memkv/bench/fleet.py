@@ -33,7 +33,9 @@ from typing import Any
 
 from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
-from memkv.bench.vllm import ROOT, VLLM_PYTHON, _model
+
+# The vLLM suite's quick model (cached once for both) and the CPU backend's block size.
+from memkv.bench.vllm import BLOCK_SIZE, QUICK_MODEL, ROOT, VLLM_PYTHON, _model
 
 __all__ = ["run"]
 
@@ -43,13 +45,6 @@ FULL_MODEL = {
     "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
     "head_dim": 64, "max_position_embeddings": 4096,
 }
-QUICK_MODEL = {
-    "name": "tiny-llama",
-    "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 1024,
-}
-BLOCK_SIZE = 32  # the CPU backend wants a multiple of 32
 FULL_FLEET = {"sessions": 8, "turns": 4, "first_tokens": 1024, "turn_tokens": 64,
               "reply_tokens": 16, "max_model_len": 1536}
 QUICK_FLEET = {"sessions": 3, "turns": 2, "first_tokens": 256, "turn_tokens": 32,
