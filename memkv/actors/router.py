@@ -21,13 +21,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
+from msgspec.structs import asdict as msgspec_asdict
 from ray.exceptions import RayActorError
 
-from memkv.actors.packed import pack_answer, unpack
 from memkv.actors.router_state import RouterState, parse_layout, tenant_of
 from memkv.errors import (
     BlockLostError,
@@ -38,21 +38,33 @@ from memkv.errors import (
     UnknownSessionError,
     plain_message,
 )
-from memkv.protocol.enums import SessionState
+from memkv.protocol.enums import AckMode, Priority, SessionState, Tier
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.layout import block_token_count
 from memkv.protocol.messages import ChainUpdate, ReadRoute
+from memkv.protocol.services import (
+    AppendAnswer,
+    AppendTurn,
+    BlockTier,
+    CreateSession,
+    LayoutSpec,
+    ResumeAnswer,
+    SessionService,
+    SessionView,
+    decode,
+    encode,
+)
 from memkv.protocol.shards import shard_name, shard_of, shard_owner
 from memkv.storage.block_pool import Holder
 from memkv.storage.journal import Journal
 from memkv.storage.sessions import SessionRecord
 
-__all__ = ["RouterState", "SessionRouter", "SessionRouterActor"]
+__all__ = ["RouterState", "SessionRouter", "SessionRouterActor", "SessionRouterShell"]
 
 logger = logging.getLogger(__name__)
 
 #: Acknowledgement modes of a session's appends (docs/durability.md).
-ACK_MODES = ("memory", "archive")
+ACK_MODES = tuple(m.value for m in AckMode)
 #: The journal is rewritten as a snapshot once it holds this many records.
 JOURNAL_SNAPSHOT_RECORDS = 10_000
 #: The largest answer :meth:`SessionRouter.echo` makes.
@@ -210,50 +222,27 @@ class SessionRouter:
 
     # -- session lifecycle -------------------------------------------------------------
 
-    async def create_session(
-        self,
-        session_id: str,
-        layout: dict[str, Any],
-        namespace: str = "default",
-        priority: str = "normal",
-        ack: str | None = None,
-        quota: tuple[int | None, int | None] | None = None,
-        exact_only: bool = False,
-        finite_only: bool = False,
-    ) -> dict[str, Any]:
-        """A new session.
-
-        Args:
-            exact_only: its blocks never take a lossy step (docs/durability.md).
-            finite_only: appends holding NaN or inf are refused (docs/security.md).
-            ack: ``memory`` or ``archive`` (docs/durability.md); None: the
-                deployment's default.
-            quota: the tenant's ``(max sessions, max bytes)`` (None: no limit).
-        """
+    async def create_session(self, request: CreateSession) -> SessionView:
+        """A new session (:class:`CreateSession` says what each option means)."""
         await self._ready()
+        session_id = request.session_id
         self._check_owned(session_id)
-        ack = self._default_ack if ack is None else ack
-        if ack not in ACK_MODES:
-            raise InvalidInputError(f"ack must be one of {list(ACK_MODES)}, got {ack!r}")
-        if quota is not None:
+        ack = self._default_ack if request.ack is None else request.ack.value
+        if request.quota is not None:
+            quota = request.quota.limits()
             self.state.check_quota(session_id, max_sessions=quota[0], new_session=True,
                                    elsewhere=await self._usage_elsewhere(session_id, quota))
         record = self.state.create(
             session_id,
-            layout,
-            namespace,
-            priority,
-            durable=ack == "archive",
-            exact_only=exact_only,
-            finite_only=finite_only,
+            msgspec_asdict(request.layout),
+            request.namespace,
+            request.priority.value,
+            durable=ack == AckMode.ARCHIVE,
+            exact_only=request.exact_only,
+            finite_only=request.finite_only,
         )
         await self._durable(record.durable)
-        return record.as_dict()
-
-    async def create_session_packed(self, arguments: bytes) -> bytes:
-        """:meth:`create_session`, its arguments and its answer packed (memkv.actors.packed)."""
-        record = await self.create_session(*unpack(arguments))
-        return pack_answer(record)
+        return record.view()
 
     async def create_sessions(
         self,
@@ -315,9 +304,9 @@ class SessionRouter:
             await self._durable(durable)
         return records
 
-    async def session(self, session_id: str) -> dict[str, Any]:
+    async def session(self, session_id: str) -> SessionView:
         await self._ready()
-        return self.state.get(session_id).as_dict()
+        return self.state.get(session_id).view()
 
     async def device_of(self, session_id: str) -> tuple[str, Any]:
         """The device that owns the session (readers call it directly, zero-copy)."""
@@ -334,34 +323,17 @@ class SessionRouter:
         self.state.get(session_id)  # may have been marked lost by the recovery
         return record.device_id, self._devices[record.device_id]
 
-    async def put_blocks(
-        self,
-        session_id: str,
-        token_ids: Sequence[int] | np.ndarray,
-        blocks: list[Any],
-        start_block: int = 0,
-        chain_hint: list[bytes] | None = None,
-        turn: int | None = None,
-        checksums: list[int] | None = None,
-        expect: tuple[dict[str, Any], str] | None = None,
-        quota: tuple[int | None, int | None] | None = None,
-    ) -> dict[str, Any]:
-        """Store a turn's blocks on the session's device (blocks: payloads or refs).
+    async def put_blocks(self, request: AppendTurn, blocks: list[Any]) -> AppendAnswer:
+        """Store a turn's blocks on the session's device (blocks: payloads, refs or
+        staged descriptors; :class:`AppendTurn` says what the header carries).
 
-        Args:
-            checksums: the writer's CRC32 of each block (verified by the gateway).
-            expect: the ``(layout, namespace)`` the caller hashed the chain with
-                (a gateway's cached view): a session that differs (deleted and
-                created again) is a ConflictError, so no block lands under a
-                chain hashed for another layout.
-            quota: the tenant's ``(max sessions, max bytes)``: an append that
-                would take its sessions' KV over the bytes is refused (507).
-            turn: the turn index this append creates (the session's turn + 1).
-                A retry of the last applied turn with the same tokens answers as
-                before without storing anything (idempotent); any other
-                mismatch is a ConflictError. None skips the check.
+        Raises:
+            ConflictError: the session is not the one the caller hashed for
+                (``expect``: deleted and created again), or ``turn`` is not the next.
+            CapacityError: the append would take the tenant over its quota.
         """
         await self._ready()
+        session_id = request.session_id
         # One lock per session while appends are in flight; idle sessions keep
         # none (thousands of them would each hold one).
         entry = self._session_locks.setdefault(session_id, _SessionLock())
@@ -369,16 +341,25 @@ class SessionRouter:
         try:
             async with entry.lock:
                 record = self.state.get(session_id)
+                expect = request.expect
                 if expect is not None and (
-                    record.layout.to_dict(),
-                    record.namespace,
-                ) != tuple(expect):
+                    LayoutSpec.of(record.layout) != expect.layout
+                    or record.namespace != expect.namespace
+                ):
                     raise ConflictError(
                         f"session {session_id!r} has layout {record.layout.to_dict()} in namespace "
-                        f"{record.namespace!r}, the request was made for {expect}"
+                        f"{record.namespace!r}, the request was made for "
+                        f"{msgspec_asdict(expect.layout)} in {expect.namespace!r}"
                     )
                 return await self._put_blocks(
-                    session_id, token_ids, blocks, start_block, chain_hint, turn, checksums, quota
+                    session_id,
+                    request.tokens(),
+                    blocks,
+                    request.start_block,
+                    list(request.chain) if request.chain is not None else None,
+                    request.turn,
+                    list(request.checksums) if request.checksums is not None else None,
+                    request.quota.limits() if request.quota is not None else None,
                 )
         finally:
             entry.users -= 1
@@ -395,19 +376,14 @@ class SessionRouter:
         turn: int | None,
         checksums: list[int] | None = None,
         quota: tuple[int | None, int | None] | None = None,
-    ) -> dict[str, Any]:
+    ) -> AppendAnswer:
         record = self.state.get(session_id)
         if turn is not None and self.state.sessions.check_turn(
             session_id, turn, chain_hint, len(token_ids)
         ):
-            return {
-                "chain": list(record.chain),
-                "new_blocks": 0,
-                "deduplicated_blocks": 0,
-                "released_blocks": 0,
-                "turn": record.turn,
-                "replayed": True,
-            }
+            return AppendAnswer(chain=tuple(bytes(k) for k in record.chain), turn=record.turn,
+                                new_blocks=0, deduplicated_blocks=0, released_blocks=0,
+                                replayed=True)
         chain = (
             chain_hint
             if chain_hint is not None
@@ -436,7 +412,13 @@ class SessionRouter:
                     del self._in_flight[key]
         await self._durable(record.durable)
         await self._collect(garbage)
-        return {**result, "chain": list(update.chain), "turn": self.state.get(session_id).turn}
+        return AppendAnswer(
+            chain=tuple(bytes(k) for k in update.chain),
+            turn=self.state.get(session_id).turn,
+            new_blocks=int(result["new_blocks"]),
+            deduplicated_blocks=int(result["deduplicated_blocks"]),
+            released_blocks=int(result["released_blocks"]),
+        )
 
     async def _apply_put(
         self,
@@ -554,7 +536,7 @@ class SessionRouter:
             )
         return moved
 
-    async def resume(self, session_id: str) -> dict[str, Any]:
+    async def resume(self, session_id: str) -> ResumeAnswer:
         """Answer at once with the chain and where each block is; prefetch runs behind."""
         device_id, device = await self.device_of(session_id)
         record = self.state.get(session_id)
@@ -568,14 +550,14 @@ class SessionRouter:
             self.state.record_state(session_id, SessionState.ACTIVE)
         self.state.touch(session_id)
         device.prefetch.remote(chain[: self._head_blocks])  # fire and forget
-        return {
-            "session_id": session_id,
-            "tokens": record.tokens,
-            "blocks": blocks,
-            "device_id": device_id,
-        }
+        return ResumeAnswer(
+            session_id=session_id,
+            device_id=device_id,
+            tokens=record.tokens,
+            blocks=tuple(BlockTier(bytes(k), Tier(tier), int(n)) for k, tier, n in blocks),
+        )
 
-    async def suspend(self, session_id: str, offline: bool = False) -> dict[str, Any]:
+    async def suspend(self, session_id: str, offline: bool = False) -> SessionView:
         device_id, _ = await self.device_of(session_id)
         record = self.state.get(session_id)
         chain, was_active = list(record.chain), record.active
@@ -588,11 +570,11 @@ class SessionRouter:
             session_id, SessionState.SUSPENDED if in_memory else SessionState.ARCHIVED
         )
         await self._durable(True)  # a suspended session survives a restart, in any mode
-        return record.as_dict()
+        return record.view()
 
-    async def set_priority(self, session_id: str, priority: str) -> dict[str, Any]:
+    async def set_priority(self, session_id: str, priority: Priority | str) -> SessionView:
         await self._ready()
-        record = self.state.set_priority(session_id, priority)
+        record = self.state.set_priority(session_id, Priority(priority).value)
         if record.device_id in self._devices and record.chain:
             chain = list(record.chain)
             await self._call(
@@ -600,7 +582,7 @@ class SessionRouter:
                 session_id,
                 lambda d: d.set_priority.remote(chain, record.priority.value, session_id),
             )
-        return record.as_dict()
+        return record.view()
 
     async def delete_session(self, session_id: str) -> None:
         await self._ready()
@@ -1012,6 +994,34 @@ async def _adopt(device: Any, record: SessionRecord, owner: str) -> int:
     return held
 
 
+if TYPE_CHECKING:  # the router is a SessionService: mypy checks every signature
+    _service: SessionService = SessionRouter()
+
+
+class SessionRouterShell(SessionRouter):
+    """What Ray callers reach: the session service with each message as one
+    msgpack document (:class:`memkv.actors.handles.SessionServiceHandle` is
+    the other end)."""
+
+    async def create_session_wire(self, request: bytes) -> bytes:
+        return encode(await self.create_session(decode(CreateSession, request)))
+
+    async def session_wire(self, session_id: str) -> bytes:
+        return encode(await self.session(session_id))
+
+    async def put_blocks_wire(self, request: bytes, blocks: list[Any]) -> bytes:
+        return encode(await self.put_blocks(decode(AppendTurn, request), blocks))
+
+    async def resume_wire(self, session_id: str) -> bytes:
+        return encode(await self.resume(session_id))
+
+    async def suspend_wire(self, session_id: str, offline: bool) -> bytes:
+        return encode(await self.suspend(session_id, offline))
+
+    async def set_priority_wire(self, session_id: str, priority: str) -> bytes:
+        return encode(await self.set_priority(session_id, priority))
+
+
 #: The actor: async, so slow device calls of one session do not block others.
 #: Ray restarts it if its process dies; it rebuilds its table from the journal.
-SessionRouterActor = ray.remote(max_restarts=-1, max_task_retries=0)(SessionRouter)
+SessionRouterActor = ray.remote(max_restarts=-1, max_task_retries=0)(SessionRouterShell)

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from memkv.actors.handles import SessionServiceHandle
 from memkv.actors.router_state import OTHER_TENANTS, STATS_TENANTS
 from memkv.protocol.shards import shard_name, shard_of
 
@@ -30,6 +31,7 @@ class RouterShards:
         if not handles:
             raise ValueError("a deployment has at least one router shard")
         self.handles = tuple(handles)
+        self._services = tuple(SessionServiceHandle(h) for h in self.handles)
 
     @classmethod
     def find(cls, router_name: str, namespace: str) -> RouterShards:
@@ -61,6 +63,10 @@ class RouterShards:
     def of(self, session_id: str) -> Any:
         """The shard that owns ``session_id``."""
         return self.handles[shard_of(session_id, len(self.handles))]
+
+    def service(self, session_id: str) -> SessionServiceHandle:
+        """The session service of the shard that owns ``session_id`` (typed)."""
+        return self._services[shard_of(session_id, len(self.handles))]
 
     def split(self, session_ids: Sequence[str]) -> dict[int, list[int]]:
         """Shard -> the indices of ``session_ids`` it owns (in order)."""

@@ -38,7 +38,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 from ray.exceptions import RayActorError, RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from memkv.actors.packed import pack, unpack
+from memkv.actors.handles import Pending
 from memkv.actors.payload import BlockPayload
 from memkv.actors.router_shards import RouterShards, merge_located, merge_prefix, merge_stats
 from memkv.api.auth import Authenticator, Principal
@@ -75,6 +75,7 @@ from memkv.errors import (
     plain_message,
 )
 from memkv.protocol.dtypes import DTYPES, non_finite_count
+from memkv.protocol.enums import parse_ack, parse_priority
 from memkv.protocol.hashing import chain_hashes, token_array
 from memkv.protocol.ids import (
     MAX_SESSION_ID_LEN,
@@ -85,6 +86,15 @@ from memkv.protocol.ids import (
 )
 from memkv.protocol.layout import LAYOUT_LIMITS, MAX_MODEL_ID_CHARS, KVLayout
 from memkv.protocol.messages import ReadRoute
+from memkv.protocol.services import (
+    AppendAnswer,
+    AppendTurn,
+    CreateSession,
+    Expected,
+    LayoutSpec,
+    Quota,
+    SessionView,
+)
 from memkv.protocol.wire import (
     BlockFrameTemplate,
     Frame,
@@ -227,11 +237,11 @@ def _publisher_of(namespace: str | None) -> str | None:
     return namespace.partition(PUBLISHER_SEPARATOR)[2]
 
 
-def _session_out(record: dict[str, Any], session_id: str) -> dict[str, Any]:
+def _session_out(view: SessionView, session_id: str) -> dict[str, Any]:
     """A session as its tenant sees it (its own id, not the router's scoped one)."""
-    out = dict(record)
+    out = view.as_dict()
     out["session_id"] = session_id
-    out["chain"] = [bytes(k).hex() for k in record.get("chain", [])]
+    out["chain"] = [k.hex() for k in view.chain]
     return out
 
 
@@ -489,16 +499,18 @@ def create_app(
         sid = scoped(who, body.session_id, "write")
         namespace = who.write_namespace(body.namespace)
         layout = KVLayout.from_dict(body.layout.model_dump())
-        # Packed: one argument each way (Ray's cost per argument is most of a create's).
-        arguments = pack(sid, layout.to_dict(), namespace, body.priority, body.ack, who.quota,
-                         body.exact_only, body.finite_only)
-        record = unpack(await routers.of(sid).create_session_packed.remote(arguments))
-        return _session_out(record, body.session_id)
+        request = CreateSession(
+            session_id=sid, layout=LayoutSpec.of(layout), namespace=namespace,
+            priority=parse_priority(body.priority),
+            ack=parse_ack(body.ack),
+            quota=Quota.of(who.quota), exact_only=body.exact_only, finite_only=body.finite_only,
+        )
+        return _session_out(await routers.service(sid).create_session(request), body.session_id)
 
     @app.get("/v1/sessions/{session_id}", tags=["sessions"])
     async def get_session(session_id: SessionIdPath, who: Principal = Reader) -> dict[str, Any]:
         sid = scoped(who, session_id, "read")
-        return _session_out(await routers.of(sid).session.remote(sid), session_id)
+        return _session_out(await routers.service(sid).session(sid), session_id)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"])
     async def delete_session(session_id: SessionIdPath, who: Principal = Reader) -> Response:
@@ -506,7 +518,7 @@ def create_app(
         await _let_go_of(sid)
         sessions.drop(sid)
         routes.drop(sid)
-        await routers.of(sid).delete_session.remote(sid)
+        await routers.service(sid).delete_session(sid)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/suspend", tags=["sessions"])
@@ -516,19 +528,19 @@ def create_app(
         sid = scoped(who, session_id, "write")
         offline = body.offline if body is not None else False
         await _let_go_of(sid)
-        return _session_out(await routers.of(sid).suspend.remote(sid, offline), session_id)
+        return _session_out(await routers.service(sid).suspend(sid, offline), session_id)
 
     @app.post("/v1/sessions/{session_id}/resume", tags=["sessions"])
     async def resume(session_id: SessionIdPath, who: Principal = Reader) -> dict[str, Any]:
         sid = scoped(who, session_id, "write")
-        handle = await routers.of(sid).resume.remote(sid)
+        resumed = await routers.service(sid).resume(sid)
         return {
             "session_id": session_id,
-            "device_id": handle["device_id"],
-            "tokens": handle["tokens"],
+            "device_id": resumed.device_id,
+            "tokens": resumed.tokens,
             "blocks": [
-                {"key": bytes(k).hex(), "tier": tier, "tokens": n}
-                for k, tier, n in handle["blocks"]
+                {"key": b.key.hex(), "tier": b.tier.value, "tokens": b.tokens}
+                for b in resumed.blocks
             ],
         }
 
@@ -613,9 +625,8 @@ def create_app(
         head = frames[0].header
         known = sessions.get(sid)
         if known is None:
-            record = await routers.of(sid).session.remote(sid)
-            known = (KVLayout.from_dict(record["layout"]), record["namespace"],
-                     bool(record.get("finite_only", False)))
+            view = await routers.service(sid).session(sid)
+            known = (view.layout.layout(), view.namespace, view.finite_only)
             sessions.put(sid, known)
         layout, namespace, finite_only = known
         sent_layout = head.get("layout")
@@ -659,11 +670,15 @@ def create_app(
             checksums.append(int(frame.header["crc32"]))
             payload_bytes.labels("in").inc(array.nbytes)
 
-        def put(blocks: list[Any]) -> Any:
-            return routers.of(sid).put_blocks.remote(
-                sid, tokens, blocks, start, [bytes(k) for k in chain], turn, checksums,
-                (layout.to_dict(), namespace), who.quota,
-            )
+        request = AppendTurn(
+            session_id=sid, token_ids=AppendTurn.pack_tokens(tokens), start_block=start,
+            chain=tuple(bytes(k) for k in chain), turn=turn, checksums=tuple(checksums),
+            expect=Expected(layout=LayoutSpec.of(layout), namespace=namespace),
+            quota=Quota.of(who.quota),
+        )
+
+        def put(blocks: list[Any]) -> Pending[AppendAnswer]:
+            return routers.service(sid).put_blocks(request, blocks)
 
         try:
             staged = (staging.describe(payloads, this_node)
@@ -687,8 +702,9 @@ def create_app(
             raise
         finally:
             routes.drop(sid)
-        result["chain"] = [bytes(k).hex() for k in result["chain"]]
-        return result
+        out = result.as_dict()
+        out["chain"] = [k.hex() for k in result.chain]
+        return out
 
     @app.get(
         "/v1/sessions/{session_id}/blocks",

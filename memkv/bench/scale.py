@@ -29,12 +29,13 @@ from typing import Any
 import ray
 import torch
 
-from memkv.actors.packed import pack
+from memkv.actors.handles import SessionServiceHandle
 from memkv.actors.router import SessionRouterActor
 from memkv.actors.router_shards import RouterShards
 from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
 from memkv.protocol.layout import KVLayout
+from memkv.protocol.services import CreateSession, LayoutSpec, encode
 
 __all__ = ["run"]
 
@@ -79,6 +80,10 @@ def _router_pid(router: Any) -> int | None:
         return int(ray.get(router.__ray_call__.remote(lambda _self: os.getpid())))
     except (AttributeError, TypeError, ray.exceptions.RayError):
         return None  # an older Ray without __ray_call__: memory is not measured
+
+
+def _create(session_id: str) -> CreateSession:
+    return CreateSession(session_id=session_id, layout=LayoutSpec.of(LAYOUT), namespace=NAMESPACE)
 
 
 def _rate(submit: Callable[[int], Any], n: int, what: str) -> float:
@@ -135,7 +140,6 @@ def _on_shards(shards: int, n: int, run_id: str, namespace: str) -> dict[str, An
         ray.get([h.ping.remote() for h in handles])
         routers = RouterShards(handles)
         sids = [f"shard-{run_id}-{shards}-{i}" for i in range(n)]
-        layout = LAYOUT.to_dict()
         # The ceiling at this count; a rate needs fewer calls than the table.
         calls = min(n, BARE_CALLS)
         before = _cpu_seconds(handles)
@@ -145,8 +149,8 @@ def _on_shards(shards: int, n: int, run_id: str, namespace: str) -> dict[str, An
         # Where the time goes: CPU seconds of the driver and of every shard over the
         # creates (what bounds the rate once each has a core of its own).
         driver_before, shards_before = time.process_time(), _cpu_seconds(handles)
-        creates = _rate(lambda i: routers.of(sids[i]).create_session_packed.remote(
-            pack(sids[i], layout, NAMESPACE, "normal")), n,
+        creates = _rate(lambda i: routers.service(sids[i]).create_session(
+            _create(sids[i])).ref, n,
             f"scale: creates over {shards} shard(s)")
         driver_cpu = time.process_time() - driver_before
         shard_cpu = [a - b for a, b in zip(_cpu_seconds(handles), shards_before, strict=True)]
@@ -209,16 +213,18 @@ def run(ctx: BenchContext) -> SuiteResult:
 
     # The ceiling: bare calls to the same actor, measured the same way in this run.
     ping_s = _rate(lambda i: router.ping.remote(), n, "scale: bare actor calls")
-    create_s = _rate(lambda i: router.create_session.remote(sids[i], LAYOUT.to_dict(),
-                                                            NAMESPACE, "normal"),
+    # The two ways a typed message can cross: Ray pickling the message object, or
+    # one msgpack document each way (what SessionServiceHandle sends).
+    create_s = _rate(lambda i: router.create_session.remote(_create(sids[i])),
                      n, "scale: create sessions")
     packed_ids = [f"scale-{run_id}-packed-{i}" for i in range(n)]
-    packed_s = _rate(lambda i: router.create_session_packed.remote(
-        pack(packed_ids[i], LAYOUT.to_dict(), NAMESPACE, "normal")), n, "scale: packed creates")
+    service = SessionServiceHandle(router)
+    packed_s = _rate(lambda i: service.create_session(_create(packed_ids[i])).ref, n,
+                     "scale: packed creates")
     # The transport's share: a no-op call carrying a packed create's argument and
     # answering as many bytes as a packed create does.
-    probe = pack(f"scale-{run_id}-echo-probe", LAYOUT.to_dict(), NAMESPACE, "normal")
-    answer_bytes = len(ray.get(router.create_session_packed.remote(probe)))
+    probe = encode(_create(f"scale-{run_id}-echo-probe"))
+    answer_bytes = len(ray.get(router.create_session_wire.remote(probe)))
     echo_s = _rate(lambda i: router.echo.remote(probe, answer_bytes), n,
                    "scale: no-op calls with a create's bytes")
     ray.get(router.delete_session.remote(f"scale-{run_id}-echo-probe"))
@@ -232,7 +238,7 @@ def run(ctx: BenchContext) -> SuiteResult:
                  for sid in batch_ids[lo : lo + BATCH]]
         ray.get(router.create_sessions.remote(specs))
     batch_create_s = n / (time.perf_counter() - start)
-    lookup_s = _rate(lambda i: router.session.remote(sids[i]), n, "scale: look up sessions")
+    lookup_s = _rate(lambda i: service.session(sids[i]).ref, n, "scale: look up sessions")
 
     start = time.perf_counter()
     for i in track(range(n), "scale: burst of turns"):
@@ -258,11 +264,11 @@ def run(ctx: BenchContext) -> SuiteResult:
     one = scaling[SHARD_COUNTS[0]]
     rows: list[list[Any]] = [
         ["bare actor call (router.ping)", ping_s, f"{IN_FLIGHT} in flight: the ceiling"],
-        ["create session (router)", create_s,
+        ["create session, message pickled by Ray (router)", create_s,
          f"{IN_FLIGHT} in flight; {create_s / ping_s:.2f}x bare calls"],
-        ["create session, packed (router)", packed_s,
-         f"{IN_FLIGHT} in flight; one bytes argument each way; {packed_s / ping_s:.2f}x bare "
-         f"calls"],
+        ["create session, one document each way (router)", packed_s,
+         f"{IN_FLIGHT} in flight; the CreateSession and SessionView msgpack documents the "
+         f"gateway sends; {packed_s / ping_s:.2f}x bare calls"],
         ["no-op call with a packed create's bytes (router.echo)", echo_s,
          f"{IN_FLIGHT} in flight; {len(probe)} B argument, {answer_bytes} B answer; "
          f"{echo_s / ping_s:.2f}x bare calls: Ray's cost of the bytes, before any work; a "

@@ -25,7 +25,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from memkv.actors.archive import ArchiveActor
 from memkv.actors.device import DeviceCacheActor
-from memkv.actors.packed import pack, unpack
 from memkv.actors.payload import (
     READ_BATCH_BLOCKS,
     READ_WINDOW_BATCHES,
@@ -49,8 +48,10 @@ from memkv.cluster.loopback import (
 )
 from memkv.config import MemkvConfig, load_config
 from memkv.errors import ConfigError, InvalidInputError, UnknownBlockError, WrongNodeError
+from memkv.protocol.enums import parse_ack, parse_priority
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.messages import PlanEntry, ReadPlan
+from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec
 from memkv.protocol.shards import shard_name
 from memkv.same_node import HostLease, SameNodeReader, shm_identity
 from memkv.staging import PutStaging, staging_for, staging_node
@@ -115,10 +116,12 @@ class MemkvCluster:
         """A new session; ``ack`` (``memory`` / ``archive``) and ``exact_only``:
         see docs/durability.md; ``finite_only``: appends through a gateway holding
         NaN or inf are refused (docs/security.md)."""
-        arguments = pack(session_id, layout.to_dict(), namespace, priority, ack, None, exact_only,
-                         finite_only)
-        return dict(unpack(ray.get(
-            self.routers.of(session_id).create_session_packed.remote(arguments))))
+        request = CreateSession(
+            session_id=session_id, layout=LayoutSpec.of(layout), namespace=namespace,
+            priority=parse_priority(priority), ack=parse_ack(ack),
+            exact_only=exact_only, finite_only=finite_only,
+        )
+        return self.routers.service(session_id).create_session(request).result().as_dict()
 
     def create_sessions(self, specs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Many sessions in one router call: each spec as :meth:`create_session`'s
@@ -133,7 +136,7 @@ class MemkvCluster:
         return [dict(r) for r in merge_created(indices, ray.get(refs))]
 
     def session(self, session_id: str) -> dict[str, Any]:
-        return dict(ray.get(self.routers.of(session_id).session.remote(session_id)))
+        return self.routers.service(session_id).session(session_id).result().as_dict()
 
     def put_kv(
         self,
@@ -188,9 +191,11 @@ class MemkvCluster:
             )
         payloads = [to_payload(chain[start_block + i], b) for i, b in enumerate(blocks)]
 
+        request = AppendTurn(session_id=session_id, token_ids=AppendTurn.pack_tokens(tokens),
+                             start_block=start_block, chain=tuple(bytes(k) for k in chain))
+
         def put(sent: list[Any]) -> dict[str, Any]:
-            return dict(ray.get(self.routers.of(session_id).put_blocks.remote(
-                session_id, tokens, sent, start_block, [bytes(k) for k in chain])))
+            return self.routers.service(session_id).put_blocks(request, sent).result().as_dict()
 
         staging = self._put_staging()
         slot = staging.lease(sum(p.nbytes for p in payloads)) if staging and payloads else None
@@ -237,7 +242,13 @@ class MemkvCluster:
 
     def resume(self, session_id: str) -> dict[str, Any]:
         """Answers at once with the chain and each block's tier; blocks follow lazily."""
-        return dict(ray.get(self.routers.of(session_id).resume.remote(session_id)))
+        resumed = self.routers.service(session_id).resume(session_id).result()
+        return {
+            "session_id": resumed.session_id,
+            "device_id": resumed.device_id,
+            "tokens": resumed.tokens,
+            "blocks": [(b.key, b.tier.value, b.tokens) for b in resumed.blocks],
+        }
 
     def read_session(
         self, session_id: str, start: int = 0, end: int | None = None
@@ -386,13 +397,14 @@ class MemkvCluster:
         return reader
 
     def suspend(self, session_id: str, *, offline: bool = False) -> dict[str, Any]:
-        return dict(ray.get(self.routers.of(session_id).suspend.remote(session_id, offline)))
+        return self.routers.service(session_id).suspend(session_id, offline).result().as_dict()
 
     def set_priority(self, session_id: str, priority: str) -> dict[str, Any]:
-        return dict(ray.get(self.routers.of(session_id).set_priority.remote(session_id, priority)))
+        service = self.routers.service(session_id)
+        return service.set_priority(session_id, parse_priority(priority)).result().as_dict()
 
     def delete_session(self, session_id: str) -> None:
-        ray.get(self.routers.of(session_id).delete_session.remote(session_id))
+        self.routers.service(session_id).delete_session(session_id).result()
 
     def stats(self) -> dict[str, Any]:
         return dict(merge_stats(ray.get(self.routers.stats())))

@@ -25,11 +25,12 @@ from memkv.errors import (
     InvalidInputError,
     UnknownSessionError,
 )
-from memkv.protocol.enums import Priority, SessionState
+from memkv.protocol.enums import AckMode, Priority, SessionState, parse_priority
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.ids import check_stored_session_id
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ChainUpdate
+from memkv.protocol.services import LayoutSpec, SessionView
 
 __all__ = ["SessionInfo", "SessionRecord", "SessionTable", "parse_priority"]
 
@@ -74,27 +75,31 @@ class SessionRecord:
     def lost(self) -> bool:
         return self.lost_reason is not None
 
+    def view(self) -> SessionView:
+        """The session as its owner answers it (a typed message)."""
+        return SessionView(
+            session_id=self.session_id,
+            namespace=self.namespace,
+            layout=LayoutSpec.of(self.layout),
+            priority=self.priority,
+            device_id=self.device_id,
+            chain=tuple(bytes(k) for k in self.chain),
+            tokens=self.tokens,
+            turn=self.turn,
+            state=SessionState.LOST if self.lost else self.state,
+            ack=AckMode.ARCHIVE if self.durable else AckMode.MEMORY,
+            exact_only=self.exact_only,
+            finite_only=self.finite_only,
+            archived=not self.active,
+            hotness=self.hotness,
+            lost_reason=self.lost_reason,
+            lost_tokens=self.lost_tokens,
+            partial_reason=self.partial_reason,
+        )
+
     def as_dict(self) -> dict[str, Any]:
-        """Plain values (Ray calls, JSON)."""
-        return {
-            "session_id": self.session_id,
-            "namespace": self.namespace,
-            "layout": self.layout.to_dict(),
-            "priority": self.priority.value,
-            "device_id": self.device_id,
-            "chain": [bytes(k) for k in self.chain],
-            "tokens": self.tokens,
-            "turn": self.turn,
-            "state": "lost" if self.lost else self.state.value,
-            "ack": "archive" if self.durable else "memory",
-            "exact_only": self.exact_only,
-            "finite_only": self.finite_only,
-            "archived": not self.active,
-            "hotness": self.hotness,
-            "lost_reason": self.lost_reason,
-            "lost_tokens": self.lost_tokens,
-            "partial_reason": self.partial_reason,
-        }
+        """Plain values (JSON, the single-process store's answers)."""
+        return self.view().as_dict()
 
     def manifest(self) -> dict[str, Any]:
         """What the cold tier keeps of a suspended session, to serve it again after a restart."""
@@ -376,17 +381,3 @@ class SessionTable:
                 f"{record.turn}, the next append is turn {record.turn + 1}"
             )
         return False
-
-
-def parse_priority(p: Priority | str) -> Priority:
-    """A Priority from its value.
-
-    Raises:
-        InvalidInputError: not one of ``high``, ``normal``, ``background``.
-    """
-    try:
-        return Priority(p)
-    except ValueError:
-        raise InvalidInputError(
-            f"priority must be one of {[x.value for x in Priority]}, got {p!r}"
-        ) from None

@@ -12,6 +12,7 @@ from memkv.actors.device import DeviceCache
 from memkv.actors.payload import to_payload
 from memkv.actors.router import SessionRouter
 from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
 
@@ -67,6 +68,10 @@ def _blocks(tokens, seed=0):
     return split_kv(LAYOUT, keys, values)
 
 
+def _append(session_id, tokens):
+    return AppendTurn(session_id=session_id, token_ids=AppendTurn.pack_tokens(tokens))
+
+
 def test_a_delete_during_a_deduplicating_append_keeps_the_shared_block(tmp_path):
     cfg = StoreConfig(hot_capacity_bytes=8 * UNIT, warm_capacity_bytes=8 * UNIT,
                       allocator=AllocatorConfig(min_unit_bytes=UNIT),
@@ -84,10 +89,11 @@ def test_a_delete_during_a_deduplicating_append_keeps_the_shared_block(tmp_path)
         await router.register_device("dev-0", gated)
         await router.register_archive("archive-0", FakeHandle(archive))
         for sid in ("a", "b"):
-            await router.create_session(sid, LAYOUT.to_dict(), "n")
-        await router.put_blocks("a", tokens, payloads)
+            await router.create_session(
+                CreateSession(session_id=sid, layout=LayoutSpec.of(LAYOUT), namespace="n"))
+        await router.put_blocks(_append("a", tokens), payloads)
         gated.held = True
-        b_put = asyncio.ensure_future(router.put_blocks("b", tokens, payloads))
+        b_put = asyncio.ensure_future(router.put_blocks(_append("b", tokens), payloads))
         await gated.entered.wait()  # b's put is at the device: it will deduplicate a's blocks
         await router.delete_session("a")  # a was their only recorded holder
         gated.gate.set()

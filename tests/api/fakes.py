@@ -59,7 +59,7 @@ def device_and_router(directory: Any, name: str, *, unit: int = 4096, blocks: in
     import asyncio
 
     from memkv.actors.device import DeviceCache
-    from memkv.actors.router import SessionRouter
+    from memkv.actors.router import SessionRouterShell
     from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 
     cfg = StoreConfig(
@@ -70,7 +70,7 @@ def device_and_router(directory: Any, name: str, *, unit: int = 4096, blocks: in
         debug_refcounts=True,
     )
     device = DeviceCache(name, cfg)
-    router = SessionRouter(background_prefetch_interval_s=3600)
+    router = SessionRouterShell(background_prefetch_interval_s=3600)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(router.register_device("dev-0", FakeHandle(device)))
     return device, router, loop

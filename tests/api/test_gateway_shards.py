@@ -12,12 +12,13 @@ import asyncio
 import pytest
 
 from memkv.actors.device import DeviceCache
-from memkv.actors.router import SessionRouter
+from memkv.actors.router import SessionRouterShell
 from memkv.actors.router_shards import RouterShards, merge_created
 from memkv.api.app import create_app
 from memkv.client import Client
 from memkv.errors import CapacityError, ConflictError, InvalidInputError
 from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.services import CreateSession, LayoutSpec, Quota
 from memkv.protocol.shards import shard_of
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
@@ -42,7 +43,7 @@ def sharded(tmp_path):
         debug_refcounts=True,
     )
     device = DeviceCache("fake-shard-dev", cfg)
-    routers = [SessionRouter(background_prefetch_interval_s=3600, shard=i, shards=2)
+    routers = [SessionRouterShell(background_prefetch_interval_s=3600, shard=i, shards=2)
                for i in range(2)]
     loop = asyncio.new_event_loop()
     for router in routers:
@@ -114,7 +115,8 @@ def test_a_shard_refuses_a_session_it_does_not_own(sharded):
     _, _, routers, loop = sharded
     sid = next(s for s in SESSIONS if shard_of(s, 2) == 1)
     with pytest.raises(InvalidInputError, match="belongs to router shard 1 of 2"):
-        loop.run_until_complete(routers[0].create_session(sid, LAYOUT.to_dict()))
+        loop.run_until_complete(routers[0].create_session(
+            CreateSession(session_id=sid, layout=LayoutSpec.of(LAYOUT))))
 
 
 def test_a_quota_counts_the_tenants_sessions_on_every_shard(sharded):
@@ -125,7 +127,8 @@ def test_a_quota_counts_the_tenants_sessions_on_every_shard(sharded):
         router = routers[shard_of(sid, 2)]
         try:
             loop.run_until_complete(
-                router.create_session(sid, LAYOUT.to_dict(), quota=(5, None)))
+                router.create_session(CreateSession(
+                    session_id=sid, layout=LayoutSpec.of(LAYOUT), quota=Quota(max_sessions=5))))
         except CapacityError as e:
             assert "has 5 sessions, its quota is 5" in str(e)
             break
@@ -139,7 +142,8 @@ def test_a_bulk_create_asks_the_other_shards_for_a_tenants_use_once(sharded, mon
     ids = [f"tenant-b/s{i}" for i in range(40)]
     mine = [sid for sid in ids if shard_of(sid, 2) == 0]
     theirs = next(sid for sid in ids if shard_of(sid, 2) == 1)
-    loop.run_until_complete(routers[1].create_session(theirs, LAYOUT.to_dict()))
+    loop.run_until_complete(routers[1].create_session(
+        CreateSession(session_id=theirs, layout=LayoutSpec.of(LAYOUT))))
     asked = []
     totals = routers[1].tenant_totals
 
