@@ -289,7 +289,7 @@ def test_delta_rl_stepped_decodes_a_few_layers_at_a_time_the_same(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A block larger than the decode buffer goes through it in layer chunks, bit for bit."""
-    import memkv.storage.codecs as codecs
+    import memkv.storage.codecs.delta_rl_schemes as codecs
 
     g = torch.Generator().manual_seed(5)
     block = (torch.randn(5, 2, 2, 16, 8, generator=g) + torch.randn(8, generator=g)).to(dtype)
