@@ -32,9 +32,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from memkv.api.app import BlocksByKeyIn, BodyTimeout, PayloadTooLarge, any_error_document
 from memkv.api.auth import Principal
 from memkv.api.body_budget import BodyHold
+from memkv.api.errors import BodyTimeout, PayloadTooLarge, any_error_document
+from memkv.api.models import BlocksByKeyIn
 from memkv.errors import InvalidInputError, MemkvError
 from memkv.protocol.wire import (
     PREFIX_BYTES,

@@ -1,0 +1,134 @@
+"""The JSON bodies the gateway takes, as pydantic models (the OpenAPI schema is theirs)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import Path
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+
+from memkv.api.client_leases import (
+    DEFAULT_TTL_S,
+    MAX_TTL_S,
+)
+from memkv.protocol.dtypes import DTYPES
+from memkv.protocol.ids import (
+    MAX_SESSION_ID_LEN,
+    NAME_PATTERN,
+    SESSION_ID_PATTERN,
+)
+from memkv.protocol.layout import LAYOUT_LIMITS, MAX_MODEL_ID_CHARS
+
+__all__ = [
+    "BINARY",
+    "MAX_KEYS_PER_READ",
+    "BlockLeaseIn",
+    "BlocksByKeyIn",
+    "LayoutIn",
+    "MatchIn",
+    "SessionCreate",
+    "SessionIdPath",
+    "SuspendIn",
+]
+
+BINARY = {"type": "string", "format": "binary"}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _json_int(value: Any) -> Any:
+    """JSON's integers (``4``, and ``4.0``, which JSON Schema calls an integer), not ``"4"``."""
+    if isinstance(value, bool) or isinstance(value, str):
+        raise ValueError(f"expected an integer, got {value!r:.40}")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_int)]
+
+
+class LayoutIn(_Model):
+    # "4" is not 4. Bounds are KVLayout's own (LAYOUT_LIMITS).
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    model_id: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
+    num_layers: JsonInt = Field(ge=1, le=LAYOUT_LIMITS["num_layers"])
+    num_kv_heads: JsonInt = Field(ge=1, le=LAYOUT_LIMITS["num_kv_heads"])
+    head_dim: JsonInt = Field(ge=1, le=LAYOUT_LIMITS["head_dim"])
+    dtype: str = Field(default="float16", pattern="^(" + "|".join(DTYPES) + ")$")
+    block_tokens: JsonInt = Field(default=256, ge=1, le=LAYOUT_LIMITS["block_tokens"])
+
+
+class SessionCreate(_Model):
+    session_id: str = Field(
+        pattern=SESSION_ID_PATTERN,
+        description="1..256 characters of A-Z a-z 0-9 . _ : @ -, starting with a letter or digit",
+    )
+    layout: LayoutIn
+    namespace: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Where the session's blocks are hashed: the caller's tenant by default, "
+        "or a public namespace its token may publish into (shared prompts).",
+    )
+    priority: str = "normal"
+    ack: Literal["memory", "archive"] | None = Field(
+        default=None,
+        description="When an append is answered: memory = its blocks are in device memory; "
+        "archive = they are fsynced in the cold tier and survive a crash of every process. "
+        "Default: the deployment's router.default_ack.",
+    )
+    exact_only: StrictBool = Field(
+        default=False,
+        description="Its blocks never take a lossy step (fp16 of fp32, int8, lossy cold codec). "
+        "Blocks shared with sessions that allowed one before may still read as inexact: "
+        "every block read says whether it is exact.",
+    )
+    finite_only: StrictBool = Field(
+        default=False,
+        description="Appends whose KV holds a NaN or an infinity are refused (422, naming "
+        "the block). Default: stored as sent, bit for bit (such blocks never take a lossy "
+        "step).",
+    )
+
+
+class SuspendIn(_Model):
+    offline: bool = False
+
+
+class MatchIn(_Model):
+    layout: LayoutIn
+    namespace: str | None = Field(
+        default=None, pattern=NAME_PATTERN, description="Default: the caller's tenant."
+    )
+    token_ids: list[int]
+
+
+#: Keys one by-key read may name (duplicates are collapsed first).
+MAX_KEYS_PER_READ = 4096
+
+
+class BlocksByKeyIn(_Model):
+    namespace: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Whose blocks: the caller's tenant by default, or a public namespace "
+        "its token may read. Keys of any other namespace answer 404, like missing ones.",
+    )
+    keys: list[Annotated[str, Field(pattern=r"^[0-9a-fA-F]{32}$")]] = Field(
+        description="Block keys: 16 bytes as 32 hex digits.", max_length=MAX_KEYS_PER_READ
+    )
+
+
+class BlockLeaseIn(BlocksByKeyIn):
+    ttl_s: float = Field(
+        default=DEFAULT_TTL_S, gt=0, le=MAX_TTL_S,
+        description="How long the blocks stay pinned unless the lease is given back first.",
+    )
+
+
+#: A session id in a path: the one id rule, in the schema too.
+SessionIdPath = Annotated[str, Path(pattern=SESSION_ID_PATTERN, max_length=MAX_SESSION_ID_LEN)]
