@@ -15,7 +15,7 @@ import json
 import signal
 import threading
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 
@@ -190,7 +190,8 @@ def compact(
     ray.init(address=address, namespace=cfg.cluster.namespace, logging_level=logging.ERROR)
     try:
         router = ray.get_actor(cfg.cluster.router_name, namespace=cfg.cluster.namespace)
-        names = sorted(ray.get(router.stats.remote()).get("archives", {}))
+        stats = cast("dict[str, Any]", ray.get(router.stats.remote()))
+        names = sorted(stats.get("archives", {}))
         handles = {n: ray.get_actor(n, namespace=cfg.cluster.namespace) for n in names}
         for name, done in compact_archives(handles, force=force).items():
             typer.echo(f"{name}: {done['segments_in']} segments -> {done['segments_out']}, "

@@ -147,4 +147,7 @@ def _check_key(key: object) -> bytes:
 
 #: The actor: methods run one at a time in order except reads, which may
 #: overlap a write (the segment store has its own lock and pread is thread-safe).
-ArchiveActor = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4)(ArchiveService)
+# (Ray's stubs leave max_concurrency out of remote()'s overloads.)
+ArchiveActor = ray.remote(  # type: ignore[call-overload]
+    max_restarts=-1, max_task_retries=0, max_concurrency=4
+)(ArchiveService)

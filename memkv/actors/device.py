@@ -563,4 +563,7 @@ class DeviceCache:
 #: The actor. A few concurrent calls (the store has its own lock) let a prefetch
 #: run beside a reader; Ray restarts it if its process dies, with an empty
 #: store, which the router detects by the changed incarnation.
-DeviceCacheActor = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4)(DeviceCache)
+# (Ray's stubs leave max_concurrency out of remote()'s overloads.)
+DeviceCacheActor = ray.remote(  # type: ignore[call-overload]
+    max_restarts=-1, max_task_retries=0, max_concurrency=4
+)(DeviceCache)

@@ -639,8 +639,9 @@ def perplexity_with_codecs(
     results: dict[str, PerplexityResult] = {}
     for label in transforms:
         mean = float(nll[label]) / scored
-        per_window = torch.cat(deltas[label]).double()
-        se = float(per_window.std() / math.sqrt(len(per_window))) if len(per_window) > 1 else 0.0
+        window_deltas = torch.cat(deltas[label]).double()
+        se = (float(window_deltas.std() / math.sqrt(len(window_deltas)))
+              if len(window_deltas) > 1 else 0.0)
         results[label] = PerplexityResult(
             label=label,
             perplexity=math.exp(mean),

@@ -21,6 +21,7 @@ import torch
 
 from memkv.bench.single_block import OneBlockSessions
 from memkv.protocol.enums import Tier
+from memkv.protocol.hashing import BlockHash
 from memkv.storage.block_pool import BlockPool
 from memkv.storage.config import (
     MIB,
@@ -85,9 +86,9 @@ def _fill(layout: KVLayout, blocks: Sequence[torch.Tensor], precision: Precision
         for i in range(1_000_000):
             clock.t += IDLE_STEP_S
             keys.append(sessions.append(blocks[i % len(blocks)])[0])
-            if pool.locate(keys[0]) is Tier.COLD:  # the oldest went cold: full
+            if pool.locate(BlockHash(keys[0])) is Tier.COLD:  # the oldest went cold: full
                 break
-        where = [pool.locate(k) for k in keys]  # type: ignore[arg-type]
+        where = [pool.locate(BlockHash(k)) for k in keys]
         held = sum(1 for t in where if t in (Tier.HOT, Tier.WARM))
         warm = sum(1 for t in where if t is Tier.WARM)
     finally:

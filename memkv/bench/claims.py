@@ -30,7 +30,7 @@ def _row(doc: _Doc, first: Any) -> list[Any] | None:
 def _context(docs: dict[str, _Doc]) -> str:
     codecs = docs.get("codecs")
     capacity = codecs["figures"].get("capacity") if codecs else None
-    if not capacity:
+    if not capacity or codecs is None:
         return "not measured (no codecs result with the capacity figure)"
     default = _row(codecs, "delta_rl default")
     frames = [r for r in capacity if r["mode"].startswith("Delta+RL")]
@@ -102,7 +102,7 @@ def _window(docs: dict[str, _Doc]) -> str:
 def _fp16(docs: dict[str, _Doc]) -> str:
     codecs = docs.get("codecs")
     row = _row(codecs, "fp16") if codecs else None
-    if row is None:
+    if row is None or codecs is None:
         return "not measured (no codecs result)"
     ppl = row[_col(codecs, "worst ppl rise %")]
     return f"-50% memory vs fp32 (by construction) at {ppl:+.4f}% perplexity [codecs]"

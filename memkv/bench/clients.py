@@ -110,7 +110,7 @@ def _raw(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     dst = np.empty(nbytes, dtype=np.uint8)
     src = np.random.default_rng(index).integers(0, 255, nbytes, dtype=np.uint8)
-    view = memoryview(dst)
+    view = dst.data
 
     def get(_: int) -> None:
         conn.sendall(RAW_GET * RAW_REQUEST_BYTES)
@@ -139,8 +139,8 @@ def _bare_http(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
 
     nbytes, ops, op = params["nbytes"], params["ops"], params["op"]
     conn = http.client.HTTPConnection("127.0.0.1", params["port"])
-    dst = memoryview(np.empty(nbytes, dtype=np.uint8))
-    src = memoryview(np.random.default_rng(index).integers(0, 255, nbytes, dtype=np.uint8))
+    dst = np.empty(nbytes, dtype=np.uint8).data
+    src = np.random.default_rng(index).integers(0, 255, nbytes, dtype=np.uint8).data
 
     def get(_: int) -> None:
         conn.request("GET", "/block")

@@ -656,7 +656,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     series: dict[str, list[float | None]] = {}
     for target in (GATEWAY_HTTP, GATEWAY_PORT, BARE_ASGI, "raw socket", "redis"):
         for op in ("get", "put"):
-            vals = [(find(target, op, c).gb_s if find(target, op, c) else None) for c in levels]
+            vals = [(found.gb_s if (found := find(target, op, c)) else None) for c in levels]
             if any(v is not None for v in vals):
                 series[f"{target.split(' (')[0]} {op}"] = vals
     series["memcpy (1 core)"] = [results[0].gb_s for _ in levels]

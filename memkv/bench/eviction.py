@@ -298,7 +298,7 @@ def evaluate(
             if best is not None and lru is not None and lruk is not None and best > lru
             else None
         )
-        peers = [ratio[n] for n in ONLINE_PEERS if ratio.get(n) is not None]
+        peers = [p for n in ONLINE_PEERS if (p := ratio.get(n)) is not None]
         best_peer = max(peers) if peers else None
         ahead = lruk - best_peer if best_peer is not None and lruk is not None else None
         memkv = results["memkv LRU-K"]

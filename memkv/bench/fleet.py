@@ -39,7 +39,7 @@ from memkv.bench.vllm import BLOCK_SIZE, QUICK_MODEL, ROOT, VLLM_PYTHON, _model
 
 __all__ = ["run"]
 
-FULL_MODEL = {
+FULL_MODEL: dict[str, Any] = {
     "name": "fleet-llama",
     "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1408,
     "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,

@@ -57,7 +57,7 @@ def _serve_raw(conn: socket.socket, nbytes: int) -> None:
             if len(request) < RAW_REQUEST_BYTES:
                 return
             if request[:1] == RAW_GET:
-                conn.sendall(memoryview(payload))
+                conn.sendall(payload.data)
             else:
                 got = 0
                 while got < nbytes:
@@ -88,7 +88,7 @@ def bare_asgi_main(port_file: str, nbytes: int) -> None:
 
     from memkv.api.server import UVICORN_SETTINGS  # the gateway's own settings
 
-    payload = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
+    payload = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8).data
     sink = memoryview(bytearray(nbytes))
     length = [(b"content-length", str(nbytes).encode())]
 

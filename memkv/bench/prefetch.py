@@ -48,7 +48,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         capacity = max(1, int(frac * distinct))
         base = None
         for name, config in SETTINGS.items():
-            prefetcher = MarkovPrefetcher(config) if config is not None else None
+            prefetcher: MarkovPrefetcher | None = (
+                MarkovPrefetcher(config) if config is not None else None)
             r = rt.replay_prefetching(requests, capacity, make_policy(EvictionConfig()),
                                       prefetcher, name, per_conversation=True)
             ratio = r.result.hit_ratio

@@ -130,7 +130,7 @@ def _on_shards(shards: int, n: int, run_id: str, namespace: str) -> dict[str, An
     """``n`` creates over ``shards`` fresh router actors (no devices, no journal: a
     create touches only the table), named apart from the deployment's, killed after."""
     name = f"bench-shards-{run_id}-{shards}"
-    handles = [
+    handles: list[Any] = [
         SessionRouterActor.options(
             name=name if i == 0 else f"{name}-{i}", namespace=namespace, num_cpus=0
         ).remote(background_prefetch_interval_s=3600, shard=i, shards=shards, router_name=name)

@@ -58,13 +58,13 @@ VLLM_PYTHON = Path(os.environ.get("MEMKV_VLLM_PYTHON", ROOT / ".venv-vllm" / "bi
 MODEL_CACHE = Path(os.environ.get("MEMKV_DATA_DIR", "~/.cache/memkv")).expanduser()
 
 #: Llama-3-8B's KV shape (32 x 8 x 128, bf16) on a narrow model a CPU can prefill.
-FULL_MODEL = {
+FULL_MODEL: dict[str, Any] = {
     "name": "llama3-8b-kv-shape",
     "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
     "num_hidden_layers": 32, "num_attention_heads": 8, "num_key_value_heads": 8,
     "head_dim": 128, "max_position_embeddings": 8192,
 }
-QUICK_MODEL = {
+QUICK_MODEL: dict[str, Any] = {
     "name": "tiny-llama",
     "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -91,7 +91,9 @@ def _model(shape: dict[str, Any]) -> Path:
 
     torch.manual_seed(0)
     config = LlamaConfig(**{k: v for k, v in shape.items() if k != "name"})
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    model = LlamaForCausalLM(config)
+    model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types to() for its wrapper
+    model.save_pretrained(path)
     return path
 
 

@@ -69,7 +69,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import numpy as np
@@ -194,7 +194,7 @@ class MemkvConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(
-            vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config  # type: ignore[arg-type]
+            vllm_config=vllm_config, role=role, kv_cache_config=cast(Any, kv_cache_config)
         )
         self._extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         model = vllm_config.model_config
@@ -383,7 +383,7 @@ class MemkvConnector(KVConnectorBase_V1):
                 self._load_errors.update(load.block_ids)
                 self._failed_requests.add(load.req_id)
                 if direct is not None:
-                    direct.copy.finish()  # its leases go back; nothing of it is written
+                    direct.entry.copy.finish()  # its leases go back; nothing of it is written
                 return
             fetched = _Fetched(rest, blocks, set(self._layer_index.values()))
             self._fetched.append(fetched)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from collections import Counter
 from typing import Any
 
 __all__ = ["write_part"]
@@ -34,11 +33,11 @@ def write_part(path: str, part: str, figures: dict[str, Any]) -> dict[str, Any]:
         except (OSError, ValueError, AttributeError):
             parts = {}  # no file yet, or one of an older layout
         parts[part] = figures
-        totals: Counter[str] = Counter()
+        totals: dict[str, int | float] = {}
         for figs in parts.values():
             for key, value in figs.items():
                 if isinstance(value, int | float) and not isinstance(value, bool):
-                    totals[key] += value
+                    totals[key] = totals.get(key, 0) + value
         doc: dict[str, Any] = {**totals, "parts": parts}
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
