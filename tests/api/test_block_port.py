@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from memkv.api.auth import Authenticator, TokenEntry, hash_token
-from memkv.client import Client, _append_body, _read_block_frames
+from memkv.client import Client
+from memkv.client.frames import append_body, read_block_frames
 from memkv.errors import (
     InvalidInputError,
     UnauthorizedError,
@@ -42,7 +43,7 @@ def _session(client: Client, tokens: int = 10, seed: int = 1):
     sid = f"port-{uuid.uuid4().hex[:8]}"
     client.create_session(sid, LAYOUT, namespace=None)
     keys, values = random_kv(LAYOUT, tokens, seed)
-    body, _ = _append_body(client.session(sid), list(range(seed, seed + tokens)), None,
+    body, _ = append_body(client.session(sid), list(range(seed, seed + tokens)), None,
                            keys, values, None, None)
     return sid, body, split_kv(LAYOUT, keys, values)
 
@@ -130,7 +131,7 @@ def test_pipelined_requests_are_answered_in_order(gateway):
             head, _ = conn.reply(ids[0])
             assert head["result"]["new_blocks"] == 3 and head["result"]["turn"] == 1
             _, reply_body = conn.reply(ids[1])
-            blocks = list(_read_block_frames(reply_body))
+            blocks = list(read_block_frames(reply_body))
             assert [b.index for b in blocks] == [1, 2]
             assert torch.equal(blocks[0].tensor, expected[1])
             with pytest.raises(PortError) as missing:
@@ -165,7 +166,7 @@ def test_blocks_by_key_come_over_the_port_and_the_connection_goes_on(gateway):
             ping = conn.send({"op": "ping"})
             head, reply_body = conn.reply(first)
             assert head["until_end"]
-            (block,) = _read_block_frames(reply_body, body_ends=False)
+            (block,) = read_block_frames(reply_body, body_ends=False)
             assert torch.equal(block.tensor, expected[0])
             assert conn.reply(ping)[0]["status"] == 200
             with pytest.raises(PortError) as missing:

@@ -258,6 +258,31 @@ def test_async_client(gateway):
     asyncio.run(flow())
 
 
+def test_async_client_appends_on_the_view_it_has_and_refreshes_a_stale_one(gateway):
+    sid = new_id()
+    asked: list[str] = []
+
+    class Counting(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request):
+            if request.method == "GET" and request.url.path == f"/v1/sessions/{sid}":
+                asked.append(request.url.path)
+            return await super().handle_async_request(request)
+
+    async def flow() -> int:
+        async with AsyncClient(gateway.url, transport=Counting()) as c:
+            await c.create_session(sid, LAYOUT, namespace="t-async-known")
+            await c.append_turn(sid, list(range(9)), *kv(9, seed=5))
+            await c.append_turn(sid, list(range(13)), *kv(13, seed=6))
+            assert asked == []  # the create's answer and each append's kept the view
+            async with AsyncClient(gateway.url) as other:  # another writer: our view goes stale
+                await other.append_turn(sid, list(range(17)), *kv(17, seed=7))
+            result = await c.append_turn(sid, list(range(21)), *kv(21, seed=8))
+            assert asked == [f"/v1/sessions/{sid}"]  # refreshed once, on the conflict
+            return result.turn
+
+    assert asyncio.run(flow()) == 4
+
+
 def test_client_retries_idempotent_calls_only():
     calls = []
 

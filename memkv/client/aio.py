@@ -1,0 +1,302 @@
+"""The asynchronous client."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+
+from memkv import errors
+from memkv.client.base import KnownSessions
+from memkv.client.frames import FRAMES_MEDIA_TYPE, BlockStream, append_body, joined
+from memkv.client.transport import (
+    DEFAULT_URL,
+    async_retrying,
+    auth_headers,
+    bearer,
+    port_error,
+    raise_for_error,
+)
+from memkv.client.views import (
+    Block,
+    Match,
+    ResumeView,
+    SessionView,
+    TurnResult,
+    create_body,
+    parse_resume,
+    parse_session,
+    parse_turn,
+)
+from memkv.port_connection import AsyncPortConnection, PortError
+from memkv.protocol.hashing import token_array
+from memkv.protocol.layout import KVLayout
+from memkv.protocol.wire import (
+    WireError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncClient:
+    """Asynchronous client of the memkv gateway (same methods as :class:`Client`).
+
+    Appends and session reads go over the gateway's block port when it
+    advertises one (``block_port=False``: HTTP only), on one connection that
+    concurrent calls share, pipelined.
+    """
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        timeout: float = 60.0,
+        retries: int = 2,
+        transport: httpx.AsyncBaseTransport | None = None,
+        token: str | None = None,
+        block_port: bool = True,
+    ) -> None:
+        auth = auth_headers(token)
+        self._http = httpx.AsyncClient(
+            base_url=base_url, timeout=timeout, transport=transport, headers=auth
+        )
+        self._retries = retries
+        self._timeout = timeout
+        self._host = urlsplit(base_url).hostname or "127.0.0.1"
+        self._token = bearer(auth)
+        self._port_wanted = block_port and transport is None
+        self._port_number: int | None = None
+        self._port_known = False
+        self._port: AsyncPortConnection | None = None
+        self._port_lock = asyncio.Lock()
+        self._known = KnownSessions()
+
+    @property
+    def block_path(self) -> str:
+        """``"block port"`` or ``"http"``: how KV bodies travel (known after the first)."""
+        return "block port" if self._port is not None and not self._port.broken else "http"
+
+    async def _port_connection(self) -> AsyncPortConnection | None:
+        if not self._port_wanted:
+            return None
+        async with self._port_lock:
+            if self._port is not None and not self._port.broken:
+                return self._port
+            if not self._port_known:
+                port = (await self.health()).get("block_port")
+                self._port_known = True
+                self._port_number = port if isinstance(port, int) else None
+            if self._port_number is None:
+                return None
+            try:
+                self._port = await AsyncPortConnection.open(
+                    self._host, self._port_number, token=self._token, timeout=self._timeout
+                )
+            except OSError as e:
+                logger.warning("block port %s:%s unreachable (%s): KV over HTTP from now on",
+                               self._host, self._port_number, e)
+                self._port_number = None
+                return None
+            return self._port
+
+    async def _over_port(
+        self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()
+    ) -> tuple[AsyncPortConnection, dict[str, Any], int | None, asyncio.Future[None]] | None:
+        """A request over the block port, retried like HTTP's; None: no port, use HTTP."""
+        async for attempt in async_retrying(self._retries):
+            with attempt:
+                conn = await self._port_connection()
+                if conn is None:
+                    return None
+                try:
+                    reply, length, done = await conn.request(header, body)
+                except PortError as e:
+                    raise port_error(e) from None
+                except (OSError, WireError):
+                    conn.broken = True
+                    raise
+                return conn, reply, length, done
+        raise AssertionError("unreachable: the last attempt raises")
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+        if self._port is not None:
+            await self._port.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _request(
+        self, method: str, path: str, *, idempotent: bool, **kwargs: Any
+    ) -> httpx.Response:
+        async for attempt in async_retrying(self._retries if idempotent else 0):
+            with attempt:
+                response = await self._http.request(method, path, **kwargs)
+                raise_for_error(response)
+                return response
+        raise AssertionError("unreachable: the last attempt raises")
+
+    async def health(self) -> dict[str, Any]:
+        return dict((await self._request("GET", "/healthz", idempotent=True)).json())
+
+    async def stats(self) -> dict[str, Any]:
+        return dict((await self._request("GET", "/v1/stats", idempotent=True)).json())
+
+    async def create_session(
+        self,
+        session_id: str,
+        layout: KVLayout,
+        *,
+        namespace: str | None = None,
+        priority: str = "normal",
+        ack: str | None = None,
+        exact_only: bool = False,
+        finite_only: bool = False,
+    ) -> SessionView:
+        body = create_body(session_id, layout, namespace, priority, ack, exact_only, finite_only)
+        r = await self._request("POST", "/v1/sessions", json=body, idempotent=False)
+        return self._known.remember(parse_session(r.json()))
+
+    async def session(self, session_id: str) -> SessionView:
+        r = await self._request("GET", f"/v1/sessions/{session_id}", idempotent=True)
+        return self._known.remember(parse_session(r.json()))
+
+    async def suspend(self, session_id: str, *, offline: bool = False) -> SessionView:
+        r = await self._request(
+            "POST",
+            f"/v1/sessions/{session_id}/suspend",
+            json={"offline": offline},
+            idempotent=True,
+        )
+        return parse_session(r.json())
+
+    async def resume(self, session_id: str) -> ResumeView:
+        r = await self._request("POST", f"/v1/sessions/{session_id}/resume", idempotent=True)
+        return parse_resume(r.json())
+
+    async def delete_session(self, session_id: str) -> None:
+        self._known.forget(session_id)
+        await self._request("DELETE", f"/v1/sessions/{session_id}", idempotent=False)
+
+    async def append_turn(
+        self,
+        session_id: str,
+        token_ids: Sequence[int] | np.ndarray,
+        keys: Sequence[Any] | None = None,
+        values: Sequence[Any] | None = None,
+        *,
+        blocks: Sequence[Any] | None = None,
+        start_block: int | None = None,
+        turn: int | None = None,
+    ) -> TurnResult:
+        """Append a turn (as :meth:`Client.append_turn`: only blocks not yet stored are
+        sent, and a view gone stale is refreshed once)."""
+        session = self._known.get(session_id) or await self.session(session_id)
+        try:
+            return await self._append(session, token_ids, keys, values, blocks, start_block, turn)
+        except errors.ConflictError as e:
+            if not self._known.worth_refreshing(e, session_id, turn):
+                raise
+            session = await self.session(session_id)
+            return await self._append(session, token_ids, keys, values, blocks, start_block, turn)
+
+    async def _append(
+        self,
+        session: SessionView,
+        token_ids: Sequence[int] | np.ndarray,
+        keys: Sequence[Any] | None,
+        values: Sequence[Any] | None,
+        blocks: Sequence[Any] | None,
+        start_block: int | None,
+        turn: int | None,
+    ) -> TurnResult:
+        body, _ = append_body(session, token_ids, blocks, keys, values, start_block, turn)
+        sent = await self._over_port({"op": "append", "session_id": session.session_id}, body)
+        if sent is not None:
+            _, reply, _, done = sent
+            done.set_result(None)
+            result = parse_turn(reply["result"])
+        else:
+            r = await self._request(
+                "POST",
+                f"/v1/sessions/{session.session_id}/turns",
+                content=joined(body),
+                headers={"content-type": FRAMES_MEDIA_TYPE},
+                idempotent=True,
+            )
+            result = parse_turn(r.json())
+        self._known.appended(session, result, token_ids)
+        return result
+
+    async def read_blocks(
+        self, session_id: str, start: int = 0, end: int | None = None
+    ) -> AsyncIterator[Block]:
+        seen = self._known.read_turn(session_id)
+        sent = await self._over_port({"op": "read", "session_id": session_id, "start": start,
+                                      "end": end, "turn": seen})
+        if sent is not None:
+            async for block in _port_blocks(*sent):
+                yield block
+            return
+        params: dict[str, int] = {"start": start}
+        if end is not None:
+            params["end"] = end
+        if seen is not None:
+            params["turn"] = seen
+        async with self._http.stream(
+            "GET", f"/v1/sessions/{session_id}/blocks", params=params
+        ) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                raise_for_error(response)
+            parser = BlockStream()
+            async for chunk in response.aiter_raw():
+                for block in parser.feed(chunk):
+                    yield block
+            parser.close()
+
+    async def match(
+        self, layout: KVLayout, namespace: str | None, token_ids: Sequence[int] | np.ndarray
+    ) -> Match:
+        body = {
+            "layout": layout.to_dict(),
+            "namespace": namespace,
+            "token_ids": token_array(token_ids).tolist(),
+        }
+        data = (await self._request("POST", "/v1/match", json=body, idempotent=True)).json()
+        return Match(int(data["tokens"]), [bytes.fromhex(k) for k in data["blocks"]],
+                     data.get("publisher"))
+
+
+async def _port_blocks(
+    conn: AsyncPortConnection, reply: dict[str, Any], length: int | None,
+    done: asyncio.Future[None],
+) -> AsyncIterator[Block]:
+    """The blocks of a block port reply of ``length`` bytes, read to its end."""
+    parser = BlockStream()
+    left = length or 0
+    try:
+        while left:
+            chunk = await conn.read(min(left, _ASYNC_READ_BYTES))
+            if not chunk:
+                raise WireError("the block stream was cut (the block port closed)")
+            left -= len(chunk)
+            for block in parser.feed(chunk):
+                yield block
+        parser.close()
+    finally:
+        if left:  # not read to its end: the connection is out of step
+            conn.broken = True
+        done.set_result(None)
+
+
+#: Bytes per read of an async block port reply (each is parsed as it comes).
+_ASYNC_READ_BYTES = 1 << 20

@@ -1,0 +1,299 @@
+"""KV on the wire, client side: an append's frames, and block responses parsed straight
+off the socket into the arrays they are returned in (docs/wire-format.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from memkv import errors
+from memkv.client.views import Block, SessionView
+from memkv.protocol.checksum import crc32
+from memkv.protocol.dtypes import numpy_view_dtype
+from memkv.protocol.exactness import lossy_name
+from memkv.protocol.hashing import BlockHash, chain_hashes, token_array
+from memkv.protocol.layout import KV_AXIS_SIZE, KVLayout
+from memkv.protocol.wire import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    TIER_NAMES,
+    FrameReader,
+    WireError,
+    block_payload,
+    encode_frame,
+)
+
+FRAMES_MEDIA_TYPE = "application/x-memkv-frames"
+# A block payload larger than this is refused while reading (protects the client).
+MAX_BLOCK_BYTES = 1 << 31
+FRAME_PREFIX_BYTES = 8
+
+
+def block_array(layout: KVLayout, block: Any, index: int) -> np.ndarray:
+    """A block (numpy array or torch tensor) as a C-contiguous numpy array of its bytes' dtype."""
+    if hasattr(block, "detach"):  # a torch tensor: the caller has torch loaded already
+        import torch
+
+        t = block.detach().cpu().contiguous()
+        if str(t.dtype).removeprefix("torch.") != layout.dtype:
+            raise errors.LayoutMismatchError(
+                f"block {index} is {t.dtype}, the session's layout is {layout.dtype}"
+            )
+        array = (t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()
+        array = array.view(numpy_view_dtype(layout.dtype))
+    elif isinstance(block, np.ndarray):
+        array = np.ascontiguousarray(block)
+        if array.dtype != numpy_view_dtype(layout.dtype):
+            raise errors.LayoutMismatchError(
+                f"block {index} is {array.dtype}; a {layout.dtype} layout takes "
+                f"{numpy_view_dtype(layout.dtype)} arrays"
+            )
+    else:
+        raise errors.LayoutMismatchError(
+            f"block {index} must be a numpy array or a torch tensor, got {type(block).__name__}"
+        )
+    shape = tuple(array.shape)
+    if (
+        len(shape) != 5
+        or shape[:3] != (layout.num_layers, KV_AXIS_SIZE, layout.num_kv_heads)
+        or shape[4] != layout.head_dim
+        or not 0 < shape[3] <= layout.block_tokens
+    ):
+        raise errors.LayoutMismatchError(
+            f"block {index}: expected shape {layout.block_shape()} "
+            f"(tokens 1..{layout.block_tokens}), got {shape}"
+        )
+    return array
+
+
+def append_body(
+    session: SessionView,
+    token_ids: Sequence[int] | np.ndarray,
+    blocks: Sequence[Any] | None,
+    keys: Sequence[Any] | None,
+    values: Sequence[Any] | None,
+    start_block: int | None,
+    turn: int | None,
+) -> tuple[list[bytes | memoryview], list[BlockHash]]:
+    """The frames of an append (only blocks from the first one not stored), and the chain."""
+    tokens = token_array(token_ids)
+    layout = session.layout
+    chain = chain_hashes(tokens, layout, session.namespace)
+    if blocks is None:
+        if keys is None or values is None:
+            raise errors.InvalidInputError("append_turn needs keys and values, or blocks")
+        from memkv.storage.layout import split_kv  # torch: per-layer tensors came in
+
+        start = 0
+        for old, new in zip(session.chain, chain, strict=False):
+            if old != new:
+                break
+            start += 1
+        blocks = split_kv(layout, keys, values)[start:]
+    else:
+        start = start_block or 0
+    if len(blocks) != len(chain) - start:
+        raise errors.InvalidInputError(
+            f"{tokens.size} tokens make {len(chain)} blocks; from block {start} expected "
+            f"{len(chain) - start} blocks, got {len(blocks)}"
+        )
+    head = {
+        "kind": "turn",
+        "v": 1,
+        "turn": session.turn + 1 if turn is None else turn,
+        "tokens": tokens.astype("<i8").tobytes(),
+        "start_block": start,
+        "layout": layout.to_dict(),
+        "blocks": len(blocks),
+    }
+    chunks: list[bytes | memoryview] = list(encode_frame(head))
+    for i, block in enumerate(blocks, start=start):
+        array = block_array(layout, block, i)
+        data = array.data.cast("B")
+        chunks.extend(
+            encode_frame(
+                {
+                    "kind": "block",
+                    "index": i,
+                    "key": bytes(chain[i]),
+                    "dtype": layout.dtype,
+                    "shape": list(array.shape),
+                    "crc32": crc32(data),
+                },
+                data,
+            )
+        )
+    return chunks, chain
+
+
+def check_block_header(header: dict[str, Any], count: int) -> tuple[bytes, str, list[int], int]:
+    key, dtype, shape, nbytes = (
+        header.get("key"),
+        header.get("dtype"),
+        header.get("shape"),
+        header.get("nbytes"),
+    )
+    if not isinstance(key, bytes) or not isinstance(dtype, str) or not isinstance(shape, list):
+        raise WireError(f"block frame {count}: malformed header {header!r:.200}")
+    if not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_BLOCK_BYTES:
+        raise WireError(f"block frame {count}: bad 'nbytes' {nbytes!r}")
+    item = numpy_view_dtype(dtype).itemsize
+    if int(np.prod(shape, dtype=np.int64)) * item != nbytes:
+        raise WireError(f"block frame {count}: shape {shape} of {dtype} is not {nbytes} bytes")
+    return key, dtype, shape, nbytes
+
+
+def tier_name(raw: object) -> str | None:
+    if isinstance(raw, int):
+        return TIER_NAMES.get(raw)
+    return raw if isinstance(raw, str) else None
+
+
+def make_block(
+    header: dict[str, Any], key: bytes, dtype: str, shape: list[int], buf: np.ndarray
+) -> Block:
+    crc = header.get("crc32")
+    if not isinstance(crc, int) or crc32(buf) != crc:
+        raise WireError(f"block {header.get('index')}: payload checksum does not match its header")
+    array = buf.view(numpy_view_dtype(dtype)).reshape(shape)
+    return Block(
+        int(header.get("index", 0)),
+        key,
+        array,
+        dtype,
+        tier_name(header.get("tier")),
+        bool(header.get("exact", True)),
+        lossy_name(header.get("lossy")),
+    )
+
+
+class BlockStream:
+    """Turns streamed response bytes into :class:`Block` objects; checks the end frame."""
+
+    def __init__(self) -> None:
+        self._reader = FrameReader(max_payload_bytes=MAX_BLOCK_BYTES)
+        self._count = 0
+        self._ended = False
+
+    def feed(self, chunk: bytes) -> Iterator[Block]:
+        for frame in self._reader.feed(chunk):
+            if frame.kind == "end":
+                if frame.header.get("count") != self._count:
+                    raise WireError(
+                        f"stream ended after {self._count} blocks, its end frame says "
+                        f"{frame.header.get('count')}"
+                    )
+                self._ended = True
+                continue
+            key, dtype, array = block_payload(frame)
+            self._count += 1
+            yield Block(
+                int(frame.header["index"]),
+                key,
+                array,
+                dtype,
+                tier_name(frame.header.get("tier")),
+                bool(frame.header.get("exact", True)),
+                lossy_name(frame.header.get("lossy")),
+            )
+
+    def close(self) -> None:
+        self._reader.close()
+        if not self._ended:
+            raise WireError(f"the block stream was cut after {self._count} blocks (no end frame)")
+
+
+def read_exact(response: Any, n: int, what: str) -> bytes:
+    data = response.read(n)
+    if len(data) != n:
+        raise WireError(f"the block stream was cut in the middle of {what}")
+    return data
+
+
+def read_into(response: Any, buf: np.ndarray) -> None:
+    view = buf.data.cast("B")
+    filled = 0
+    while filled < view.nbytes:
+        got = response.readinto(view[filled:])
+        if not got:
+            raise WireError("the block stream was cut in the middle of a block")
+        filled += got
+
+
+def destination(out: Sequence[Any] | None, count: int, nbytes: int) -> np.ndarray:
+    """Where block ``count`` is read to: the caller's buffer, or a new array."""
+    if out is None:
+        return np.empty(nbytes, dtype=np.uint8)
+    if count >= len(out):
+        raise errors.InvalidInputError(f"the response has more blocks than the {len(out)} given")
+    dst = out[count]
+    if hasattr(dst, "detach"):  # a torch tensor
+        import torch
+
+        t = dst.detach()
+        if not (t.is_contiguous() and t.device.type == "cpu"):
+            raise errors.InvalidInputError("out tensors must be contiguous CPU tensors")
+        dst = t.view(torch.uint8).numpy()  # the tensor's own bytes (bf16 included)
+    array = np.asarray(dst)
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise errors.InvalidInputError(f"out[{count}] must be a writable C-contiguous buffer")
+    flat = array.reshape(-1).view(np.uint8)
+    if flat.nbytes != nbytes:
+        raise errors.InvalidInputError(
+            f"out[{count}] holds {flat.nbytes} bytes, block {count} has {nbytes}"
+        )
+    return flat
+
+
+def read_block_frames(
+    response: Any, out: Sequence[Any] | None = None, *, body_ends: bool = True
+) -> Iterator[Block]:
+    """Parse a block response straight off the socket; check the end frame and the length.
+
+    ``response``: an ``http.client`` response, or a block port reply's body
+    (anything with ``read(n)`` and ``readinto(view)``). ``body_ends``: the body
+    ends with its end frame (checked); False for a block port reply that runs
+    to its end frame, after which the connection's next reply follows.
+    """
+    count = 0
+    while True:
+        prefix = read_exact(response, FRAME_PREFIX_BYTES, "a frame prefix")
+        if prefix[:4] != MAGIC:
+            raise WireError(f"bad frame magic {prefix[:4]!r}, expected {MAGIC!r}")
+        header_len = int.from_bytes(prefix[4:], "little")
+        if header_len > MAX_HEADER_BYTES:
+            raise WireError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+        try:
+            header = msgpack.unpackb(read_exact(response, header_len, "a header"), raw=False)
+        except (ValueError, msgpack.UnpackException) as e:
+            raise WireError(f"frame header is not valid msgpack: {e}") from e
+        if not isinstance(header, dict):
+            raise WireError("a frame header must be a msgpack map")
+        kind = header.get("kind")
+        if kind == "end":
+            if header.get("count") != count:
+                raise WireError(
+                    f"stream ended after {count} blocks, its end frame says {header.get('count')}"
+                )
+            if body_ends and response.read(1):
+                raise WireError("bytes after the end frame")
+            return
+        if kind != "block":
+            raise WireError(f"expected a block or end frame, got {kind!r}")
+        key, dtype, shape, nbytes = check_block_header(header, count)
+        buf = destination(out, count, nbytes)
+        read_into(response, buf)
+        count += 1
+        yield make_block(header, key, dtype, shape, buf)
+
+
+# -- the sync client ---------------------------------------------------------------------------
+
+
+def joined(chunks: list[bytes | memoryview]) -> bytes:
+    # httpx sends one bytes body with a Content-Length (the gateway checks it
+    # against its limit before reading); joining costs one copy of the payload.
+    return b"".join(chunks)

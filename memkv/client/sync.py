@@ -1,0 +1,446 @@
+"""The synchronous client."""
+
+from __future__ import annotations
+
+import http.client
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+
+from memkv import errors
+from memkv.client.base import KnownSessions
+from memkv.client.frames import FRAMES_MEDIA_TYPE, BlockStream, append_body, read_block_frames
+from memkv.client.transport import (
+    DEFAULT_URL,
+    RETRY_STATUSES,
+    HttpConnections,
+    PortConnections,
+    auth_headers,
+    error_from,
+    port_error,
+    raise_for_error,
+    retrying,
+)
+from memkv.client.views import (
+    Block,
+    Match,
+    ResumeView,
+    SessionView,
+    TurnResult,
+    create_body,
+    parse_resume,
+    parse_session,
+    parse_turn,
+)
+from memkv.port_connection import PortConnection, PortError, ReplyBody
+from memkv.protocol.hashing import token_array
+from memkv.protocol.layout import KVLayout
+from memkv.protocol.wire import (
+    WireError,
+)
+
+if TYPE_CHECKING:
+    from memkv.same_node import HostLease
+
+
+class Client:
+    """Synchronous client of the memkv gateway.
+
+    Args:
+        base_url: the gateway, e.g. ``http://127.0.0.1:8080``.
+        timeout: seconds per request (connect, read, write).
+        retries: extra attempts for idempotent requests on connection errors and 502/503/504.
+        transport: an httpx transport (tests); block bodies then go through httpx too.
+        token: the bearer token (default: ``$MEMKV_TOKEN``; none for a gateway
+            without authentication).
+        block_port: send appends and session reads over the gateway's block
+            port when it advertises one (``/healthz``); False: HTTP only.
+            :attr:`block_path` says which is in use.
+    """
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        timeout: float = 60.0,
+        retries: int = 2,
+        transport: httpx.BaseTransport | None = None,
+        token: str | None = None,
+        block_port: bool = True,
+    ) -> None:
+        self._auth = auth_headers(token)
+        self._http = httpx.Client(
+            base_url=base_url, timeout=timeout, transport=transport, headers=self._auth
+        )
+        self._retries = retries
+        # Block routes over http.client unless a custom transport is in play.
+        self._blocks = HttpConnections(base_url, timeout) if transport is None else None
+        self._ports = (
+            PortConnections(base_url, self._auth, timeout, self._advertised_port)
+            if block_port and transport is None
+            else None
+        )
+        # Sessions this client appended to: layout, namespace and chain do not
+        # need a round trip per append (a stale entry is refreshed on conflict).
+        self._known = KnownSessions()
+
+    def close(self) -> None:
+        self._http.close()
+        if self._blocks is not None:
+            self._blocks.close()
+        if self._ports is not None:
+            self._ports.close()
+
+    @property
+    def block_path(self) -> str:
+        """``"block port"`` or ``"http"``: how KV bodies travel (known after the first)."""
+        return "block port" if self._ports is not None and self._ports.usable else "http"
+
+    def uses_block_port(self) -> bool:
+        """Whether KV bodies go over the gateway's block port (connects to learn it)."""
+        return self._ports is not None and self._ports.get() is not None
+
+    def _advertised_port(self) -> int | None:
+        port = self.health().get("block_port")
+        return port if isinstance(port, int) and not isinstance(port, bool) else None
+
+    def _over_port(
+        self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()
+    ) -> tuple[PortConnection, dict[str, Any], ReplyBody] | None:
+        """A request over the block port, retried like HTTP's; None: no port, use HTTP."""
+        ports = self._ports
+        assert ports is not None
+        for attempt in retrying(self._retries):
+            with attempt:
+                conn = ports.get()
+                if conn is None:
+                    return None
+                try:
+                    reply, reply_body = conn.request(header, body)
+                except PortError as e:
+                    if conn.broken or e.status in RETRY_STATUSES:
+                        ports.drop()
+                    raise port_error(e) from None
+                except (OSError, WireError):
+                    ports.drop()
+                    raise
+                return conn, reply, reply_body
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(
+        self, method: str, path: str, *, idempotent: bool, **kwargs: Any
+    ) -> httpx.Response:
+        for attempt in retrying(self._retries if idempotent else 0):
+            with attempt:
+                response = self._http.request(method, path, **kwargs)
+                raise_for_error(response)
+                return response
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def _block_request(
+        self,
+        method: str,
+        path: str,
+        body: Iterable[bytes | memoryview] | None = None,
+        length: int = 0,
+        content_type: str = FRAMES_MEDIA_TYPE,
+    ) -> http.client.HTTPResponse:
+        """A block-route request over http.client, retried like :meth:`_request`.
+
+        Only requests that are idempotent come here (reads, and appends, which
+        carry a turn index).
+        """
+        if self._blocks is None:
+            raise RuntimeError("no block connection with a custom transport")
+        headers = {
+            "content-type": content_type,
+            "content-length": str(length),
+            **self._auth,
+        }
+        blocks = self._blocks
+        for attempt in retrying(self._retries):
+            with attempt:
+                conn = blocks.get()
+                try:
+                    conn.request(method, path, body=body, headers=headers)
+                    response = conn.getresponse()
+                except (OSError, http.client.HTTPException):
+                    blocks.drop()
+                    raise
+                if response.status >= 400:
+                    raise error_from(response.status, response.read())
+                return response
+        raise AssertionError("unreachable: the last attempt raises")
+
+    # -- health and stats
+
+    def health(self) -> dict[str, Any]:
+        return dict(self._request("GET", "/healthz", idempotent=True).json())
+
+    def ready(self) -> bool:
+        return self._http.get("/readyz").status_code == 200
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._request("GET", "/v1/stats", idempotent=True).json())
+
+    # -- sessions
+
+    def create_session(
+        self,
+        session_id: str,
+        layout: KVLayout,
+        *,
+        namespace: str | None = None,
+        priority: str = "normal",
+        ack: str | None = None,
+        exact_only: bool = False,
+        finite_only: bool = False,
+    ) -> SessionView:
+        body = create_body(session_id, layout, namespace, priority, ack, exact_only, finite_only)
+        r = self._request("POST", "/v1/sessions", json=body, idempotent=False)
+        return self._known.remember(parse_session(r.json()))
+
+    def session(self, session_id: str) -> SessionView:
+        r = self._request("GET", f"/v1/sessions/{session_id}", idempotent=True)
+        return self._known.remember(parse_session(r.json()))
+
+    def suspend(self, session_id: str, *, offline: bool = False) -> SessionView:
+        r = self._request(
+            "POST",
+            f"/v1/sessions/{session_id}/suspend",
+            json={"offline": offline},
+            idempotent=True,
+        )
+        return parse_session(r.json())
+
+    def resume(self, session_id: str) -> ResumeView:
+        r = self._request("POST", f"/v1/sessions/{session_id}/resume", idempotent=True)
+        return parse_resume(r.json())
+
+    def input_end(self, session_id: str) -> int:
+        """Tell memkv a turn's input is complete (prefetch now). Returns blocks prefetched."""
+        r = self._request("POST", f"/v1/sessions/{session_id}/input-end", idempotent=True)
+        return int(r.json()["prefetched"])
+
+    def delete_session(self, session_id: str) -> None:
+        self._known.forget(session_id)
+        self._request("DELETE", f"/v1/sessions/{session_id}", idempotent=False)
+
+    # -- KV
+
+    def append_turn(
+        self,
+        session_id: str,
+        token_ids: Sequence[int] | np.ndarray,
+        keys: Sequence[Any] | None = None,
+        values: Sequence[Any] | None = None,
+        *,
+        blocks: Sequence[Any] | None = None,
+        start_block: int | None = None,
+        turn: int | None = None,
+    ) -> TurnResult:
+        """Append a turn: the session's tokens so far and their KV.
+
+        Pass per-layer ``keys``/``values`` tensors for every token (only blocks
+        not yet stored for the session are sent), or ready ``blocks`` (numpy
+        arrays or tensors ``[layers, 2, kv_heads, tokens, head_dim]``) from
+        ``start_block``. ``turn`` defaults to the session's turn + 1; a retry of
+        the same turn is answered without storing anything again.
+        """
+        session = self._known.get(session_id) or self.session(session_id)
+        try:
+            return self._append(session, token_ids, keys, values, blocks, start_block, turn)
+        except errors.ConflictError as e:
+            if not self._known.worth_refreshing(e, session_id, turn):
+                raise
+            session = self.session(session_id)
+            return self._append(session, token_ids, keys, values, blocks, start_block, turn)
+
+    def _append(
+        self,
+        session: SessionView,
+        token_ids: Sequence[int] | np.ndarray,
+        keys: Sequence[Any] | None,
+        values: Sequence[Any] | None,
+        blocks: Sequence[Any] | None,
+        start_block: int | None,
+        turn: int | None,
+    ) -> TurnResult:
+        body, _ = append_body(session, token_ids, blocks, keys, values, start_block, turn)
+        path = f"/v1/sessions/{session.session_id}/turns"
+        sent = (
+            self._over_port({"op": "append", "session_id": session.session_id}, body)
+            if self._ports is not None
+            else None
+        )
+        if sent is not None:
+            result = parse_turn(sent[1]["result"])
+        elif self._blocks is None:
+            r = self._request(
+                "POST",
+                path,
+                content=b"".join(body),
+                headers={"content-type": FRAMES_MEDIA_TYPE},
+                idempotent=True,
+            )
+            result = parse_turn(r.json())
+        else:
+            import json
+
+            length = sum(memoryview(c).nbytes for c in body)
+            response = self._block_request("POST", path, body, length)
+            result = parse_turn(json.loads(response.read()))
+        self._known.appended(session, result, token_ids)
+        return result
+
+    def read_blocks(
+        self,
+        session_id: str,
+        start: int = 0,
+        end: int | None = None,
+        *,
+        out: Sequence[Any] | None = None,
+    ) -> Iterator[Block]:
+        """Stream a session's blocks in chain order (the first arrives before the last loads).
+
+        Args:
+            out: destination buffers, one per block (numpy arrays or contiguous
+                CPU tensors of exactly the block's bytes): each block is read
+                from the socket straight into its buffer, and ``Block.array``
+                views it. New arrays when None.
+
+        Raises:
+            WireError: the stream was cut or a block failed its checksum.
+            InvalidInputError: ``out`` does not fit the blocks.
+        """
+        query = f"start={start}" + (f"&end={end}" if end is not None else "")
+        seen = self._known.read_turn(session_id)
+        if seen is not None:
+            query += f"&turn={seen}"
+        path = f"/v1/sessions/{session_id}/blocks?{query}"
+        sent = (
+            self._over_port({"op": "read", "session_id": session_id, "start": start, "end": end,
+                             "turn": seen})
+            if self._ports is not None
+            else None
+        )
+        if sent is not None:
+            _, _, reply_body = sent
+            try:
+                yield from read_block_frames(reply_body, out)
+            finally:
+                if reply_body.left:  # not read to its end: the connection is out of step
+                    assert self._ports is not None
+                    self._ports.drop()
+            return
+        if self._blocks is None:
+            if out is not None:
+                raise errors.InvalidInputError("out= needs the default transport")
+            yield from self._read_via_httpx("GET", path)
+            return
+        response = self._block_request("GET", path)
+        try:
+            yield from read_block_frames(response, out)
+        except BaseException:
+            # A half-read response leaves the connection unusable.
+            self._blocks.drop()
+            raise
+
+    def _read_via_httpx(self, method: str, path: str, **kwargs: Any) -> Iterator[Block]:
+        with self._http.stream(method, path, **kwargs) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise_for_error(response)
+            parser = BlockStream()
+            for chunk in response.iter_raw():
+                yield from parser.feed(chunk)
+            parser.close()
+
+    def read_blocks_by_key(
+        self, namespace: str | None, keys: Sequence[bytes], *, out: Sequence[Any] | None = None
+    ) -> list[Block]:
+        """Blocks by key (e.g. a prefix :meth:`match` found), in the order asked.
+
+        ``namespace``: a public namespace the token may read (None: the
+        tenant's). Read from the socket the way :meth:`read_blocks` reads,
+        into ``out`` when given (one buffer per key, as :meth:`read_blocks`).
+        """
+        if out is not None and len(out) < len(keys):
+            raise errors.InvalidInputError(f"{len(keys)} keys need as many out buffers, "
+                                           f"got {len(out)}")
+        sent = (
+            self._over_port({"op": "read_keys", "namespace": namespace,
+                             "keys": [bytes(k) for k in keys]})
+            if self._ports is not None
+            else None
+        )
+        if sent is not None:
+            try:
+                return list(read_block_frames(sent[2], out, body_ends=False))
+            except BaseException:
+                assert self._ports is not None
+                self._ports.drop()  # a half-read reply leaves the connection out of step
+                raise
+        body = {"namespace": namespace, "keys": [bytes(k).hex() for k in keys]}
+        if self._blocks is None:
+            if out is not None:
+                raise errors.InvalidInputError("out= needs the default transport")
+            return list(self._read_via_httpx("POST", "/v1/blocks/read", json=body))
+        import json
+
+        payload = json.dumps(body).encode()
+        response = self._block_request(
+            "POST", "/v1/blocks/read", [payload], len(payload), content_type="application/json"
+        )
+        try:
+            return list(read_block_frames(response, out))
+        except BaseException:
+            self._blocks.drop()
+            raise
+
+    def lease_blocks(
+        self, namespace: str | None, keys: Sequence[bytes], *, ttl_s: float = 30.0
+    ) -> HostLease:
+        """Pin blocks in the gateway host's shared memory and learn where they are.
+
+        Of use only on the gateway's host (``lease.local``): copy them with
+        :func:`memkv.same_node.copy_entries`, check each CRC32, and give every
+        plan back with :meth:`release_lease`. Blocks answered None: read them
+        with :meth:`read_blocks_by_key`. Not retried (a retry would pin twice).
+        """
+        from memkv.same_node import HostLease
+
+        body = {"namespace": namespace, "keys": [bytes(k).hex() for k in keys], "ttl_s": ttl_s}
+        doc = self._request("POST", "/v1/blocks/lease", json=body, idempotent=False).json()
+        try:
+            return HostLease.from_json(doc)
+        except (KeyError, TypeError, ValueError) as e:
+            raise errors.CorruptDataError(f"the gateway's lease answer is malformed: {e}") from e
+
+    def release_lease(self, lease_id: str) -> None:
+        """Give a lease back (blocks may move again); one that ran out answers UnknownBlockError."""
+        self._request("DELETE", f"/v1/blocks/lease/{quote(lease_id, safe='')}", idempotent=True)
+
+    def match(
+        self, layout: KVLayout, namespace: str | None, token_ids: Sequence[int] | np.ndarray
+    ) -> Match:
+        body = {
+            "layout": layout.to_dict(),
+            "namespace": namespace,
+            "token_ids": token_array(token_ids).tolist(),
+        }
+        data = self._request("POST", "/v1/match", json=body, idempotent=True).json()
+        return Match(int(data["tokens"]), [bytes.fromhex(k) for k in data["blocks"]],
+                     data.get("publisher"))
+
+
+# -- the async client --------------------------------------------------------------------------
