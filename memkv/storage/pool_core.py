@@ -1,0 +1,249 @@
+"""The block pool's records (one per block), its figures, and the state every part of
+the pool shares (:class:`PoolCore`); the parts are layered on it: the tier ladder
+(:mod:`memkv.storage.pool_ladder`), references (:mod:`memkv.storage.pool_refs`),
+reads (:mod:`memkv.storage.pool_reads`)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from memkv.errors import (
+    ClosedError,
+    ConfigError,
+)
+from memkv.protocol.checksum import crc32
+from memkv.protocol.enums import Priority, Tier
+from memkv.protocol.hashing import BlockHash
+from memkv.storage.codecs import CODECS, CodecPolicy
+from memkv.storage.config import StoreConfig
+from memkv.storage.diagnostics import AccessStats
+from memkv.storage.layout import KVLayout
+from memkv.storage.precision import (
+    EncodedBlock,
+    PrecisionPolicy,
+    QuantizedBlock,
+)
+from memkv.storage.prefetch import MarkovPrefetcher
+from memkv.storage.tiers import ColdBackend, MemoryTier, StoredBlock
+
+
+@dataclass(slots=True)
+class _Block:
+    """Per-block bookkeeping (one per distinct BlockHash)."""
+
+    key: BlockHash
+    parent: BlockHash | None
+    layout: KVLayout
+    tokens: int
+    priority: Priority
+    last_access: float
+    refcount: int = 0  # sessions whose chain holds the block
+    active_refs: int = 0  # of those, sessions that are active
+    pins: int = 0  # readers holding a zero-copy view
+    tier: Tier | None = None  # memory tier of the copy; None = cold only
+    in_cold: bool = False
+    cold_codec: str | None = None
+    rounds: int = 0  # turns (puts) that included the block after the one that created it
+    turn_created: int = 0  # the turn of its session that produced it (0 = first round)
+    prefetched: bool = False  # brought to hot by prefetch and not read since
+    # For a partial tail: how often its session's tail had been rewritten when
+    # it was written (partial tails are replaced every turn; see _ensure_cold).
+    rewrites: int = 0
+    # CRC32 of the block's bytes in the model dtype: the writer's own checksum
+    # while the block is exact; None until computed (or after a lossy step).
+    crc32: int | None = None
+    # The worst lossy step the only copies left went through ("" = exact bytes):
+    # int8, fp16 of an fp32 block, a lossy cold codec. Reads say so.
+    lossy: str = ""
+    # Some holder forbids lossy steps: none is taken from then on.
+    exact_only: bool = False
+
+    @property
+    def exact(self) -> bool:
+        return not self.lossy
+
+
+class Holder(NamedTuple):
+    """One session's hold on a pool's blocks, as its owner records it (see ``resync``)."""
+
+    layout: KVLayout
+    chain: Sequence[bytes]
+    tokens: Sequence[int]
+    active: bool
+    priority: Priority
+    exact_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PutOutcome:
+    """What applying one :class:`~memkv.protocol.messages.ChainUpdate` did."""
+
+    new_blocks: int
+    deduplicated_blocks: int
+    released_blocks: int  # references dropped (e.g. a replaced partial tail)
+
+
+class FetchedBlock(NamedTuple):
+    """A block read from the store, and where it was found."""
+
+    key: BlockHash
+    block: torch.Tensor
+    tier: Tier
+    exact: bool = True  # False: the copy read went through a lossy step
+    lossy: str = ""  # which one (memkv.protocol.exactness)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLocation:
+    key: BlockHash
+    tier: Tier
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    tier: Tier
+    capacity_bytes: int | None
+    used_bytes: int
+    blocks: int
+    hits: int
+    evictions: int
+    fragmentation: float
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    tiers: dict[Tier, TierStats]
+    blocks: int
+    unique_bytes: int  # each distinct block once, in the model dtype
+    dedup_hits: int
+    dedup_bytes_saved: int
+    misses: int  # gets of keys in no tier
+    promotions: int
+    demotions: int
+    prefetched: int
+    prefetch_used: int
+    precision_fallbacks: int  # demotions that kept the model dtype (value out of fp16 range)
+    lossy_conversions: int = 0  # demotions whose remaining copy went through a lossy step
+    cold_write_batches: int = 0  # backend calls of the cold writer (write-behind)
+    cold_blocks_written: int = 0  # blocks it wrote in them
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            k: getattr(self, k) for k in self.__dataclass_fields__ if k != "tiers"
+        }
+        out["tiers"] = {
+            t.value: {k: getattr(s, k) for k in s.__dataclass_fields__ if k != "tier"}
+            for t, s in self.tiers.items()
+        }
+        return out
+
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _crc32(block: torch.Tensor) -> int:
+    """CRC32 of a contiguous CPU tensor's bytes (no copy)."""
+    raw = block.view(torch.int16) if block.dtype is torch.bfloat16 else block
+    return crc32(raw.numpy().data.cast("B"))
+
+
+def _precision_step(converted: StoredBlock, original: StoredBlock) -> str | None:
+    """The lossy step a warm-tier conversion took (None: the block was kept as it was)."""
+    if converted is original:
+        return None
+    if isinstance(converted, QuantizedBlock):
+        return "int8"
+    if isinstance(converted, EncodedBlock):
+        return "delta_rl"
+    return "float16"
+
+
+def _codec_step(codec: str | None) -> str | None:
+    """The lossy step a cold codec is (None for a lossless one; int8 frames carry
+    blocks that were int8 already)."""
+    if codec is None or CODECS[codec].lossless or codec == "int8":
+        return None
+    return "delta_rl"
+
+
+def hot_segment_name(warm_name: str | None) -> str | None:
+    """The shared-memory name of a CPU hot arena beside the warm pool ``warm_name``."""
+    return None if warm_name is None else f"{warm_name}-hot"
+
+
+def raise_invariant(message: str) -> None:
+    from memkv.errors import InvariantViolationError
+
+    raise InvariantViolationError(message)
+
+
+def _whole_units(capacity: int, unit: int, tier: str) -> int:
+    # Round down: a tier never takes more memory than it was given.
+    if capacity < unit:
+        raise ConfigError(
+            f"{tier}_capacity_bytes ({capacity}) must be at least one allocator unit ({unit})"
+        )
+    return capacity // unit * unit
+
+
+class PoolCore:
+    """The state the parts of a :class:`~memkv.storage.block_pool.BlockPool` share
+    (set by its ``__init__``), and the small questions every part asks of it."""
+
+    config: StoreConfig
+    access_stats: AccessStats
+    prefault_done: threading.Event
+    _clock: Callable[[], float]
+    _lock: threading.RLock
+    _hot: MemoryTier
+    _warm: MemoryTier
+    _cold: ColdBackend
+    _precision: dict[str, PrecisionPolicy]
+    _codec_policy: CodecPolicy
+    _prefetcher: MarkovPrefetcher[BlockHash]
+    _blocks: dict[BlockHash, _Block]
+    # Each owner's share of the references: owner -> block -> [refs, active refs].
+    _owner_refs: dict[str, dict[BlockHash, list[int]]]
+    _hits: Counter[Tier]
+    _counters: Counter[str]
+    _closed: bool
+    _check: bool
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The pool's lock: an owner takes it to make several calls one step."""
+        return self._lock
+
+    @property
+    def cold(self) -> ColdBackend:
+        """The cold tier (a single-process owner keeps its manifests there)."""
+        return self._cold
+
+    def ensure_open(self) -> None:
+        """Raise ClosedError once the pool is closed."""
+        if self._closed:
+            raise ClosedError("the block pool is closed")
+
+    def _tier(self, tier: Tier) -> MemoryTier:
+        return self._hot if tier is Tier.HOT else self._warm
+
+    def _precision_for(self, layout: KVLayout) -> PrecisionPolicy:
+        policy = self._precision.get(layout.dtype)
+        if policy is None:
+            policy = PrecisionPolicy(self.config.precision, layout.dtype)
+            self._precision[layout.dtype] = policy
+        return policy

@@ -1,0 +1,315 @@
+"""Reads: a block's bytes (promoted back to the hot tier), pins of blocks being read
+in place, read plans for readers on the node, and prefetch."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from memkv.errors import (
+    UnknownBlockError,
+)
+from memkv.protocol.enums import Tier
+from memkv.protocol.hashing import BlockHash
+from memkv.protocol.messages import PlanEntry
+from memkv.storage.pool_core import FetchedBlock, _Block, _crc32, raise_invariant
+from memkv.storage.pool_refs import References
+
+
+class Reads(References):
+    """Reading blocks, pinned or promoted, and prefetching them."""
+
+    def contains(self, key: BlockHash) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def locate(self, key: BlockHash) -> Tier | None:
+        """Fastest tier holding ``key``, or None when it is not stored."""
+        with self._lock:
+            entry = self._blocks.get(key)
+            if entry is None:
+                return None
+            return entry.tier if entry.tier is not None else Tier.COLD
+
+    def get(self, key: BlockHash, *, stream: str | None = None) -> torch.Tensor:
+        """A copy of block ``key`` in its layout's dtype, promoted to the hot tier.
+
+        Args:
+            key: the block hash.
+            stream: the reader (session id) for the prefetcher's transition model.
+
+        Raises:
+            UnknownBlockError: not stored.
+            CorruptDataError: the only copy failed its checksum (never served).
+        """
+        return self.fetch(key, stream=stream).block
+
+    def fetch(self, key: BlockHash, *, stream: str | None = None) -> FetchedBlock:
+        """Like :meth:`get`, and also the tier the block was found in."""
+        with self._lock:
+            entry, found, now = self._count_read(key)
+            block = self._materialize(entry)
+            if found is Tier.HOT:
+                self._hot.access(key, now)
+            elif entry.pins == 0 and self._promote(entry, block, now):
+                self._note_materialized(entry, block)
+            self._prefetcher.observe(key, stream)
+            return FetchedBlock(key, block, found, entry.exact, entry.lossy)
+
+    @contextlib.contextmanager
+    def pinned_reads(
+        self, keys: Sequence[BlockHash], *, stream: str | None = None
+    ) -> Iterator[list[FetchedBlock]]:
+        """Blocks read as :meth:`fetch` reads them, pinned while the ``with`` block runs.
+
+        Each block is a zero-copy view of its arena where it sits there raw in
+        the model dtype (the usual case after promotion), else a decoded copy;
+        the views must not be used after the block ends.
+        """
+        taken: list[_Block] = []
+        out: list[FetchedBlock] = []
+        try:
+            with self._lock:
+                for key in keys:
+                    found = self._access(key, stream)
+                    entry = self._blocks[key]
+                    self._pin(entry)
+                    taken.append(entry)
+                    out.append(
+                        FetchedBlock(key, self._view(entry), found, entry.exact, entry.lossy)
+                    )
+            yield out
+        finally:
+            with self._lock:
+                for entry in taken:
+                    self._unpin(entry)
+
+    def pin_blocks(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        """Pin stored blocks where they are (a read that must be able to send them all).
+
+        A pinned block outlives its holders: a session deleted meanwhile
+        frees it (memory and cold copy) when the last pin goes.
+
+        Returns:
+            The keys pinned, once each (hand them back to :meth:`unpin_blocks`).
+
+        Raises:
+            UnknownBlockError: a key is not stored here (nothing is pinned).
+        """
+        with self._lock:
+            self.ensure_open()
+            unique = list(dict.fromkeys(BlockHash(bytes(k)) for k in keys))
+            missing = [k for k in unique if k not in self._blocks]
+            if missing:
+                raise UnknownBlockError(
+                    f"{len(missing)} of {len(unique)} blocks are not stored here "
+                    f"(first {bytes(missing[0]).hex()})"
+                )
+            for key in unique:
+                self._pin(self._blocks[key])
+            return unique
+
+    def held(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Those of ``keys`` this pool still keeps (held, or pinned by a reader)."""
+        with self._lock:
+            return [bytes(k) for k in keys if BlockHash(bytes(k)) in self._blocks]
+
+    def plan_reads(
+        self,
+        keys: Sequence[BlockHash],
+        *,
+        stream: str | None = None,
+        ahead: Sequence[BlockHash] = (),
+    ) -> list[PlanEntry | None]:
+        """Pin blocks where a reader can map them, and say where (the same-node path).
+
+        Each block is promoted to the hot tier as :meth:`fetch` would; a block
+        whose memory copy is raw in the model dtype in a shared-memory arena is
+        pinned and planned. A block that is not (int8 in the warm tier with the
+        hot tier full of pinned blocks, or a device arena on a GPU) answers None:
+        the caller serves it another way. All or nothing on errors: nothing
+        stays pinned when this raises.
+
+        ``ahead`` are blocks a reader will probably want next (read-ahead):
+        they are planned, after ``keys``, only where they sit in memory already,
+        never promoted or counted as read, so read-ahead never makes a lazy
+        resume eager. Their entries follow those of ``keys`` (None: not planned).
+
+        Raises:
+            UnknownBlockError: a key is not stored.
+        """
+        planned: list[PlanEntry | None] = []
+        pinned: list[_Block] = []
+        with self._lock:
+            try:
+                for key in keys:
+                    found = self._access(key, stream)
+                    entry = self._blocks[key]
+                    plan = self._plan(entry, found)
+                    if plan is not None:
+                        self._pin(entry)
+                        pinned.append(entry)
+                    planned.append(plan)
+                for key in ahead:
+                    held = self._blocks.get(key)
+                    plan = None
+                    if held is not None and held.tier is not None:
+                        plan = self._plan(held, held.tier)
+                    if held is not None and plan is not None:
+                        self._pin(held)
+                        pinned.append(held)
+                    planned.append(plan)
+            except BaseException:
+                for entry in pinned:
+                    self._unpin(entry)
+                raise
+        return planned
+
+    def unpin_blocks(self, keys: Sequence[BlockHash]) -> None:
+        """Release the pins :meth:`plan_reads` took (once per planned key)."""
+        with self._lock:
+            for key in keys:
+                entry = self._blocks.get(key)
+                if entry is None or entry.pins == 0:
+                    raise_invariant(f"unpin of block {key.hex()} that holds no pin")
+                    return
+                self._unpin(entry)
+
+    def _access(self, key: BlockHash, stream: str | None) -> Tier:
+        """Count a read of ``key`` and bring it to the hot tier where room can be made."""
+        entry, found, now = self._count_read(key)
+        if found is Tier.HOT:
+            self._hot.access(key, now)
+        elif entry.pins == 0:
+            block = self._materialize(entry)
+            if self._promote(entry, block, now):
+                self._note_materialized(entry, block)
+        self._prefetcher.observe(key, stream)
+        return found
+
+    def _count_read(self, key: BlockHash) -> tuple[_Block, Tier, float]:
+        """Account a read of ``key`` (hits, access statistics, prefetch use).
+
+        Raises:
+            UnknownBlockError: not stored (counted as a miss).
+        """
+        self.ensure_open()
+        entry = self._blocks.get(key)
+        if entry is None:
+            self._counters["misses"] += 1
+            self.access_stats.record(key, None, self._clock())
+            raise UnknownBlockError(f"no block {key.hex()} in this store")
+        now = self._clock()
+        found = entry.tier if entry.tier is not None else Tier.COLD
+        self._hits[found] += 1
+        self.access_stats.record(key, found.value, now)
+        if entry.prefetched:
+            entry.prefetched = False
+            self._counters["prefetch_used"] += 1
+        entry.last_access = now
+        return entry, found, now
+
+    def _plan(self, entry: _Block, found: Tier) -> PlanEntry | None:
+        if entry.tier is None:
+            return None
+        tier = self._tier(entry.tier)
+        segment = getattr(tier.arena, "name", None)
+        where = tier.location(entry.key)
+        if segment is None or where is None:
+            return None
+        offset, shape, dtype = where
+        if dtype != entry.layout.torch_dtype:
+            return None
+        nbytes = entry.layout.block_nbytes(entry.tokens)
+        if entry.crc32 is None:
+            stored = tier.load(entry.key)
+            if not isinstance(stored, torch.Tensor):
+                return None
+            entry.crc32 = _crc32(stored)
+        return PlanEntry(
+            bytes(entry.key),
+            found,  # a Tier, which is a str
+            str(segment),
+            tier.capacity_bytes,
+            offset,
+            nbytes,
+            shape,
+            entry.layout.dtype,
+            entry.crc32,
+            entry.exact,
+            entry.lossy,
+        )
+
+    def prefetch(self, keys: Sequence[BlockHash]) -> int:
+        """Bring blocks into free hot-tier space (never evicting for it). Returns how many."""
+        moved = 0
+        with self._lock:
+            if self._closed:
+                return 0
+            now = self._clock()
+            for key in keys:
+                entry = self._blocks.get(key)
+                if entry is None or entry.tier is Tier.HOT or entry.pins:
+                    continue
+                need = entry.layout.block_nbytes()
+                if self._hot.capacity_bytes - self._hot.used_bytes < need:
+                    break
+                block = self._materialize(entry)
+                if self._promote(entry, block, now, evict=False):
+                    self._note_materialized(entry, block)
+                    entry.prefetched = True
+                    moved += 1
+            self._counters["prefetched"] += moved
+        return moved
+
+    def prefetch_predicted(self, key: BlockHash) -> int:
+        """Prefetch what the Markov model expects to follow ``key`` (when ``prefetch.markov``)."""
+        if not self.config.prefetch.markov:
+            return 0
+        with self._lock:
+            predicted = [k for k, _ in self._prefetcher.predict(key)]
+        return self.prefetch(predicted)
+
+    def _pin(self, entry: _Block) -> None:
+        entry.pins += 1
+        if entry.pins == 1 and entry.tier is not None:
+            self._tier(entry.tier).pin(entry.key)
+
+    def _unpin(self, entry: _Block) -> None:
+        entry.pins -= 1
+        if entry.pins == 0:
+            if entry.tier is not None:
+                self._tier(entry.tier).unpin(entry.key)
+            if entry.refcount == 0:
+                self._free(entry)
+
+    def _view(self, entry: _Block) -> torch.Tensor:
+        if entry.tier is None:
+            # Not in memory (no room even after eviction): a decoded copy.
+            return self._materialize(entry)
+        stored = self._tier(entry.tier).load(entry.key)
+        if not isinstance(stored, torch.Tensor) or stored.dtype != entry.layout.torch_dtype:
+            return self._materialize(entry)
+        return stored
+
+    def hot_locations(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """``(byte offset, bytes)`` in the hot arena of each of ``keys`` held there raw
+        (blocks elsewhere, or kept as int8, are left out): for attaching a session's
+        blocks to its CUDA stream (memkv.gpu_kernels.unified)."""
+        out: list[tuple[int, int]] = []
+        with self._lock:
+            for key in dict.fromkeys(BlockHash(bytes(k)) for k in keys):
+                entry = self._blocks.get(key)
+                if entry is None or entry.tier is not Tier.HOT:
+                    continue
+                where = self._hot.location(key)
+                if where is not None:
+                    out.append((where[0], entry.layout.block_nbytes(entry.tokens)))
+        return out
+
+    def _note_materialized(self, entry: _Block, block: torch.Tensor) -> None:
+        """The hot copy was rebuilt from a lossy copy: its checksum is of the new bytes."""
+        if not entry.exact:
+            entry.crc32 = None

@@ -1,0 +1,522 @@
+"""References: which blocks are held, by how many sessions of which owner, and
+which of those are active; an append applied, a session suspended or released,
+a restarted owner's references replaced. A block no holder references and no
+reader pins is freed from every tier."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from memkv.errors import (
+    BlockLostError,
+    InvalidInputError,
+    LayoutMismatchError,
+    UnknownBlockError,
+)
+from memkv.protocol.enums import PRIORITY_RANK, Priority
+from memkv.protocol.hashing import BlockHash
+from memkv.protocol.messages import ChainUpdate
+from memkv.storage.diagnostics import check_refcounts
+from memkv.storage.layout import KVLayout
+from memkv.storage.pool_core import (
+    Holder,
+    PutOutcome,
+    _Block,
+    _codec_step,
+    raise_invariant,
+)
+from memkv.storage.pool_ladder import TierLadder
+
+
+class References(TierLadder):
+    """The references the pool's owner tells it of, per owner, and their invariants."""
+
+    def put(
+        self,
+        update: ChainUpdate,
+        blocks: Sequence[torch.Tensor],
+        *,
+        checksums: Sequence[int] | None = None,
+        durable: bool = False,
+        owner: str = "",
+    ) -> PutOutcome:
+        """Apply one append: store its new blocks and count the references it moves.
+
+        Args:
+            update: what the append changes (from the session's owner).
+            blocks: KV of ``update.chain[update.start_block:]``; those already
+                stored are deduplicated, not written again.
+            checksums: the writer's CRC32 of each block's bytes (verified by the
+                caller), kept and served with the block; computed on first read
+                when absent.
+            durable: return only once every block of the chain has a cold copy
+                forced to disk (the ``archive`` acknowledgement mode), written
+                with the lossless online codec.
+            owner: whose references these are (a router shard; "" for one owner).
+
+        Raises:
+            LayoutMismatchError: a block's shape/dtype disagrees with the layout
+                or with the token count of its position.
+            InvalidInputError: a wrong number of blocks or checksums, or a block
+                before ``start_block`` that is not stored. Nothing is changed.
+            CapacityError: no tier can take a new block (nothing is changed).
+        """
+        with self._lock:
+            self.ensure_open()
+            layout, counts, start = update.layout, update.tokens, update.start_block
+            if len(blocks) != len(counts) - start:
+                raise InvalidInputError(
+                    f"{sum(counts)} tokens make {len(counts)} blocks; from block {start} "
+                    f"expected {len(counts) - start} blocks, got {len(blocks)}"
+                )
+            if checksums is not None and len(checksums) != len(blocks):
+                raise InvalidInputError(
+                    f"{len(blocks)} blocks came with {len(checksums)} checksums"
+                )
+            for i, block in enumerate(blocks, start=start):
+                n = layout.check_block(block)
+                if n != counts[i]:
+                    raise LayoutMismatchError(f"block {i} must hold {counts[i]} tokens, got {n}")
+            chain = [BlockHash(k) for k in update.chain]
+            for i in range(start):
+                if chain[i] not in self._blocks:
+                    raise InvalidInputError(
+                        f"block {i} was not sent and is not stored; send blocks from index {i}"
+                    )
+            # Validation is over: from here on the pool changes.
+            now = self._clock()
+            created = self._admit_new_blocks(update, chain, blocks, now, checksums)
+            held = set(update.hold)
+            dedup = 0
+            for key in dict.fromkeys(chain[start:]):
+                if key in held and key not in created:
+                    dedup += 1
+                    self._counters["dedup_bytes_saved"] += layout.block_nbytes(
+                        self._blocks[key].tokens
+                    )
+            for held_key in update.hold:
+                entry = self._blocks[BlockHash(held_key)]
+                self._hold(entry, update.priority, update.was_active, now, update.exact_only,
+                           owner)
+            for kept_key in update.kept:
+                self._blocks[BlockHash(kept_key)].rounds += 1
+            for dropped_key in update.drop:
+                self._release(BlockHash(dropped_key), active=update.was_active, owner=owner)
+            if counts and counts[-1] < layout.block_tokens:
+                tail = self._blocks[chain[-1]]
+                tail.rewrites = max(tail.rewrites, update.tail_rewrites)
+            if not update.was_active:
+                self._activate(chain, owner)
+            if durable:
+                entries = [self._blocks[k] for k in dict.fromkeys(chain)]
+                self._ensure_cold_many(entries, offline=False, durable=True)
+            self._counters["dedup_hits"] += dedup
+            self._debug_check()
+            return PutOutcome(len(created), dedup, len(update.drop))
+
+    def adopt(
+        self,
+        layout: KVLayout,
+        chain: Sequence[bytes],
+        tokens: Sequence[int],
+        priority: Priority,
+        exact_only: bool = False,
+        owner: str = "",
+        keep_prefix: bool = False,
+    ) -> int:
+        """Hold, for an inactive holder, a chain whose blocks are all in the cold tier.
+
+        Used when an owner registers an archived session again: after a
+        restart (from its manifest), or when the router moves a dead device's
+        archived sessions to a live one.
+
+        Args:
+            keep_prefix: where some block is in no tier, hold the blocks before
+                the first such one (a partial session beats a lost one: the
+                engine recomputes the rest).
+
+        Returns:
+            How many leading blocks of the chain are held (all of them unless
+            ``keep_prefix``).
+
+        Raises:
+            BlockLostError: some block is in no tier (without ``keep_prefix``),
+                or the first one is (nothing is held).
+        """
+        with self._lock:
+            self.ensure_open()
+            keys = [BlockHash(bytes(k)) for k in chain]
+            missing = set(self._cold.missing([k for k in keys if k not in self._blocks]))
+            if missing:
+                first = next(i for i, k in enumerate(keys) if k in missing)
+                if not keep_prefix or first == 0:
+                    raise BlockLostError(
+                        f"{len(missing)} of {len(keys)} blocks are in no tier "
+                        f"(first missing: block {first}, {bytes(keys[first]).hex()})"
+                    )
+                keys, tokens = keys[:first], list(tokens)[:first]
+            self._hold_chain(
+                layout, keys, tokens, priority, False, exact_only, self._clock(), owner
+            )
+            self._debug_check()
+            return len(keys)
+
+    def resync(self, holders: Sequence[Holder], owner: str = "") -> list[int]:
+        """Set ``owner``'s references from its table, after the owner restarted.
+
+        The owner may have died between this pool applying an append and the
+        owner recording it; its table is the truth. Other owners' references
+        (the other shards of a sharded table) stay as they are. Blocks no
+        holder of any owner lists and no reader pins are freed; a holder's
+        block that is only in the cold tier gets a cold-only entry (as
+        :meth:`adopt` does).
+
+        Args:
+            holders: every session the owner places on this pool.
+            owner: whose table it is ("" for one owner).
+
+        Returns:
+            Indices of holders with a block in no tier (those hold nothing).
+        """
+        with self._lock:
+            self.ensure_open()
+            wanted = [[BlockHash(bytes(k)) for k in h.chain] for h in holders]
+            unknown = list(
+                dict.fromkeys(k for chain in wanted for k in chain if k not in self._blocks)
+            )
+            missing = set(self._cold.missing(unknown)) if unknown else set()
+            # The new references are taken before the old ones go, so a block
+            # both hold is never freed in between.
+            previous = self._owner_refs.pop(owner, {})
+            now = self._clock()
+            lost: list[int] = []
+            try:
+                for i, (chain, holder) in enumerate(zip(wanted, holders, strict=True)):
+                    if any(k in missing for k in chain):
+                        lost.append(i)
+                        continue
+                    self._hold_chain(
+                        holder.layout,
+                        chain,
+                        holder.tokens,
+                        holder.priority,
+                        holder.active,
+                        holder.exact_only,
+                        now,
+                        owner,
+                    )
+            except BaseException:
+                self._undo_holds(owner, previous, created=unknown)
+                raise
+            for key, (refs, active) in previous.items():
+                entry = self._blocks[key]
+                entry.refcount -= refs
+                entry.active_refs -= active
+            for key in [k for k, e in self._blocks.items() if e.refcount == 0 and e.pins == 0]:
+                self._free(self._blocks[key])
+            self._debug_check()
+            return lost
+
+    def release(self, keys: Sequence[bytes], *, active: bool, owner: str = "") -> int:
+        """Drop one reference to each key (a holder went); blocks left unheld are freed.
+
+        Returns how many blocks were freed (unpinned ones at once, pinned ones
+        when their last reader lets go).
+        """
+        with self._lock:
+            self.ensure_open()
+            before = len(self._blocks)
+            for key in dict.fromkeys(BlockHash(bytes(k)) for k in keys):
+                self._release(key, active=active, owner=owner)
+            self._debug_check()
+            return before - len(self._blocks)
+
+    def deactivate(
+        self,
+        keys: Sequence[bytes],
+        *,
+        offline: bool = False,
+        was_active: bool = True,
+        owner: str = "",
+    ) -> bool:
+        """An active holder of ``keys`` went idle (a session suspended).
+
+        Writes the blocks to the cold tier in one batch (one archive call, not
+        one per block), then frees the memory copies no active holder needs.
+
+        Args:
+            offline: the user went away for long: unshared blocks may use the
+                lossy cold codec (Delta+RL).
+            was_active: False for a holder that was idle already (suspended
+                again): no active reference is dropped, the memory copies
+                brought back meanwhile (prefetch) go again.
+
+        Returns:
+            Whether some of the blocks are still in memory (held by an active
+            holder, or pinned by a reader).
+        """
+        with self._lock:
+            self.ensure_open()
+            unique = list(dict.fromkeys(BlockHash(bytes(k)) for k in keys))
+            if was_active:
+                for key in unique:
+                    self._blocks[key].active_refs -= 1
+                    self._count(owner, key, 0, -1)
+            self._ensure_cold_many(
+                [self._blocks[k] for k in unique if not self._blocks[k].in_cold], offline=offline
+            )
+            for key in unique:
+                entry = self._blocks[key]
+                if entry.active_refs == 0 and entry.pins == 0 and entry.tier is not None:
+                    self._tier(entry.tier).remove(key)
+                    entry.tier = None
+                    self._counters["demotions"] += 1
+                    # The cold copy is the one left: a lossy codec makes reads inexact.
+                    self._note_demoted(entry, lossy=_codec_step(entry.cold_codec))
+            self._debug_check()
+            return any(self._blocks[k].tier is not None for k in unique)
+
+    def activate(self, keys: Sequence[bytes], owner: str = "") -> None:
+        """An idle holder of ``keys`` is active again (a session resumed)."""
+        with self._lock:
+            self.ensure_open()
+            self._activate([BlockHash(bytes(k)) for k in keys], owner)
+            self._debug_check()
+
+    def set_priority(self, keys: Sequence[bytes], priority: Priority) -> None:
+        """Move blocks to ``priority``'s eviction queue (a session changed its class)."""
+        with self._lock:
+            now = self._clock()
+            for key in dict.fromkeys(BlockHash(bytes(k)) for k in keys):
+                self._raise_priority(self._blocks[key], priority, now, force=True)
+
+    def stored_prefix(self, keys: Sequence[BlockHash]) -> tuple[int, list[BlockHash]]:
+        """Tokens and keys of the leading run of ``keys`` that is stored."""
+        with self._lock:
+            matched: list[BlockHash] = []
+            tokens = 0
+            for key in keys:
+                entry = self._blocks.get(key)
+                if entry is None:
+                    break
+                matched.append(key)
+                tokens += entry.tokens
+            return tokens, matched
+
+    def tokens_of(self, key: BlockHash) -> int:
+        """Tokens of a stored block.
+
+        Raises:
+            UnknownBlockError: not stored.
+        """
+        with self._lock:
+            entry = self._blocks.get(key)
+            if entry is None:
+                raise UnknownBlockError(f"no block {key.hex()} in this store")
+            return entry.tokens
+
+    def cold_orphans(self) -> list[bytes]:
+        """Keys in the cold tier that no block entry knows (left by a crash)."""
+        with self._lock:
+            return [k for k in self._cold.block_keys() if BlockHash(k) not in self._blocks]
+
+    def _admit_new_blocks(
+        self,
+        update: ChainUpdate,
+        chain: list[BlockHash],
+        blocks: Sequence[torch.Tensor],
+        now: float,
+        checksums: Sequence[int] | None = None,
+    ) -> set[BlockHash]:
+        """Store the blocks of ``chain`` not stored yet; all or nothing."""
+        created: list[BlockHash] = []
+        start_block = update.start_block
+        try:
+            for i in range(start_block, len(chain)):
+                key = chain[i]
+                if key in self._blocks:
+                    continue
+                entry = _Block(
+                    key=key,
+                    parent=chain[i - 1] if i else None,
+                    layout=update.layout,
+                    tokens=update.tokens[i],
+                    priority=update.priority,
+                    last_access=now,
+                    crc32=None if checksums is None else checksums[i - start_block],
+                    turn_created=update.turn,
+                )
+                self._blocks[key] = entry
+                created.append(key)
+                self._admit(entry, blocks[i - start_block], now)
+        except BaseException:
+            # e.g. CapacityError from a full cold tier: undo this put's new blocks
+            # so nothing half-stored stays behind (older blocks were not touched).
+            for key in reversed(created):
+                entry = self._blocks[key]
+                if entry.tier is not None or entry.in_cold:
+                    self._free(entry)
+                else:
+                    del self._blocks[key]
+            raise
+        return set(created)
+
+    def _hold_chain(
+        self,
+        layout: KVLayout,
+        chain: Sequence[BlockHash],
+        tokens: Sequence[int],
+        priority: Priority,
+        active: bool,
+        exact_only: bool,
+        now: float,
+        owner: str = "",
+    ) -> None:
+        """One holder's reference to each block of ``chain``; blocks not in memory get
+        cold-only entries (the caller made sure the cold tier has them)."""
+        seen: set[BlockHash] = set()
+        for i, key in enumerate(chain):
+            if key in seen:
+                continue
+            seen.add(key)
+            entry = self._blocks.get(key)
+            if entry is None:
+                entry = _Block(
+                    key,
+                    chain[i - 1] if i else None,
+                    layout,
+                    tokens[i],
+                    priority,
+                    last_access=now,
+                    in_cold=True,
+                )
+                self._blocks[key] = entry
+            self._hold(entry, priority, active, now, exact_only, owner)
+
+    def _hold(
+        self,
+        entry: _Block,
+        priority: Priority,
+        active: bool,
+        now: float,
+        exact_only: bool = False,
+        owner: str = "",
+    ) -> None:
+        entry.refcount += 1
+        entry.exact_only = entry.exact_only or exact_only
+        if active:
+            entry.active_refs += 1
+        self._count(owner, entry.key, 1, int(active))
+        self._raise_priority(entry, priority, now)
+
+    def _activate(self, keys: Sequence[BlockHash], owner: str = "") -> None:
+        for key in dict.fromkeys(keys):
+            self._blocks[key].active_refs += 1
+            self._count(owner, key, 0, 1)
+
+    def _undo_holds(
+        self, owner: str, previous: dict[BlockHash, list[int]], created: Sequence[BlockHash]
+    ) -> None:
+        """Take back the holds a failed :meth:`resync` made; ``owner``'s old ones stand."""
+        for key, (refs, active) in self._owner_refs.pop(owner, {}).items():
+            entry = self._blocks[key]
+            entry.refcount -= refs
+            entry.active_refs -= active
+        self._owner_refs[owner] = previous
+        for key in created:  # cold-only entries it made: the cold copy stays
+            made = self._blocks.get(key)
+            if made is not None and made.refcount == 0 and made.pins == 0:
+                del self._blocks[key]
+
+    def _count(self, owner: str, key: BlockHash, refs: int, active: int) -> None:
+        """Move ``owner``'s share of ``key``'s references (kept beside the totals)."""
+        shares = self._owner_refs.setdefault(owner, {})
+        share = shares.setdefault(key, [0, 0])
+        share[0] += refs
+        share[1] += active
+        if share == [0, 0]:
+            del shares[key]
+
+    def _raise_priority(
+        self, entry: _Block, priority: Priority, now: float, force: bool = False
+    ) -> None:
+        # A shared block belongs to the highest class of the sessions holding it.
+        if not force and PRIORITY_RANK[priority] <= PRIORITY_RANK[entry.priority]:
+            return
+        entry.priority = priority
+        if entry.tier is not None and entry.pins == 0:
+            self._tier(entry.tier).reclassify(entry.key, priority, now)
+
+    def _release(self, key: BlockHash, *, active: bool, owner: str = "") -> None:
+        entry = self._blocks[key]
+        entry.refcount -= 1
+        if active:
+            entry.active_refs -= 1
+        self._count(owner, key, -1, -int(active))
+        if entry.refcount == 0 and entry.pins == 0:
+            self._free(entry)
+
+    def _free(self, entry: _Block) -> None:
+        if entry.tier is not None:
+            self._tier(entry.tier).remove(entry.key)
+        if entry.in_cold:
+            self._cold.remove(entry.key)
+        del self._blocks[entry.key]
+        # No references are left, but an owner's active count may be: a release
+        # that said "active" for a holder the pool had as idle (its suspend failed
+        # after the pool applied it). The entry took that miscount with it; its
+        # shares go too, or a block stored again under the key would inherit it.
+        for shares in self._owner_refs.values():
+            shares.pop(entry.key, None)
+
+    def refcounts(self) -> dict[BlockHash, tuple[int, int]]:
+        """(refcount, pins) per block, for an owner's invariant and leak checks."""
+        with self._lock:
+            return {k: (b.refcount, b.pins) for k, b in self._blocks.items()}
+
+    def check_invariants(self, chains: dict[str, list[BlockHash]] | None = None) -> None:
+        """Raise :class:`~memkv.errors.InvariantViolationError` if the bookkeeping is broken.
+
+        Args:
+            chains: the owner's chain per session: refcounts must match them.
+                Without them only what the pool knows alone is checked (tiers,
+                pins, no unheld block left behind).
+        """
+        with self._lock:
+            blocks = self.refcounts()
+            if chains is not None:
+                check_refcounts(blocks, chains)
+            for key, (refcount, pins) in blocks.items():
+                if pins < 0 or refcount < 0 or (refcount == 0 and pins == 0):
+                    raise_invariant(f"block {key.hex()} has refcount {refcount} and {pins} pins")
+            for key, entry in self._blocks.items():
+                if entry.active_refs < 0 or entry.active_refs > entry.refcount:
+                    raise_invariant(
+                        f"block {key.hex()} has {entry.active_refs} active of "
+                        f"{entry.refcount} references"
+                    )
+                present = entry.tier is not None and key in self._tier(entry.tier)
+                if entry.tier is not None and not present:
+                    raise_invariant(f"block {key.hex()} thinks it is {entry.tier} but is not")
+                if entry.tier is None and not entry.in_cold:
+                    raise_invariant(f"block {key.hex()} is in no tier")
+            shared: dict[BlockHash, list[int]] = {}
+            for shares in self._owner_refs.values():
+                for key, (refs, active) in shares.items():
+                    total = shared.setdefault(key, [0, 0])
+                    total[0] += refs
+                    total[1] += active
+            for key, entry in self._blocks.items():
+                if shared.pop(key, [0, 0]) != [entry.refcount, entry.active_refs]:
+                    raise_invariant(
+                        f"block {key.hex()}: the owners' shares do not add up to its "
+                        f"{entry.refcount} references ({entry.active_refs} active)"
+                    )
+            if shared:
+                raise_invariant(f"{len(shared)} freed blocks still have owners' references")
+
+    def _debug_check(self) -> None:
+        if self._check:
+            self.check_invariants()
