@@ -194,6 +194,7 @@ class DeviceCache:
             for a plain StoreConfig).
         devices_on_node: device actors on this node, which split its host memory
             between them where a tier is ``auto``.
+        put_object: how :meth:`fetch_blocks` hands blocks over (``ray.put``).
     """
 
     def __init__(
@@ -204,8 +205,12 @@ class DeviceCache:
         *,
         same_node_reads: bool | None = None,
         devices_on_node: int = 1,
+        put_object: Callable[[Any], Any] = ray.put,
     ) -> None:
         self.device_id = device_id
+        # How fetch_blocks hands its blocks over: into the node's object store
+        # (a process without Ray, the gateway's fakes, passes an in-memory ref).
+        self._put_object = put_object
         self.incarnation = uuid.uuid4().hex
         # Plain use (tests, one process) plans reads unless told otherwise; a
         # deployment says so in its DeviceSettings (off unless turned on).
@@ -422,7 +427,7 @@ class DeviceCache:
         """
         hashes = [BlockHash(bytes(k)) for k in keys]
         with self.pool.pinned_reads(hashes, stream=stream) as fetched:
-            return ray.put(
+            return self._put_object(
                 [to_payload(f.key, f.block, f.tier.value, f.exact, f.lossy) for f in fetched]
             )
 

@@ -16,7 +16,7 @@ from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
 
-from ..api.fakes import FakeHandle
+from ..api.fakes import FakeHandle, Resolved
 
 LAYOUT = KVLayout("collect-model", 2, 2, 8, block_tokens=4)
 UNIT = 4096
@@ -77,7 +77,7 @@ def test_a_delete_during_a_deduplicating_append_keeps_the_shared_block(tmp_path)
                       allocator=AllocatorConfig(min_unit_bytes=UNIT),
                       archive=ArchiveConfig(directory=tmp_path / "cold", fsync="never"),
                       debug_refcounts=True)
-    device = DeviceCache("collect-dev", cfg)
+    device = DeviceCache("collect-dev", cfg, put_object=Resolved)
     gated, archive = _GatedDevice(device), _Archive()
     router = SessionRouter(background_prefetch_interval_s=3600)
     tokens = list(range(8))

@@ -4,6 +4,8 @@
 ``obj.method(*args)`` (awaited too when the method is async), the way an
 actor handle's call does. The router is the real :class:`SessionRouter`
 over real :class:`DeviceCache` objects; only the process boundaries are gone.
+A device built with ``put_object=Resolved`` runs its real ``fetch_blocks``
+(the in-cluster read path) and answers a reference that holds the blocks.
 """
 
 from __future__ import annotations
@@ -12,25 +14,29 @@ import inspect
 from typing import Any
 
 
+class Resolved:
+    """An object reference that already holds its value: ``ray.put`` without Ray
+    (awaiting it gives the value, as awaiting an ObjectRef does)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self) -> Any:
+        return self.value
+        yield  # a generator: awaitable without suspending
+
+
 class _Method:
-    def __init__(self, fn: Any, *, nested: bool = False) -> None:
+    def __init__(self, fn: Any) -> None:
         self._fn = fn
-        self._nested = nested
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         async def run() -> Any:
             result = self._fn(*args, **kwargs)
-            if inspect.isawaitable(result):
+            if inspect.isawaitable(result) and not isinstance(result, Resolved):
                 result = await result
             return result
 
-        if self._nested:
-            # An actor method that returns an object reference: awaiting the call
-            # gives the reference, awaiting that gives the value.
-            async def outer() -> Any:
-                return run()
-
-            return outer()
         return run()
 
 
@@ -41,8 +47,6 @@ class FakeHandle:
         self._obj = obj
 
     def __getattr__(self, name: str) -> Any:
-        if name == "fetch_blocks":  # returns ray.put(...) on a real device
-            return _Method(self._obj.get_blocks, nested=True)
         return _Method(getattr(self._obj, name))
 
 
@@ -69,7 +73,7 @@ def device_and_router(directory: Any, name: str, *, unit: int = 4096, blocks: in
         archive=ArchiveConfig(directory=directory, fsync="never"),
         debug_refcounts=True,
     )
-    device = DeviceCache(name, cfg)
+    device = DeviceCache(name, cfg, put_object=Resolved)
     router = SessionRouterShell(background_prefetch_interval_s=3600)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(router.register_device("dev-0", FakeHandle(device)))

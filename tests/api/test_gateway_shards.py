@@ -24,7 +24,7 @@ from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
 
 from ..kvdata import with_shared_prefix
-from .fakes import FakeHandle
+from .fakes import FakeHandle, Resolved
 from .test_gateway_fakes import _Server
 
 LAYOUT = KVLayout("shard-model", 2, 2, 8, block_tokens=4)
@@ -42,7 +42,7 @@ def sharded(tmp_path):
         archive=ArchiveConfig(directory=tmp_path / "cold", fsync="never"),
         debug_refcounts=True,
     )
-    device = DeviceCache("fake-shard-dev", cfg)
+    device = DeviceCache("fake-shard-dev", cfg, put_object=Resolved)
     routers = [SessionRouterShell(background_prefetch_interval_s=3600, shard=i, shards=2)
                for i in range(2)]
     loop = asyncio.new_event_loop()
