@@ -237,12 +237,13 @@ def test_os_environ_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(port=st.integers(min_value=1, max_value=65535), share=st.floats(0, 1))
-def test_env_values_parse_like_yaml(port: int, share: float) -> None:
-    env = {"MEMKV_GATEWAY__PORT": str(port), "MEMKV_ROUTER__HIGH_PRIORITY_HOT_SHARE": repr(share)}
+@given(port=st.integers(min_value=1, max_value=65535), half_life=st.floats(0.001, 1e6))
+def test_env_values_parse_like_yaml(port: int, half_life: float) -> None:
+    env = {"MEMKV_GATEWAY__PORT": str(port),
+           "MEMKV_ROUTER__HOTNESS_HALF_LIFE_S": repr(half_life)}
     cfg = load_config(environ=env)
     assert cfg.gateway.port == port
-    assert cfg.router.high_priority_hot_share == share
+    assert cfg.router.hotness_half_life_s == half_life
 
 
 def test_malformed_env_names() -> None:
@@ -305,9 +306,10 @@ def test_unknown_keys_in_overrides() -> None:
         ({"archive": {"fsync": "sometimes"}}, r"archive\.fsync"),
         ({"archive": {"capacity_bytes": -1}}, r"archive\.capacity_bytes"),
         ({"archive": {"compact_interval_s": 0}}, r"archive\.compact_interval_s"),
-        ({"router": {"high_priority_hot_share": 1.5}}, r"router\.high_priority_hot_share"),
         ({"router": {"hotness_half_life_s": 0}}, r"router\.hotness_half_life_s"),
-        ({"router": {"placement": "random"}}, r"router\.placement"),
+        # Knobs that never did anything are gone, and named as unknown.
+        ({"router": {"placement": "least_loaded"}}, r"router\.placement"),
+        ({"router": {"high_priority_hot_share": 0.5}}, r"router\.high_priority_hot_share"),
         ({"cluster": {"embedded_object_store_bytes": MIB}}, r"embedded_object_store_bytes"),
         ({"cluster": {"embedded_devices": 0}}, r"cluster\.embedded_devices"),
         ({"cluster": {"devices_per_node": 0}}, r"cluster\.devices_per_node"),

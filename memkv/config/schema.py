@@ -313,17 +313,6 @@ class RouterSettings(_Frozen):
     background_prefetch_interval_s: float = Field(
         default=2.0, gt=0, description="Seconds between background prefetch rounds."
     )
-    high_priority_hot_share: float = Field(
-        default=0.5,
-        ge=0,
-        le=1,
-        description="Share of each hot tier that high-priority sessions may reserve.",
-    )
-    placement: Literal["least_loaded"] = Field(
-        default="least_loaded",
-        description="How a new session picks its device actor: least_loaded = most free "
-        "hot+warm bytes.",
-    )
     prefix_affinity: bool = Field(
         default=True,
         description="Place a new session on the device that already holds its longest "

@@ -4,7 +4,7 @@
   a GPU node, ``cpu`` where there is none).
 * :class:`SharedHostArena` — the warm tier: a POSIX shared-memory segment (pinned
   for fast device copies on GPU hosts) that other processes on the node map
-  without a copy through :class:`SharedArenaMapping`.
+  without a copy (:class:`memkv.same_node.SegmentMaps`).
 
 Large requests (more than half a buddy unit) get a buddy extent of their own.
 Small ones — a 256-token block of a small model is often under 1 MiB while a
@@ -61,7 +61,6 @@ __all__ = [
     "ArenaState",
     "ArenaStats",
     "DeviceArena",
-    "SharedArenaMapping",
     "SharedHostArena",
 ]
 
@@ -728,7 +727,7 @@ class SharedHostArena(Arena):
 
     The creating process owns the segment: :meth:`close` (or garbage
     collection of the arena) unlinks it. Other processes on the node map it by
-    :attr:`name` with :meth:`SharedArenaMapping.attach` and read or write blocks
+    :attr:`name` (:class:`memkv.same_node.SegmentMaps`) and read blocks
     at the offsets this arena hands out, without a copy.
 
     Args:
@@ -786,7 +785,7 @@ class SharedHostArena(Arena):
 
     @property
     def name(self) -> str:
-        """The segment's name, for :meth:`SharedArenaMapping.attach`."""
+        """The segment's name (``/dev/shm/<name>``), for readers on the node."""
         return self._name
 
     @property
@@ -802,110 +801,3 @@ class SharedHostArena(Arena):
         finally:
             # The name goes now; this process's mapping goes with the last view.
             self._unlinker()
-
-
-class SharedArenaMapping:
-    """Another process's view of a :class:`SharedHostArena`, mapped without a copy.
-
-    Closing a mapping never unlinks the segment; the owner does that.
-
-    Example:
-        >>> with SharedHostArena(1 << 20, 1 << 16) as arena:
-        ...     a = arena.allocate(8)
-        ...     _ = arena.write(a, torch.arange(2, dtype=torch.int32))
-        ...     with SharedArenaMapping.attach(arena.name, arena.capacity_bytes) as m:
-        ...         m.view(a.offset, a.nbytes, (2,), torch.int32).tolist()
-        [0, 1]
-    """
-
-    def __init__(self, name: str, buffer: torch.Tensor) -> None:
-        """Use :meth:`attach`."""
-        self._name = name
-        self._buffer: torch.Tensor | None = buffer
-        self._capacity = buffer.numel()
-        self._state = ArenaState.OPEN
-
-    @classmethod
-    def attach(cls, name: str, capacity_bytes: int) -> SharedArenaMapping:
-        """Map the arena segment ``name`` of ``capacity_bytes`` bytes.
-
-        Raises:
-            NotFoundError: no segment of that name.
-            InvalidInputError: bad arguments, or the segment is smaller than
-                ``capacity_bytes``.
-        """
-        if not isinstance(name, str) or not name or "/" in name:
-            raise InvalidInputError(f"expected a shared-memory segment name, got {name!r}")
-        if not _is_int(capacity_bytes) or capacity_bytes <= 0:
-            raise InvalidInputError(
-                f"capacity_bytes must be a positive int, got {capacity_bytes!r}"
-            )
-        return cls(name, _map_segment(name, capacity_bytes))
-
-    @property
-    def name(self) -> str:
-        """The segment's name."""
-        return self._name
-
-    @property
-    def capacity_bytes(self) -> int:
-        """Bytes mapped."""
-        return self._capacity
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._state is ArenaState.CLOSED
-
-    @property
-    def buffer(self) -> torch.Tensor:
-        """The whole mapping as a 1-d ``uint8`` tensor.
-
-        Raises:
-            ClosedError: the mapping is closed.
-        """
-        if self._buffer is None:
-            raise ClosedError(f"mapping of {self._name!r} is closed")
-        return self._buffer
-
-    def view(
-        self, offset: int, nbytes: int, shape: Sequence[int], dtype: torch.dtype
-    ) -> torch.Tensor:
-        """``nbytes`` at ``offset`` (from the owner's :class:`Allocation`) as a tensor; no copy.
-
-        Raises:
-            InvalidInputError: the range is outside the mapping, or ``shape`` or
-                ``dtype`` is malformed.
-            LayoutMismatchError: ``shape`` and ``dtype`` do not make ``nbytes``, or
-                ``offset`` is not aligned for ``dtype``.
-            ClosedError: the mapping is closed.
-        """
-        buffer = self.buffer
-        if (
-            not _is_int(offset)
-            or not _is_int(nbytes)
-            or offset < 0
-            or nbytes <= 0
-            or offset + nbytes > self._capacity
-        ):
-            raise InvalidInputError(
-                f"range offset={offset!r} nbytes={nbytes!r} is not inside the "
-                f"{self._capacity}-byte mapping of {self._name!r}"
-            )
-        return _typed_view(buffer, offset, nbytes, shape, dtype)
-
-    def close(self) -> None:
-        """Drop this mapping (unmapped once no view is left); idempotent."""
-        self._state = ArenaState.CLOSED
-        self._buffer = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -49,7 +49,6 @@ from memkv.storage.arena import DeviceArena, SharedHostArena
 from memkv.storage.codecs import CodecPolicy
 from memkv.storage.cold_writer import ColdWriter, WriterStats
 from memkv.storage.config import StoreConfig
-from memkv.storage.diagnostics import AccessStats
 from memkv.storage.pool_core import (
     BlockLocation,
     FetchedBlock,
@@ -162,7 +161,6 @@ class BlockPool(Reads):
         self._precision: dict[str, PrecisionPolicy] = {}
         self._codec_policy = CodecPolicy(config.codecs)
         self._prefetcher: MarkovPrefetcher[BlockHash] = MarkovPrefetcher(config.prefetch)
-        self.access_stats = AccessStats()
         self._blocks: dict[BlockHash, _Block] = {}
         # Each owner's share of the references: owner -> block -> [refs, active refs].
         # One owner unless the session table is sharded (memkv.protocol.shards):

@@ -71,15 +71,6 @@ class AllocatorConfig(_Frozen):
             raise ValueError(f"min_unit_bytes must be a power of two >= {_MIN_UNIT_FLOOR}, got {v}")
         return v
 
-    @classmethod
-    def for_profile(cls, profile: str) -> AllocatorConfig:
-        """The allocator settings of a hardware profile (see :data:`UNIT_PROFILES`)."""
-        if profile not in UNIT_PROFILES:
-            raise ConfigError(
-                f"unknown unit profile {profile!r}; expected one of {sorted(UNIT_PROFILES)}"
-            )
-        return cls(min_unit_bytes=UNIT_PROFILES[profile])
-
 
 class EvictionConfig(_Frozen):
     """Which memory-tier block goes first under pressure."""

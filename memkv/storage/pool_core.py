@@ -22,7 +22,6 @@ from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.storage.codecs import CODECS, CodecPolicy
 from memkv.storage.config import StoreConfig
-from memkv.storage.diagnostics import AccessStats
 from memkv.storage.layout import KVLayout
 from memkv.storage.precision import (
     EncodedBlock,
@@ -202,7 +201,6 @@ class PoolCore:
     (set by its ``__init__``), and the small questions every part asks of it."""
 
     config: StoreConfig
-    access_stats: AccessStats
     prefault_done: threading.Event
     _clock: Callable[[], float]
     _lock: threading.RLock

@@ -199,12 +199,10 @@ class Reads(References):
         entry = self._blocks.get(key)
         if entry is None:
             self._counters["misses"] += 1
-            self.access_stats.record(key, None, self._clock())
             raise UnknownBlockError(f"no block {key.hex()} in this store")
         now = self._clock()
         found = entry.tier if entry.tier is not None else Tier.COLD
         self._hits[found] += 1
-        self.access_stats.record(key, found.value, now)
         if entry.prefetched:
             entry.prefetched = False
             self._counters["prefetch_used"] += 1

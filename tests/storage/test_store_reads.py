@@ -7,7 +7,7 @@ import torch
 
 from memkv.errors import InvariantViolationError, UnknownBlockError
 from memkv.protocol.enums import Tier
-from memkv.storage.arena import SharedArenaMapping
+from memkv.same_node import SegmentMaps
 from memkv.storage.codecs import peek_header
 from memkv.storage.config import PrecisionConfig
 from memkv.storage.layout import KVLayout, split_kv
@@ -31,20 +31,17 @@ def test_plan_points_at_the_blocks_bytes_in_shared_memory(tmp_path):
     chain = list(s.session("s").chain)
     plans = s.plan_reads(chain)
     blocks = split_kv(LAYOUT, keys, values)
-    mappings = {}
+    maps = SegmentMaps()  # what a reader on the node maps the segments with
     try:
         for plan, block in zip(plans, blocks, strict=True):
             assert plan is not None and plan.found is Tier.HOT and plan.exact
-            if plan.segment not in mappings:
-                mappings[plan.segment] = SharedArenaMapping.attach(plan.segment, plan.segment_bytes)
-            buf = mappings[plan.segment].buffer
-            got = bytes(buf[plan.offset : plan.offset + plan.nbytes].numpy())
+            buf = maps.view(plan.segment, plan.segment_bytes, "store")
+            got = bytes(buf[plan.offset : plan.offset + plan.nbytes])
             assert got == _bytes_of(block)
             assert zlib.crc32(got) == plan.crc32
             assert plan.shape == tuple(block.shape) and plan.dtype == LAYOUT.dtype
     finally:
-        for m in mappings.values():
-            m.close()
+        maps.close()
     s.unpin_blocks(chain)
     s.close()
 
