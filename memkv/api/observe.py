@@ -23,6 +23,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from memkv.protocol.stats import (
+    ArchiveStats,
+    ClusterStats,
+    DeviceStats,
+    TenantUse,
+    cluster_stats,
+)
+
 __all__ = ["SNAPSHOT_TTL_S", "StatsSnapshot", "engine_metrics"]
 
 #: How long one stats snapshot serves scrapes and the status page.
@@ -85,37 +93,37 @@ class StatsSnapshot:
 class _Snapshot:
     """A prometheus_client collector over one stats document."""
 
-    def __init__(self, stats: dict[str, Any], *, tenants: bool = False) -> None:
+    def __init__(self, stats: ClusterStats, *, tenants: bool = False) -> None:
         self._stats = stats
         self._with_tenants = tenants
 
     def collect(self) -> Iterator[Metric]:
         st = self._stats
         sessions = GaugeMetricFamily("memkv_sessions", "Sessions by state.", labels=["state"])
-        for state, n in sorted(st.get("session_states", {}).items()):
+        for state, n in sorted(st.session_states.items()):
             sessions.add_metric([state], n)
         yield sessions
         priorities = GaugeMetricFamily(
             "memkv_sessions_by_priority", "Sessions by priority.", labels=["priority"]
         )
-        for priority, n in sorted(st.get("session_priorities", {}).items()):
+        for priority, n in sorted(st.session_priorities.items()):
             priorities.add_metric([priority], n)
         yield priorities
         yield GaugeMetricFamily(
             "memkv_logical_bytes", "KV bytes of every session's chain (shared blocks counted "
-            "per session), model dtype.", value=st.get("logical_bytes", 0)
+            "per session), model dtype.", value=st.logical_bytes
         )
         yield CounterMetricFamily(
             "memkv_background_prefetched", "Blocks the router's background prefetch promoted.",
-            value=st.get("background_prefetched", 0),
+            value=st.background_prefetched,
         )
         if self._with_tenants:
-            yield from self._tenants(st.get("tenants", {}))
-        yield from self._devices(st.get("devices", {}))
-        yield from self._archives(st.get("archives", {}))
+            yield from self._tenants(st.tenants)
+        yield from self._devices(st.devices)
+        yield from self._archives(st.archives)
 
     @staticmethod
-    def _tenants(tenants: dict[str, dict[str, int]]) -> Iterator[Metric]:
+    def _tenants(tenants: dict[str, TenantUse]) -> Iterator[Metric]:
         sessions = GaugeMetricFamily(
             "memkv_tenant_sessions", "Sessions per tenant (largest tenants; the rest as "
             "'(other)').", labels=["tenant"]
@@ -125,13 +133,13 @@ class _Snapshot:
         )
         for tenant, use in sorted(tenants.items()):
             name = tenant or "(unscoped)"
-            sessions.add_metric([name], use["sessions"])
-            held.add_metric([name], use["bytes"])
+            sessions.add_metric([name], use.sessions)
+            held.add_metric([name], use.bytes)
         yield sessions
         yield held
 
     @staticmethod
-    def _devices(devices: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    def _devices(devices: dict[str, DeviceStats]) -> Iterator[Metric]:
         gauges = {
             k: GaugeMetricFamily(f"memkv_tier_{k}", doc, labels=["device", "tier"])
             for k, doc in _TIER_GAUGES.items()
@@ -165,30 +173,29 @@ class _Snapshot:
             "(cuda, or cpu: the reference).", labels=["device", "backend"],
         )
         for device, st in sorted(devices.items()):
-            if st.get("kernels"):
-                kernels.add_metric([device, st["kernels"]], 1)
-            for tier, t in sorted(st.get("tiers", {}).items()):
+            kernels.add_metric([device, st.kernels], 1)
+            for tier, t in sorted(st.tiers.items()):
                 for k, gauge in gauges.items():
-                    if t.get(k) is not None:
-                        gauge.add_metric([device, tier], t[k])
+                    value = getattr(t, k)
+                    if value is not None:
+                        gauge.add_metric([device, tier], value)
                 for k, counter in counters.items():
-                    counter.add_metric([device, tier], t.get(k, 0))
+                    counter.add_metric([device, tier], getattr(t, k))
             for key, counter in per_device.items():
-                counter.add_metric([device], st.get(key, 0))
-            if st.get("prefetched"):
-                accuracy.add_metric([device], st.get("prefetch_used", 0) / st["prefetched"])
-            unique.add_metric([device], st.get("unique_bytes", 0))
-            lease = st.get("leases", {})
-            leases.add_metric([device], lease.get("active", 0))
-            granted.add_metric([device], lease.get("granted", 0))
-            expired.add_metric([device], lease.get("expired", 0))
+                counter.add_metric([device], getattr(st, key))
+            if st.prefetch_accuracy is not None:
+                accuracy.add_metric([device], st.prefetch_accuracy)
+            unique.add_metric([device], st.unique_bytes)
+            leases.add_metric([device], st.leases.active)
+            granted.add_metric([device], st.leases.granted)
+            expired.add_metric([device], st.leases.expired)
         yield from gauges.values()
         yield from counters.values()
         yield from per_device.values()
         yield from (accuracy, unique, leases, granted, expired, kernels)
 
     @staticmethod
-    def _archives(archives: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    def _archives(archives: dict[str, ArchiveStats]) -> Iterator[Metric]:
         docs = {
             "blocks": "Blocks in the archive (cold tier).",
             "live_bytes": "Bytes of live records on disk.",
@@ -202,7 +209,7 @@ class _Snapshot:
         }
         for archive, st in sorted(archives.items()):
             for k, family in families.items():
-                family.add_metric([archive], st.get(k, 0))
+                family.add_metric([archive], getattr(st, k))
         yield from families.values()
 
 
@@ -210,5 +217,5 @@ def engine_metrics(stats: dict[str, Any], *, tenants: bool = False) -> bytes:
     """The Prometheus text of a router stats document; ``tenants``: with the
     per-tenant series (for a caller allowed to see every tenant's use)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(stats, tenants=tenants))
+    registry.register(_Snapshot(cluster_stats(stats), tenants=tenants))
     return bytes(generate_latest(registry))

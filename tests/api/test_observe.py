@@ -26,7 +26,7 @@ STATS = {
             },
             "misses": 4, "promotions": 6, "demotions": 3, "prefetched": 8, "prefetch_used": 6,
             "dedup_hits": 7, "dedup_bytes_saved": 700, "lossy_conversions": 2,
-            "precision_fallbacks": 1, "unique_bytes": 140,
+            "precision_fallbacks": 1, "unique_bytes": 140, "blocks": 14,
             "cold_write_batches": 2, "cold_blocks_written": 5,
             "leases": {"active": 1, "granted": 9, "expired": 0},
             "kernels": "cpu",
@@ -69,6 +69,19 @@ def test_engine_figures_become_metrics():
     assert got[("memkv_background_prefetched_total", ())] == 5
     # Without leave to see tenants (the open endpoint): no series names one.
     assert not any(name.startswith("memkv_tenant") for name, _ in samples(engine_metrics(STATS)))
+
+
+def test_a_figure_renamed_at_its_source_fails_loudly_instead_of_reading_zero():
+    import copy
+
+    import pytest
+
+    from memkv.errors import InvalidInputError
+
+    renamed = copy.deepcopy(STATS)
+    renamed["devices"]["dev-0"]["block_misses"] = renamed["devices"]["dev-0"].pop("misses")
+    with pytest.raises(InvalidInputError, match="missing required field `misses`"):
+        engine_metrics(renamed)
 
 
 def test_tenant_labels_are_bounded():

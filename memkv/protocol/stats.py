@@ -1,0 +1,120 @@
+"""The cluster's figures, typed: what ``/v1/stats`` serves and ``/metrics``,
+``memkv status`` and the status page read.
+
+A router shard answers a stats document (plain values, as JSON carries them);
+its readers turn it into :class:`ClusterStats` with :func:`cluster_stats` and
+read fields by attribute. A field renamed at its source then fails loudly where
+the document is read (naming the field) instead of reading as 0 on a dashboard.
+Unknown fields are kept out of the types and ignored, so a newer device's extra
+figure does not break an older gateway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from memkv.errors import InvalidInputError
+
+__all__ = [
+    "ArchiveStats",
+    "ClusterStats",
+    "DeviceStats",
+    "LeaseStats",
+    "TenantUse",
+    "TierStats",
+    "cluster_stats",
+]
+
+
+class TierStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One memory tier of a device."""
+
+    capacity_bytes: int | None
+    used_bytes: int
+    blocks: int
+    hits: int
+    evictions: int
+    fragmentation: float | None = None
+
+
+class LeaseStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Read plans of a device: pinning blocks now, granted and run out since it started."""
+
+    active: int = 0
+    granted: int = 0
+    expired: int = 0
+
+
+class DeviceStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One device actor: its tiers and what moved between them since it started."""
+
+    tiers: dict[str, TierStats]
+    blocks: int
+    unique_bytes: int
+    dedup_hits: int
+    dedup_bytes_saved: int
+    misses: int
+    promotions: int
+    demotions: int
+    prefetched: int
+    prefetch_used: int
+    precision_fallbacks: int
+    lossy_conversions: int = 0
+    cold_write_batches: int = 0
+    cold_blocks_written: int = 0
+    kernels: str = "cpu"
+    leases: LeaseStats = msgspec.field(default_factory=LeaseStats)
+
+    @property
+    def prefetch_accuracy(self) -> float | None:
+        """Prefetched blocks then read / prefetched blocks (None before any prefetch)."""
+        return self.prefetch_used / self.prefetched if self.prefetched else None
+
+    @property
+    def reads(self) -> int:
+        return sum(t.hits for t in self.tiers.values())
+
+
+class ArchiveStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One archive actor (the cold tier on a node)."""
+
+    blocks: int
+    live_bytes: int
+    dead_bytes: int
+    bytes_on_disk: int
+    corrupt_records: int = 0
+    segments: int = 0
+
+
+class TenantUse(msgspec.Struct, frozen=True, kw_only=True):
+    sessions: int
+    bytes: int
+
+
+class ClusterStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The whole table's figures (one shard's, or every shard's merged)."""
+
+    sessions: int
+    logical_bytes: int
+    session_states: dict[str, int] = msgspec.field(default_factory=dict)
+    session_priorities: dict[str, int] = msgspec.field(default_factory=dict)
+    tenants: dict[str, TenantUse] = msgspec.field(default_factory=dict)
+    devices: dict[str, DeviceStats] = msgspec.field(default_factory=dict)
+    archives: dict[str, ArchiveStats] = msgspec.field(default_factory=dict)
+    background_prefetched: int = 0
+    #: Sessions per shard, in shard order (a sharded table; empty with one shard).
+    shard_sessions: list[int] = msgspec.field(default_factory=list)
+
+
+def cluster_stats(document: dict[str, Any]) -> ClusterStats:
+    """A router's stats document as :class:`ClusterStats`.
+
+    Raises:
+        InvalidInputError: a figure is missing or of the wrong type (named).
+    """
+    try:
+        return msgspec.convert(document, ClusterStats, strict=False)
+    except msgspec.ValidationError as e:
+        raise InvalidInputError(f"the stats document does not read as ClusterStats: {e}") from e
