@@ -179,25 +179,6 @@ def test_restarted_archive_rebuilds_its_index_and_serves_again(cluster):
     assert ray.get(archive.stats.remote())["blocks"] >= 5
 
 
-def test_background_prefetch_brings_back_idle_sessions_while_hot_is_underused(cluster):
-    sid, _, _ = new_session(cluster, 16, seed=700, namespace="background")
-    # The hottest idle session of its device, whatever other tests left idle there
-    # (sessions a device restart cut short stay, archived, as candidates too).
-    for _ in range(25):
-        read(cluster, sid)
-    info = cluster.suspend(sid)
-    device = cluster.devices[cluster.device_of(sid)]
-    assert ray.get(device.locations.remote(info["chain"])) == ["cold"] * 4
-    usage_before = ray.get(device.stats.remote())["hot_usage"]
-    # (The fixture's interval is long; run one round of the loop by hand.)
-    moved = ray.get(cluster.router.background_round.remote())
-    tiers = ray.get(device.locations.remote(info["chain"]))
-    if usage_before < 0.3:  # the device's hot tier is under-used: bring the session back
-        assert moved >= 4 and tiers == ["hot"] * 4
-    else:  # busy: background prefetch must not compete with foreground work
-        assert tiers == ["cold"] * 4
-
-
 def test_prefix_match_and_reads_by_key_in_cluster_and_from_shared_memory(cluster):
     """What an engine inside the cluster uses (the vLLM connector's cluster transport)."""
     from memkv.actors.payload import from_payload
