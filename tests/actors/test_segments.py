@@ -32,14 +32,20 @@ def test_a_name_has_one_live_owner():
 
 def test_segments_of_a_dead_device_are_reclaimed():
     base = f"memkv-warm-test-{uuid.uuid4().hex[:8]}"
-    # A process takes the name, makes its segments and dies without cleaning up.
+    # A process takes the name, makes its segments and dies without cleaning up,
+    # and nothing cleans up after it: its resource tracker is told to forget the
+    # segments (else the tracker unlinks them as the process ends, racing this test,
+    # which is what a device killed with its whole process group never gets).
     code = (
         "import os\n"
+        "from multiprocessing import resource_tracker\n"
         "from memkv.actors.segments import SegmentOwnership\n"
         "from memkv.storage.arena import SharedHostArena\n"
         f"SegmentOwnership({base!r})\n"
         f"a = SharedHostArena({UNIT}, {UNIT}, name={base!r})\n"
         f"b = SharedHostArena({UNIT}, {UNIT}, name={base + '-hot'!r})\n"
+        f"resource_tracker.unregister('/' + {base!r}, 'shared_memory')\n"
+        f"resource_tracker.unregister('/' + {base + '-hot'!r}, 'shared_memory')\n"
         "os._exit(0)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
