@@ -113,3 +113,13 @@ def test_the_handle_sends_typed_messages_and_answers_typed_ones():
     answer = asyncio.run(call())
     assert isinstance(answer, AppendAnswer) and answer.new_blocks == 1
     assert answer.chain == (b"\x03" * 16,) and service.seen == [turn]
+
+
+def test_a_records_plain_document_is_its_views():
+    from memkv.storage.sessions import SessionTable
+
+    table = SessionTable()
+    record = table.create("s", LAYOUT, namespace="t", priority=Priority.HIGH, durable=True)
+    record.chain = [b"\x04" * 16]
+    record.lost_reason = "gone"
+    assert record.as_dict() == record.view().as_dict()
