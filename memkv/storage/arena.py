@@ -1,10 +1,13 @@
 """Arenas: one flat byte buffer carved by a buddy allocator, blocks as views into it.
 
-* :class:`DeviceArena` — the hot tier: ``torch.empty`` on a device (``cuda:N`` on
-  a GPU node, ``cpu`` where there is none).
-* :class:`SharedHostArena` — the warm tier: a POSIX shared-memory segment (pinned
-  for fast device copies on GPU hosts) that other processes on the node map
-  without a copy (:class:`memkv.same_node.SegmentMaps`).
+* :class:`~memkv.storage.device_arena.DeviceArena` — the hot tier: ``torch.empty``
+  on a device (``cuda:N`` on a GPU node, ``cpu`` where there is none).
+* :class:`~memkv.storage.shm_arena.SharedHostArena` — the warm tier: a POSIX
+  shared-memory segment (pinned for fast device copies on GPU hosts) that other
+  processes on the node map without a copy (:class:`memkv.same_node.SegmentMaps`).
+
+This module holds what both share: :class:`Arena` (allocation, slabs, views,
+prefault) and its records.
 
 Large requests (more than half a buddy unit) get a buddy extent of their own.
 Small ones — a 256-token block of a small model is often under 1 MiB while a
@@ -17,28 +20,17 @@ Views returned by :meth:`Arena.view` and :meth:`Arena.write` alias the arena's
 memory: they are valid until the allocation is freed, and must not outlive the
 arena. (Memory stays mapped while a view is alive — a late read never crashes —
 but after :meth:`Arena.close` its contents belong to no one.)
-
-Example:
-    >>> with DeviceArena(capacity_bytes=1 << 20, min_unit_bytes=1 << 16) as arena:
-    ...     a = arena.allocate(4096)
-    ...     v = arena.write(a, torch.ones(1024))
-    ...     float(arena.view(a, (1024,), torch.float32).sum())
-    1024.0
 """
 
 from __future__ import annotations
 
-import _posixshmem
 import abc
 import enum
 import itertools
 import mmap
-import os
 import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.shared_memory import SharedMemory
 from types import TracebackType
 from typing import Any, Self, TypeGuard
 
@@ -50,7 +42,6 @@ from memkv.errors import (
     ConfigError,
     InvalidInputError,
     LayoutMismatchError,
-    NotFoundError,
 )
 from memkv.storage.buddy import BuddyAllocator
 
@@ -60,8 +51,6 @@ __all__ = [
     "Arena",
     "ArenaState",
     "ArenaStats",
-    "DeviceArena",
-    "SharedHostArena",
 ]
 
 #: Every offset an arena hands out is a multiple of this: the widest alignment
@@ -72,15 +61,8 @@ ALIGNMENT_BYTES = 256
 # always has at least two slots and packing beats a unit of its own.
 _SLAB_MAX_DIVISOR = 2
 
-# Permissions of a new shared-memory segment: the owning user only.
-_SHM_MODE = 0o600
-
-# cudaHostRegisterDefault: page-locked, portable flags off.
-_CUDA_HOST_REGISTER_DEFAULT = 0
-
 # Distinguishes allocations of different arenas in one process.
 _ARENA_IDS = itertools.count(1)
-
 
 #: Pages are populated this many bytes at a time (the arena lock is held per chunk).
 PREFAULT_CHUNK_BYTES = 32 << 20
@@ -617,187 +599,3 @@ class Arena(abc.ABC):
             f"{type(self).__name__}(capacity_bytes={self._capacity}, "
             f"min_unit_bytes={self._unit}, state={self._state.value})"
         )
-
-
-class DeviceArena(Arena):
-    """An arena in device memory: the hot tier.
-
-    Args:
-        capacity_bytes: bytes; a positive multiple of ``min_unit_bytes``.
-        min_unit_bytes: the buddy unit (``AllocatorConfig.min_unit_bytes``).
-        device: ``cuda:N`` on a GPU node, ``cpu`` where there is none.
-        slab_classes_per_doubling: see :class:`Arena`.
-
-    Raises:
-        ConfigError: bad capacity or unit.
-        InvalidInputError: ``device`` is not a torch device.
-    """
-
-    def __init__(
-        self,
-        capacity_bytes: int,
-        min_unit_bytes: int,
-        device: str | torch.device = "cpu",
-        *,
-        slab_classes_per_doubling: int | None = None,
-        unified_memory: bool = False,
-    ) -> None:
-        self._validate(capacity_bytes, min_unit_bytes, slab_classes_per_doubling)
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise InvalidInputError(
-                f"expected a torch device such as 'cpu' or 'cuda:0', got {device!r}: {e}"
-            ) from e
-        self._device = dev
-        self._managed = None
-        if unified_memory and dev.type == "cuda":
-            # Managed memory preferring this device (memkv.gpu_kernels.unified).
-            from memkv.gpu_kernels.unified import ManagedArena
-
-            self._managed = ManagedArena(capacity_bytes, dev.index or 0)
-            buffer = self._managed.tensor()
-        else:
-            buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=dev)
-        super().__init__(buffer, min_unit_bytes, slab_classes_per_doubling)
-
-    @property
-    def device(self) -> torch.device:
-        """Where the buffer lives."""
-        return self._device
-
-    def _release(self) -> None:
-        # Dropping the buffer reference (done by close) is all there is: the
-        # caching allocator gets the memory back once no view refers to it.
-        # A managed arena is freed explicitly.
-        if self._managed is not None:
-            self._managed.close()
-
-
-def _map_segment(name: str, nbytes: int) -> torch.Tensor:
-    """Map ``nbytes`` of the shared-memory segment ``name`` as a ``uint8`` tensor.
-
-    The segment is opened directly rather than through ``SharedMemory``: on
-    Python < 3.13 attaching with ``SharedMemory`` registers the segment with the
-    attaching process's resource tracker, which then unlinks it — under the
-    owner's feet — when that process exits.
-
-    Lifetime: ``torch.frombuffer`` keeps a *reference* to the object it is
-    given, not a buffer export, so closing a mapping that torch reads would
-    leave every view dangling (a segfault on the next read). Instead nothing
-    here keeps the ``mmap``: the tensor holds a memoryview, the memoryview
-    holds the mapping, and the mapping is unmapped exactly when the last
-    tensor over it is freed.
-
-    Raises:
-        NotFoundError: no segment of that name.
-        InvalidInputError: the segment is smaller than ``nbytes``.
-    """
-    try:
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=_SHM_MODE)
-    except FileNotFoundError as e:
-        raise NotFoundError(f"no shared-memory arena named {name!r}") from e
-    try:
-        size = os.fstat(fd).st_size
-        if size < nbytes:
-            raise InvalidInputError(
-                f"shared-memory segment {name!r} holds {size} bytes, expected {nbytes}"
-            )
-        mapping = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)  # the mapping stays valid without the descriptor
-    return torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
-
-
-def _cuda_host_unregister(ptr: int) -> None:
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
-
-
-def _unlink_segment(shm: SharedMemory) -> None:
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        # Someone unlinked it already (e.g. an operator cleaning /dev/shm);
-        # the goal — no segment left behind — holds.
-        pass
-
-
-class SharedHostArena(Arena):
-    """An arena in a host shared-memory segment: the warm tier.
-
-    The creating process owns the segment: :meth:`close` (or garbage
-    collection of the arena) unlinks it. Other processes on the node map it by
-    :attr:`name` (:class:`memkv.same_node.SegmentMaps`) and read blocks
-    at the offsets this arena hands out, without a copy.
-
-    Args:
-        capacity_bytes: bytes; a positive multiple of ``min_unit_bytes``.
-        min_unit_bytes: the buddy unit.
-        name: the segment's name; a fresh unique one when None.
-        pin: page-lock the segment with CUDA (``cudaHostRegister``) so that
-            host<->device copies run at full speed; ignored where CUDA is not
-            available (see :attr:`pinned`).
-        slab_classes_per_doubling: see :class:`Arena`.
-
-    Raises:
-        ConfigError: bad capacity or unit.
-        InvalidInputError: a segment called ``name`` exists already.
-    """
-
-    def __init__(
-        self,
-        capacity_bytes: int,
-        min_unit_bytes: int,
-        name: str | None = None,
-        pin: bool = False,
-        *,
-        slab_classes_per_doubling: int | None = None,
-    ) -> None:
-        self._validate(capacity_bytes, min_unit_bytes, slab_classes_per_doubling)
-        try:
-            shm = SharedMemory(name=name, create=True, size=capacity_bytes)
-        except FileExistsError as e:
-            raise InvalidInputError(f"a shared-memory segment named {name!r} exists") from e
-        # Unlink even if the owner forgets close(); close() runs it early.
-        self._unlinker = weakref.finalize(self, _unlink_segment, shm)
-        try:
-            buffer = _map_segment(shm.name, capacity_bytes)
-        except BaseException:
-            self._unlinker()
-            raise
-        finally:
-            # Our own mapping (above) holds the memory; SharedMemory's is not needed.
-            shm.close()
-        self._name = shm.name
-        self._unpinner: weakref.finalize[[int], SharedHostArena] | None = None
-        super().__init__(buffer, min_unit_bytes, slab_classes_per_doubling)
-        if pin and torch.cuda.is_available():
-            ptr = buffer.data_ptr()
-            torch.cuda.check_error(
-                torch.cuda.cudart().cudaHostRegister(
-                    ptr, capacity_bytes, _CUDA_HOST_REGISTER_DEFAULT
-                )
-            )
-            # Like the unlinker: runs on close(), or when a forgotten arena is
-            # collected — before the mapping can go away, since the buffer
-            # outlives the arena object's weak-reference callbacks.
-            self._unpinner = weakref.finalize(self, _cuda_host_unregister, ptr)
-
-    @property
-    def name(self) -> str:
-        """The segment's name (``/dev/shm/<name>``), for readers on the node."""
-        return self._name
-
-    @property
-    def pinned(self) -> bool:
-        """Whether the segment is page-locked with CUDA."""
-        return self._unpinner is not None and self._unpinner.alive
-
-    def _release(self) -> None:
-        try:
-            if self._unpinner is not None:
-                # CUDA must not keep a registration of memory unmapped later.
-                self._unpinner()
-        finally:
-            # The name goes now; this process's mapping goes with the last view.
-            self._unlinker()

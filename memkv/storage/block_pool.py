@@ -45,10 +45,10 @@ from memkv.errors import (
 )
 from memkv.protocol.enums import Tier
 from memkv.protocol.hashing import BlockHash
-from memkv.storage.arena import DeviceArena, SharedHostArena
 from memkv.storage.codecs import CodecPolicy
 from memkv.storage.cold_writer import ColdWriter, WriterStats
 from memkv.storage.config import StoreConfig
+from memkv.storage.device_arena import DeviceArena
 from memkv.storage.pool_core import (
     BlockLocation,
     FetchedBlock,
@@ -65,6 +65,7 @@ from memkv.storage.precision import (
     PrecisionPolicy,
 )
 from memkv.storage.prefetch import MarkovPrefetcher
+from memkv.storage.shm_arena import SharedHostArena
 from memkv.storage.tiers import ColdBackend, ColdTier, MemoryTier
 
 __all__ = [

@@ -9,7 +9,7 @@ import pytest
 
 from memkv.actors.segments import SHM_DIR, SegmentOwnership, reclaim_orphans
 from memkv.errors import ConflictError
-from memkv.storage.arena import SharedHostArena
+from memkv.storage.shm_arena import SharedHostArena
 
 UNIT = 4096
 
@@ -40,7 +40,7 @@ def test_segments_of_a_dead_device_are_reclaimed():
         "import os\n"
         "from multiprocessing import resource_tracker\n"
         "from memkv.actors.segments import SegmentOwnership\n"
-        "from memkv.storage.arena import SharedHostArena\n"
+        "from memkv.storage.shm_arena import SharedHostArena\n"
         f"SegmentOwnership({base!r})\n"
         f"a = SharedHostArena({UNIT}, {UNIT}, name={base!r})\n"
         f"b = SharedHostArena({UNIT}, {UNIT}, name={base + '-hot'!r})\n"

@@ -23,15 +23,10 @@ from memkv.errors import (
     LayoutMismatchError,
 )
 from memkv.same_node import SegmentMaps
-from memkv.storage.arena import (
-    ALIGNMENT_BYTES,
-    Allocation,
-    Arena,
-    ArenaStats,
-    DeviceArena,
-    SharedHostArena,
-)
+from memkv.storage.arena import ALIGNMENT_BYTES, Allocation, Arena, ArenaStats
 from memkv.storage.config import UNIT_PROFILES, AllocatorConfig
+from memkv.storage.device_arena import DeviceArena
+from memkv.storage.shm_arena import SharedHostArena
 
 UNIT = 4096  # the smallest unit AllocatorConfig accepts: keeps the arenas tiny
 SHM_DIR = Path("/dev/shm")
@@ -512,7 +507,7 @@ def test_pinned_shared_arena_copies_to_device(
 
 
 def test_prefault_populates_without_changing_bytes():
-    from memkv.storage.arena import SharedHostArena
+    from memkv.storage.shm_arena import SharedHostArena
 
     with SharedHostArena(1 << 20, 4096) as arena:
         a = arena.allocate(4096)

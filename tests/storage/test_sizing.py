@@ -4,9 +4,9 @@ import pytest
 from pydantic import ValidationError
 
 from memkv.config import DeviceSettings, load_config
-from memkv.storage.arena import SharedHostArena
 from memkv.storage.block_pool import BlockPool
 from memkv.storage.config import ArchiveConfig, StoreConfig
+from memkv.storage.shm_arena import SharedHostArena
 from memkv.storage.sizing import (
     AutoCapacity,
     MemoryProbe,
