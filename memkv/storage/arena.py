@@ -45,13 +45,7 @@ from memkv.errors import (
 )
 from memkv.storage.buddy import BuddyAllocator
 
-__all__ = [
-    "ALIGNMENT_BYTES",
-    "Allocation",
-    "Arena",
-    "ArenaState",
-    "ArenaStats",
-]
+__all__ = ["ALIGNMENT_BYTES", "Allocation", "Arena", "ArenaState", "ArenaStats"]
 
 #: Every offset an arena hands out is a multiple of this: the widest alignment
 #: CUDA kernels and vectorised copies ask for.
