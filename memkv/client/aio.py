@@ -29,12 +29,13 @@ from memkv.client.views import (
     SessionView,
     TurnResult,
     create_body,
+    match_body,
+    parse_match,
     parse_resume,
     parse_session,
     parse_turn,
 )
 from memkv.port_connection import AsyncPortConnection, PortError
-from memkv.protocol.hashing import token_array
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.wire import (
     WireError,
@@ -266,14 +267,9 @@ class AsyncClient:
     async def match(
         self, layout: KVLayout, namespace: str | None, token_ids: Sequence[int] | np.ndarray
     ) -> Match:
-        body = {
-            "layout": layout.to_dict(),
-            "namespace": namespace,
-            "token_ids": token_array(token_ids).tolist(),
-        }
-        data = (await self._request("POST", "/v1/match", json=body, idempotent=True)).json()
-        return Match(int(data["tokens"]), [bytes.fromhex(k) for k in data["blocks"]],
-                     data.get("publisher"))
+        body = match_body(layout, namespace, token_ids)
+        r = await self._request("POST", "/v1/match", json=body, idempotent=True)
+        return parse_match(r.json())
 
 
 async def _port_blocks(

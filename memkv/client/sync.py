@@ -31,12 +31,13 @@ from memkv.client.views import (
     SessionView,
     TurnResult,
     create_body,
+    match_body,
+    parse_match,
     parse_resume,
     parse_session,
     parse_turn,
 )
 from memkv.port_connection import PortConnection, PortError, ReplyBody
-from memkv.protocol.hashing import token_array
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.wire import (
     WireError,
@@ -433,14 +434,8 @@ class Client:
     def match(
         self, layout: KVLayout, namespace: str | None, token_ids: Sequence[int] | np.ndarray
     ) -> Match:
-        body = {
-            "layout": layout.to_dict(),
-            "namespace": namespace,
-            "token_ids": token_array(token_ids).tolist(),
-        }
-        data = self._request("POST", "/v1/match", json=body, idempotent=True).json()
-        return Match(int(data["tokens"]), [bytes.fromhex(k) for k in data["blocks"]],
-                     data.get("publisher"))
+        body = match_body(layout, namespace, token_ids)
+        return parse_match(self._request("POST", "/v1/match", json=body, idempotent=True).json())
 
 
 # -- the async client --------------------------------------------------------------------------

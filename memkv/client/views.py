@@ -3,12 +3,14 @@ JSON it is parsed from and the bodies it is asked with."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from memkv.protocol.exactness import LOSSY_STEPS
+from memkv.protocol.hashing import token_array
 from memkv.protocol.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -160,3 +162,19 @@ def parse_resume(data: dict[str, Any]) -> ResumeView:
 
 def after_append(session: SessionView, result: TurnResult, tokens: int) -> SessionView:
     return replace(session, chain=list(result.chain), turn=result.turn, tokens=tokens)
+
+
+def match_body(
+    layout: KVLayout, namespace: str | None, token_ids: Sequence[int] | np.ndarray
+) -> dict[str, Any]:
+    """A ``/v1/match`` body."""
+    return {
+        "layout": layout.to_dict(),
+        "namespace": namespace,
+        "token_ids": token_array(token_ids).tolist(),
+    }
+
+
+def parse_match(data: dict[str, Any]) -> Match:
+    return Match(int(data["tokens"]), [bytes.fromhex(k) for k in data["blocks"]],
+                 data.get("publisher"))
