@@ -23,6 +23,8 @@ Every error memkv raises on purpose is a :class:`MemkvError`. Expected outcomes
     ├── LeaseExpiredError                   a read plan's lease ran out before it was released
     ├── InvariantViolationError             debug mode found broken bookkeeping (a bug)
     └── ClosedError (RuntimeError)          the component was closed
+        └── MemberGoneError                 a device, archive or router shard did not
+                                            answer (its process died; it may come back)
 
 Only the gateway maps these to HTTP status codes.
 """
@@ -44,6 +46,7 @@ __all__ = [
     "InvariantViolationError",
     "LayoutMismatchError",
     "LeaseExpiredError",
+    "MemberGoneError",
     "MemkvError",
     "NotFoundError",
     "PrecisionOverflowError",
@@ -141,6 +144,11 @@ class InvariantViolationError(MemkvError):
 
 class ClosedError(MemkvError, RuntimeError):
     """The component was closed and cannot be used any more."""
+
+
+class MemberGoneError(ClosedError):
+    """A member of the cluster (a device, an archive, a router shard) did not answer:
+    its process died. Ray may be restarting it; the caller retries or recovers."""
 
 
 def plain_message(exc: BaseException) -> str:

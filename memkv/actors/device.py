@@ -32,6 +32,7 @@ from memkv.protocol.dtypes import numpy_view_dtype
 from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
+from memkv.protocol.members import DeviceInfo, StoredBlocks
 from memkv.protocol.messages import ChainUpdate, ReadPlan
 from memkv.same_node import SegmentMaps
 from memkv.storage.block_pool import BlockPool, Holder
@@ -254,9 +255,9 @@ class DeviceCache:
         self._staging_maps = SegmentMaps()  # gateways' staging segments (memkv.staging)
         self._streams: PriorityStreams | None = None  # unified memory only
 
-    def ping(self) -> dict[str, str]:
+    def ping(self) -> DeviceInfo:
         """Who answers: the device id and this process's incarnation."""
-        return {"device_id": self.device_id, "incarnation": self.incarnation}
+        return DeviceInfo(self.device_id, self.incarnation)
 
     def node(self) -> str:
         """The Ray node this device runs on."""
@@ -279,7 +280,7 @@ class DeviceCache:
         checksums: Sequence[int] | None = None,
         durable: bool = False,
         owner: str = "",
-    ) -> dict[str, int]:
+    ) -> StoredBlocks:
         """Apply one append: its new blocks (payloads, refs to them, or staged) and references.
 
         Staged blocks are copied out of the sender's segment before this returns,
@@ -303,14 +304,7 @@ class DeviceCache:
                 resolved[i] = value
         tensors = [from_payload(self._unstage(p) if isinstance(p, StagedBlock) else p)
                    for p in resolved]
-        outcome = self.pool.put(
-            update, tensors, checksums=checksums, durable=durable, owner=owner
-        )
-        return {
-            "new_blocks": outcome.new_blocks,
-            "deduplicated_blocks": outcome.deduplicated_blocks,
-            "released_blocks": outcome.released_blocks,
-        }
+        return self.pool.put(update, tensors, checksums=checksums, durable=durable, owner=owner)
 
     def _unstage(self, staged: StagedBlock) -> BlockPayload:
         """A view of a staged block in its sender's segment (the pool copies it)."""

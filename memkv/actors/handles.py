@@ -7,12 +7,17 @@ so one handle serves both (as Ray's object references do).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import ray
+from ray.exceptions import RayActorError
 
+from memkv.errors import MemberGoneError
 from memkv.protocol.enums import Priority
+from memkv.protocol.layout import KVLayout
+from memkv.protocol.members import DeviceInfo, StoredBlocks, TierOf
+from memkv.protocol.messages import ChainUpdate
 from memkv.protocol.services import (
     AppendAnswer,
     AppendTurn,
@@ -23,7 +28,18 @@ from memkv.protocol.services import (
     encode,
 )
 
-__all__ = ["Pending", "SessionServiceHandle"]
+if TYPE_CHECKING:
+    from memkv.storage.pool_core import Holder
+
+__all__ = [
+    "ArchiveHandle",
+    "DeviceHandle",
+    "MemberPending",
+    "Pending",
+    "PeerHandle",
+    "RayDirectory",
+    "SessionServiceHandle",
+]
 
 _T = TypeVar("_T")
 
@@ -49,6 +65,24 @@ class Pending(Generic[_T]):
 
     def result(self, timeout: float | None = None) -> _T:
         return self._read(ray.get(self._ref, timeout=timeout))
+
+
+class MemberPending(Pending[_T]):
+    """A member's answer: an actor that died surfaces as :class:`MemberGoneError`
+    (the router's logic knows no Ray errors)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, _T]:
+        try:
+            raw = yield from self._ref.__await__()
+        except RayActorError as e:
+            raise MemberGoneError(str(e)) from e
+        return self._read(raw)
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _none(_: Any) -> None:
@@ -97,3 +131,126 @@ class SessionServiceHandle:
 
     def delete_session(self, session_id: str) -> Pending[None]:
         return Pending(self.actor.delete_session.remote(session_id), _none)
+
+
+class DeviceHandle:
+    """A device actor as a :class:`memkv.protocol.members.BlockStore`."""
+
+    __slots__ = ("actor",)
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    @property
+    def endpoint(self) -> Any:
+        return self.actor
+
+    def ping(self) -> MemberPending[DeviceInfo]:
+        return MemberPending(self.actor.ping.remote(), _same)
+
+    def put(self, update: ChainUpdate, blocks: list[Any], checksums: Sequence[int] | None,
+            durable: bool, owner: str) -> MemberPending[StoredBlocks]:
+        return MemberPending(
+            self.actor.put.remote(update, blocks, checksums, durable, owner), _same)
+
+    def adopt(self, layout: KVLayout, chain: Sequence[bytes], tokens: Sequence[int],
+              priority: str, exact_only: bool, owner: str,
+              keep_prefix: bool) -> MemberPending[int]:
+        return MemberPending(self.actor.adopt.remote(
+            layout, chain, tokens, priority, exact_only, owner, keep_prefix), _same)
+
+    def resync(self, holders: Sequence[Holder], owner: str) -> MemberPending[list[int]]:
+        return MemberPending(self.actor.resync.remote(holders, owner), _same)
+
+    def release(self, keys: Sequence[bytes], active: bool, owner: str) -> MemberPending[int]:
+        return MemberPending(self.actor.release.remote(keys, active, owner), _same)
+
+    def deactivate(self, keys: Sequence[bytes], offline: bool, was_active: bool,
+                   owner: str) -> MemberPending[bool]:
+        return MemberPending(
+            self.actor.deactivate.remote(keys, offline, was_active, owner), _same)
+
+    def activate(self, keys: Sequence[bytes], owner: str) -> MemberPending[list[TierOf]]:
+        return MemberPending(self.actor.activate.remote(keys, owner), _same)
+
+    def tiers_of(self, keys: Sequence[bytes]) -> MemberPending[list[TierOf]]:
+        return MemberPending(self.actor.tiers_of.remote(keys), _same)
+
+    def set_priority(self, keys: Sequence[bytes], priority: str,
+                     session_id: str | None) -> MemberPending[None]:
+        return MemberPending(self.actor.set_priority.remote(keys, priority, session_id), _none)
+
+    def still_held(self, keys: Sequence[bytes]) -> MemberPending[list[bytes]]:
+        return MemberPending(self.actor.still_held.remote(keys), _same)
+
+    def prefetch(self, keys: Sequence[bytes]) -> MemberPending[int]:
+        return MemberPending(self.actor.prefetch.remote(keys), _same)
+
+    def prefetch_predicted(self, key: bytes) -> MemberPending[int]:
+        return MemberPending(self.actor.prefetch_predicted.remote(key), _same)
+
+    def stats(self) -> MemberPending[dict[str, Any]]:
+        return MemberPending(self.actor.stats.remote(), _same)
+
+
+class ArchiveHandle:
+    """An archive actor as a :class:`memkv.protocol.members.Archive`."""
+
+    __slots__ = ("actor",)
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def ping(self) -> MemberPending[str]:
+        return MemberPending(self.actor.ping.remote(), _same)
+
+    def keys(self) -> MemberPending[list[bytes]]:
+        return MemberPending(self.actor.keys.remote(), _same)
+
+    def delete(self, keys: Sequence[bytes]) -> MemberPending[int]:
+        return MemberPending(self.actor.delete.remote(keys), _same)
+
+    def stats(self) -> MemberPending[dict[str, Any]]:
+        return MemberPending(self.actor.stats.remote(), _same)
+
+
+class PeerHandle:
+    """Another router shard as a :class:`memkv.protocol.members.RouterPeer`."""
+
+    __slots__ = ("actor",)
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def referenced(self, keys: list[bytes]) -> MemberPending[list[bool]]:
+        return MemberPending(self.actor.referenced.remote(keys), _same)
+
+    def tenant_totals(self, tenant: str) -> MemberPending[tuple[int, int]]:
+        return MemberPending(self.actor.tenant_totals.remote(tenant), _same)
+
+
+class RayDirectory:
+    """Members found by their Ray name in the caller's namespace (a
+    :class:`memkv.protocol.members.Directory`); None: no actor of that name."""
+
+    def __init__(self, namespace: str | None = None) -> None:
+        self._namespace = namespace
+
+    def _find(self, name: str) -> Any:
+        namespace = self._namespace or ray.get_runtime_context().namespace
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return None
+
+    def device(self, name: str) -> DeviceHandle | None:
+        actor = self._find(name)
+        return DeviceHandle(actor) if actor is not None else None
+
+    def archive(self, name: str) -> ArchiveHandle | None:
+        actor = self._find(name)
+        return ArchiveHandle(actor) if actor is not None else None
+
+    def peer(self, name: str) -> PeerHandle | None:
+        actor = self._find(name)
+        return PeerHandle(actor) if actor is not None else None

@@ -18,8 +18,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from memkv.actors.handles import SessionServiceHandle
-from memkv.actors.router_state import OTHER_TENANTS, STATS_TENANTS
 from memkv.protocol.shards import shard_name, shard_of
+from memkv.storage.router.state import OTHER_TENANTS, STATS_TENANTS
 
 __all__ = ["RouterShards", "merge_created", "merge_located", "merge_prefix", "merge_stats"]
 

@@ -180,7 +180,7 @@ def _table_bytes_per_session(n: int) -> float:
     """
     import tracemalloc
 
-    from memkv.actors.router_state import RouterState
+    from memkv.storage.router.state import RouterState
 
     state = RouterState()
     layout = LAYOUT.to_dict()

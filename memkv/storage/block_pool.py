@@ -45,6 +45,7 @@ from memkv.errors import (
 )
 from memkv.protocol.enums import Tier
 from memkv.protocol.hashing import BlockHash
+from memkv.protocol.members import StoredBlocks
 from memkv.storage.codecs import CodecPolicy
 from memkv.storage.cold_writer import ColdWriter, WriterStats
 from memkv.storage.config import StoreConfig
@@ -54,7 +55,6 @@ from memkv.storage.pool_core import (
     FetchedBlock,
     Holder,
     PoolStats,
-    PutOutcome,
     TierStats,
     _Block,
     _whole_units,
@@ -74,7 +74,7 @@ __all__ = [
     "FetchedBlock",
     "Holder",
     "PoolStats",
-    "PutOutcome",
+    "StoredBlocks",
     "TierStats",
 ]
 

@@ -79,15 +79,6 @@ class Holder(NamedTuple):
     exact_only: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class PutOutcome:
-    """What applying one :class:`~memkv.protocol.messages.ChainUpdate` did."""
-
-    new_blocks: int
-    deduplicated_blocks: int
-    released_blocks: int  # references dropped (e.g. a replaced partial tail)
-
-
 class FetchedBlock(NamedTuple):
     """A block read from the store, and where it was found."""
 

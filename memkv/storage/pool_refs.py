@@ -17,12 +17,12 @@ from memkv.errors import (
 )
 from memkv.protocol.enums import PRIORITY_RANK, Priority
 from memkv.protocol.hashing import BlockHash
+from memkv.protocol.members import StoredBlocks
 from memkv.protocol.messages import ChainUpdate
 from memkv.storage.diagnostics import check_refcounts
 from memkv.storage.layout import KVLayout
 from memkv.storage.pool_core import (
     Holder,
-    PutOutcome,
     _Block,
     _codec_step,
     raise_invariant,
@@ -41,7 +41,7 @@ class References(TierLadder):
         checksums: Sequence[int] | None = None,
         durable: bool = False,
         owner: str = "",
-    ) -> PutOutcome:
+    ) -> StoredBlocks:
         """Apply one append: store its new blocks and count the references it moves.
 
         Args:
@@ -114,7 +114,7 @@ class References(TierLadder):
                 self._ensure_cold_many(entries, offline=False, durable=True)
             self._counters["dedup_hits"] += dedup
             self._debug_check()
-            return PutOutcome(len(created), dedup, len(update.drop))
+            return StoredBlocks(len(created), dedup, len(update.drop))
 
     def adopt(
         self,

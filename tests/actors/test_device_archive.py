@@ -13,6 +13,7 @@ from memkv.errors import (
     UnknownBlockError,
 )
 from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.members import StoredBlocks
 from memkv.storage.codecs import get_codec
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
@@ -51,7 +52,7 @@ def test_device_cache_round_trip_with_local_cold_tier(tmp_path):
         archive=ArchiveConfig(directory=tmp_path, fsync="never"),
     )
     dev = DeviceCache("dev-0", cfg)
-    assert dev.ping()["device_id"] == "dev-0"
+    assert dev.ping().device_id == "dev-0"
     # The device keeps no sessions: its owner (here a bare table) plans each append.
     owner = SessionTable()
     owner.create("s", LAYOUT, namespace="t")
@@ -59,7 +60,7 @@ def test_device_cache_round_trip_with_local_cold_tier(tmp_path):
     chain = [bytes(k) for k in chain_hashes(range(40), LAYOUT, "t")]
     update = owner.plan_append("s", 40, chain)
     result = dev.put(update, [to_payload(b"", b) for b in bl])
-    assert result == {"new_blocks": 10, "deduplicated_blocks": 0, "released_blocks": 0}
+    assert result == StoredBlocks(new_blocks=10, deduplicated_blocks=0, released_blocks=0)
     read = [from_payload(p) for p in dev.get_blocks(chain, "s")]
     assert all(torch.equal(a, b) for a, b in zip(read, bl, strict=True))
     assert set(dev.locations(chain)) <= {"hot", "warm", "cold"}

@@ -42,8 +42,7 @@ def _run(tmp_path, scenario):
     try:
         return loop.run_until_complete(scenario(device, router))
     finally:
-        if router._background is not None:
-            router._background.cancel()
+        router.background.cancel()
         device.close()
         loop.close()
 

@@ -10,7 +10,7 @@ import torch
 
 from memkv.actors.device import DeviceCache
 from memkv.actors.payload import to_payload
-from memkv.actors.router import SessionRouter
+from memkv.actors.router import SessionRouterShell
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
@@ -79,7 +79,7 @@ def test_a_delete_during_a_deduplicating_append_keeps_the_shared_block(tmp_path)
                       debug_refcounts=True)
     device = DeviceCache("collect-dev", cfg, put_object=Resolved)
     gated, archive = _GatedDevice(device), _Archive()
-    router = SessionRouter(background_prefetch_interval_s=3600)
+    router = SessionRouterShell(background_prefetch_interval_s=3600)
     tokens = list(range(8))
     chain = [bytes(k) for k in chain_hashes(tokens, LAYOUT, "n")]
     blocks = _blocks(8)
@@ -98,7 +98,7 @@ def test_a_delete_during_a_deduplicating_append_keeps_the_shared_block(tmp_path)
         await router.delete_session("a")  # a was their only recorded holder
         gated.gate.set()
         await b_put
-        router._background.cancel()  # the background prefetcher register_device started
+        router.background.cancel()  # the background prefetcher register_device started
 
     loop = asyncio.new_event_loop()
     try:

@@ -1,9 +1,9 @@
 import pytest
 
-from memkv.actors.router_state import RouterState
 from memkv.errors import BlockLostError, InvalidInputError, MemkvError, UnknownSessionError
 from memkv.protocol.enums import SessionState
 from memkv.protocol.layout import KVLayout
+from memkv.storage.router.state import RouterState
 
 LAYOUT = KVLayout("m", 2, 2, 8, block_tokens=4).to_dict()
 

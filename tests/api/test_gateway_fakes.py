@@ -10,6 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from memkv.actors.handles import DeviceHandle
 from memkv.api.app import create_app
 from memkv.client import Client
 from memkv.errors import ConflictError, InvalidInputError, UnknownSessionError
@@ -182,7 +183,9 @@ class _RestartedDevice:
         self._device = device
 
     def ping(self):
-        return {"device_id": "dev-0", "incarnation": "after-restart"}
+        from memkv.protocol.members import DeviceInfo
+
+        return DeviceInfo("dev-0", "after-restart")
 
     def adopt(self, *args, **kwargs):
         from memkv.errors import BlockLostError
@@ -206,8 +209,8 @@ def test_a_lost_session_says_why_in_plain_words(tmp_path):
         with Client(server.url) as client:
             client.create_session("s", LAYOUT, namespace="t")
             client.append_turn("s", list(range(10)), *kv(10))
-        router._devices["dev-0"] = FakeHandle(_RestartedDevice(device))
-        router._checked.clear()
+        router.members.devices["dev-0"] = DeviceHandle(FakeHandle(_RestartedDevice(device)))
+        router.members._checked.clear()
         r = httpx.get(server.url + "/v1/sessions/s/blocks")
         assert r.status_code == 410, r.text
         message = r.json()["error"]["message"]

@@ -12,6 +12,7 @@ import asyncio
 import pytest
 
 from memkv.actors.device import DeviceCache
+from memkv.actors.handles import PeerHandle
 from memkv.actors.router import SessionRouterShell
 from memkv.actors.router_shards import RouterShards, merge_created
 from memkv.api.app import create_app
@@ -49,8 +50,8 @@ def sharded(tmp_path):
     for router in routers:
         loop.run_until_complete(router.register_device("dev-0", FakeHandle(device)))
     # Peers are found by Ray name in a deployment; here they are handed over.
-    routers[0]._peers = [FakeHandle(routers[1])]
-    routers[1]._peers = [FakeHandle(routers[0])]
+    routers[0].peers._peers = [PeerHandle(FakeHandle(routers[1]))]
+    routers[1].peers._peers = [PeerHandle(FakeHandle(routers[0]))]
     app = create_app(RouterShards([FakeHandle(r) for r in routers]), same_node_reads=False,
                      put_object=lambda payload: payload)
     server = _Server(app)
@@ -97,7 +98,7 @@ def test_each_session_goes_to_its_shard_and_shards_share_blocks(sharded):
 
         # Shard 0 restarts and sets its references from its table again; then
         # its sessions go. Shard 1's sessions keep every block, bit for bit.
-        loop.run_until_complete(routers[0]._resync("dev-0"))
+        loop.run_until_complete(routers[0].members.resync("dev-0"))
         device.pool.check_invariants()
         for sid in [s for s in SESSIONS if owners[s] == 0]:
             client.delete_session(sid)

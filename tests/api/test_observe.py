@@ -4,8 +4,8 @@ import asyncio
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from memkv.actors.router_state import OTHER_TENANTS, STATS_TENANTS, RouterState
 from memkv.api.observe import StatsSnapshot, engine_metrics
+from memkv.storage.router.state import OTHER_TENANTS, STATS_TENANTS, RouterState
 
 STATS = {
     "sessions": 3,

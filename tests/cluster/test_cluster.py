@@ -112,12 +112,12 @@ def test_killed_device_serves_archived_sessions_again(cluster):
             durable = sid
             break
     assert durable is not None
-    before = ray.get(cluster.devices[device_id].ping.remote())["incarnation"]
+    before = ray.get(cluster.devices[device_id].ping.remote()).incarnation
     ray.kill(cluster.devices[device_id], no_restart=False)
 
     assert same(read(cluster, archived), blocks)  # the router noticed and re-adopted it
     assert same(read(cluster, durable), durable_blocks)
-    after = ray.get(cluster.devices[device_id].ping.remote())["incarnation"]
+    after = ray.get(cluster.devices[device_id].ping.remote()).incarnation
     assert after != before
     with pytest.raises(BlockLostError, match="restarted"):
         cluster.session(active)

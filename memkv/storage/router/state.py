@@ -5,8 +5,8 @@
 places sessions on devices (prefix affinity, then least loaded), keeps each
 session's hotness (an exponentially decayed access rate) and counts, per
 block, the sessions anywhere that hold it, so the archive deletes a block only
-when no session holds it. Tested without Ray; the actor in
-:mod:`memkv.actors.router` is its async shell.
+when no session holds it. Tested without Ray;
+:class:`~memkv.storage.router.service.SessionRouter` is the service around it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 
 from memkv.errors import (
     CapacityError,
-    CorruptDataError,
     InvalidInputError,
     MemkvError,
     UnknownBlockError,
@@ -31,6 +30,7 @@ from memkv.protocol.ids import TENANT_SEPARATOR
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ChainUpdate
 from memkv.storage.journal import Journal
+from memkv.storage.router.records import apply_record, snapshot_records
 from memkv.storage.sessions import SessionRecord, SessionTable, parse_priority
 
 __all__ = ["DeviceLoad", "RouterState", "SessionRecord", "parse_layout"]
@@ -104,7 +104,7 @@ class RouterState:
             self._replaying = True
             try:
                 for entry in journal.replay():
-                    self._apply(entry)
+                    apply_record(self, entry)
             finally:
                 self._replaying = False
             self.compact_journal()
@@ -286,7 +286,8 @@ class RouterState:
         if old in self.devices:
             self.devices[old].sessions -= 1
         record.device_id = device_id
-        self.devices[device_id].sessions += 1
+        # (a replayed move may name a device this process has not met yet)
+        self.devices.setdefault(device_id, DeviceLoad()).sessions += 1
         self._log({"op": "move", "id": session_id, "device": device_id})
 
     def delete(self, session_id: str) -> list[bytes]:
@@ -420,119 +421,30 @@ class RouterState:
         threshold = max(every, len(self.sessions)) if every > 0 else 1
         if self.journal is None or self.journal.records_since_snapshot < threshold:
             return
-        records: list[dict[str, Any]] = [{"op": "device", "name": n} for n in self.known_devices]
-        records += [{"op": "archive", "name": n} for n in self.known_archives]
-        for r in self.sessions:
-            records.append(
-                {
-                    "op": "create",
-                    "id": r.session_id,
-                    "ns": r.namespace,
-                    "layout": r.layout.to_dict(),
-                    "prio": r.priority.value,
-                    "durable": r.durable,
-                    "exact_only": r.exact_only,
-                    "finite_only": r.finite_only,
-                }
-            )
-            if r.chain or r.turn:
-                records.append(
-                    {
-                        "op": "put",
-                        "id": r.session_id,
-                        "chain": [bytes(k) for k in r.chain],
-                        "tokens": r.tokens,
-                        "turn": r.turn,
-                        "tail": r.tail_rewrites,
-                        "device": r.device_id,
-                    }
-                )
-            if not r.active:
-                records.append({"op": "state", "id": r.session_id, "state": r.state.value})
-            if r.partial_reason is not None:
-                records.append(
-                    {
-                        "op": "truncate",
-                        "id": r.session_id,
-                        "keep": len(r.chain),
-                        "lost_tokens": r.lost_tokens,
-                        "reason": r.partial_reason,
-                    }
-                )
-            if r.lost_reason is not None:
-                records.append({"op": "lost", "id": r.session_id, "reason": r.lost_reason})
-        self.journal.snapshot(records)
+        self.journal.snapshot(snapshot_records(self))
 
-    def _apply(self, entry: dict[str, Any]) -> None:
-        """Replay one journal record (the journal is the table's history)."""
-        op = entry["op"]
-        if op == "device":
-            if entry["name"] not in self.known_devices:
-                self.known_devices.append(entry["name"])
-        elif op == "forget_device":
-            self.forget_device(entry["name"])
-        elif op == "forget_archive":
-            if entry["name"] in self.known_archives:
-                self.known_archives.remove(entry["name"])
-        elif op == "archive":
-            if entry["name"] not in self.known_archives:
-                self.known_archives.append(entry["name"])
-        elif op == "create":
-            self.create(
-                entry["id"],
-                entry["layout"],
-                entry["ns"],
-                entry["prio"],
-                durable=bool(entry.get("durable", False)),
-                exact_only=bool(entry.get("exact_only", False)),
-                finite_only=bool(entry.get("finite_only", False)),
-            )
-        elif op == "put":
-            record = self.sessions.lookup(entry["id"])
-            if record is None:
-                return
-            old = dict.fromkeys(record.chain)
-            new = dict.fromkeys(BlockHash(bytes(k)) for k in entry["chain"])
-            device = entry.get("device")
-            if record.device_id is None and device is not None:
-                record.device_id = device
-                self.devices.setdefault(device, DeviceLoad()).sessions += 1
-            for key in new:
-                if key not in old:
-                    self._ref(key, record.device_id)
-                    self._block_namespace.setdefault(bytes(key), record.namespace)
-            for key in old:
-                if key not in new:
-                    self._unref(key, record.device_id)
-            before = chain_bytes(record)
-            record.chain = list(new)
-            record.tokens = int(entry["tokens"])
-            self.tenant_bytes[tenant_of(record.session_id)] += chain_bytes(record) - before
-            record.turn = int(entry["turn"])
-            record.tail_rewrites = int(entry.get("tail", 0))
-            record.state = SessionState.ACTIVE
-        elif op in ("state", "prio"):
-            found = self.sessions.lookup(entry["id"])
-            if found is not None and op == "state":
-                found.state = SessionState(entry["state"])
-            elif found is not None:
-                found.priority = parse_priority(entry["prio"])
-        elif op == "move":
-            self.devices.setdefault(entry["device"], DeviceLoad())
-            self.move(entry["id"], entry["device"])
-        elif op == "delete":
-            if entry["id"] in self.sessions:
-                self.delete(entry["id"])
-        elif op == "lost":
-            if entry["id"] in self.sessions:
-                self.mark_lost(entry["id"], entry["reason"])
-        elif op == "truncate":
-            found = self.sessions.lookup(entry["id"])
-            if found is not None and 0 < int(entry["keep"]) <= len(found.chain):
-                self.truncate(entry["id"], int(entry["keep"]), str(entry["reason"]))
-                found.lost_tokens = int(entry["lost_tokens"])
-        else:
-            raise CorruptDataError(f"unknown router journal record {op!r}")
+    def restore_chain(self, record: SessionRecord, chain: Sequence[bytes], tokens: int,
+                      turn: int, tail_rewrites: int, device_id: str | None) -> None:
+        """A journal's put record: the session's chain as it was (references moved)."""
+        old = dict.fromkeys(record.chain)
+        new = dict.fromkeys(BlockHash(bytes(k)) for k in chain)
+        if record.device_id is None and device_id is not None:
+            record.device_id = device_id
+            self.devices.setdefault(device_id, DeviceLoad()).sessions += 1
+        for key in new:
+            if key not in old:
+                self._ref(key, record.device_id)
+                self._block_namespace.setdefault(bytes(key), record.namespace)
+        for key in old:
+            if key not in new:
+                self._unref(key, record.device_id)
+        before = chain_bytes(record)
+        record.chain = list(new)
+        record.tokens = tokens
+        self.tenant_bytes[tenant_of(record.session_id)] += chain_bytes(record) - before
+        record.turn = turn
+        record.tail_rewrites = tail_rewrites
+        record.state = SessionState.ACTIVE
 
     def background_candidates(self, device_id: str, limit: int) -> list[str]:
         """The hottest sessions of a device that are not active (worth prefetching)."""

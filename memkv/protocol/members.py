@@ -1,0 +1,133 @@
+"""What a session router asks of the cluster's other members, as ``typing.Protocol``s.
+
+The router's logic (:class:`memkv.storage.router.SessionRouter`) is written
+against these and never against Ray: :mod:`memkv.actors.handles` adapts Ray
+actor handles to them (an actor that died surfaces as
+:class:`~memkv.errors.MemberGoneError`), and a single process or a test passes
+local objects (the tests' fakes).
+
+Every call returns an awaitable that is already on its way when the call
+returns (as Ray's object references are): a caller that does not need the
+answer (a fire-and-forget prefetch) simply does not await it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from memkv.protocol.layout import KVLayout
+from memkv.protocol.messages import ChainUpdate
+
+if TYPE_CHECKING:  # the pool's record of a holder (storage imports torch)
+    from memkv.storage.pool_core import Holder
+
+__all__ = [
+    "Archive",
+    "BlockStore",
+    "DeviceInfo",
+    "Directory",
+    "RouterPeer",
+    "StoredBlocks",
+    "TierOf",
+]
+
+#: ``(key, tier, tokens)`` of one stored block, as a device answers it.
+TierOf = tuple[bytes, str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    """Who answered a ping: the device and its process's incarnation (a restarted
+    device answers a new one, and comes back empty)."""
+
+    device_id: str
+    incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlocks:
+    """What applying one :class:`ChainUpdate` did on a device."""
+
+    new_blocks: int
+    deduplicated_blocks: int
+    released_blocks: int  # references dropped (e.g. a replaced partial tail)
+
+
+class BlockStore(Protocol):
+    """One device's tiers, as the owner of sessions directs them (block references
+    are per router shard: ``owner``)."""
+
+    @property
+    def endpoint(self) -> Any:
+        """What a reader calls directly, bypassing the router (the actor handle):
+        opaque to the router, which only hands it on."""
+
+    def ping(self) -> Awaitable[DeviceInfo]: ...
+
+    def put(self, update: ChainUpdate, blocks: list[Any], checksums: Sequence[int] | None,
+            durable: bool, owner: str) -> Awaitable[StoredBlocks]: ...
+
+    def adopt(self, layout: KVLayout, chain: Sequence[bytes], tokens: Sequence[int],
+              priority: str, exact_only: bool, owner: str, keep_prefix: bool) -> Awaitable[int]:
+        ...
+
+    def resync(self, holders: Sequence[Holder], owner: str) -> Awaitable[list[int]]: ...
+
+    def release(self, keys: Sequence[bytes], active: bool, owner: str) -> Awaitable[int]: ...
+
+    def deactivate(self, keys: Sequence[bytes], offline: bool, was_active: bool,
+                   owner: str) -> Awaitable[bool]: ...
+
+    def activate(self, keys: Sequence[bytes], owner: str) -> Awaitable[list[TierOf]]: ...
+
+    def tiers_of(self, keys: Sequence[bytes]) -> Awaitable[list[TierOf]]: ...
+
+    def set_priority(self, keys: Sequence[bytes], priority: str,
+                     session_id: str | None) -> Awaitable[None]: ...
+
+    def still_held(self, keys: Sequence[bytes]) -> Awaitable[list[bytes]]: ...
+
+    def prefetch(self, keys: Sequence[bytes]) -> Awaitable[int]: ...
+
+    def prefetch_predicted(self, key: bytes) -> Awaitable[int]: ...
+
+    def stats(self) -> Awaitable[dict[str, Any]]:
+        """The device's stats document (JSON values; :class:`memkv.protocol.stats.DeviceStats`
+        reads it)."""
+        ...
+
+
+class Archive(Protocol):
+    """A node's cold tier, as a router collects its garbage."""
+
+    def ping(self) -> Awaitable[str]: ...
+
+    def keys(self) -> Awaitable[list[bytes]]: ...
+
+    def delete(self, keys: Sequence[bytes]) -> Awaitable[int]: ...
+
+    def stats(self) -> Awaitable[dict[str, Any]]:
+        """The archive's stats document (:class:`memkv.protocol.stats.ArchiveStats`)."""
+        ...
+
+
+class RouterPeer(Protocol):
+    """Another shard of the session table, as one shard asks it before deleting
+    archived blocks or admitting past a quota."""
+
+    def referenced(self, keys: list[bytes]) -> Awaitable[list[bool]]: ...
+
+    def tenant_totals(self, tenant: str) -> Awaitable[tuple[int, int]]: ...
+
+
+class Directory(Protocol):
+    """Members by name, as a restarted router finds those its journal names
+    (None: no member of that name any more)."""
+
+    def device(self, name: str) -> BlockStore | None: ...
+
+    def archive(self, name: str) -> Archive | None: ...
+
+    def peer(self, name: str) -> RouterPeer | None: ...

@@ -1,0 +1,70 @@
+"""Prefetch trigger 3: while a device's hot tier is under-used, bring its hottest
+idle sessions' heads back into it (the other two triggers are a turn's input
+ending, in the router, and block N being read, in the device's read-ahead)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from memkv.errors import MemkvError
+from memkv.storage.router.members import Members
+from memkv.storage.router.state import RouterState
+
+__all__ = ["BackgroundPrefetch"]
+
+logger = logging.getLogger(__name__)
+
+
+class BackgroundPrefetch:
+    """One round every ``interval_s`` while the router runs.
+
+    Args:
+        hot_idle_fraction: prefetch only while a device's hot-tier use is below this.
+        head_blocks: how many blocks of each session's head a round brings back.
+    """
+
+    def __init__(self, state: RouterState, members: Members, *, interval_s: float,
+                 hot_idle_fraction: float, head_blocks: int) -> None:
+        self.state = state
+        self.members = members
+        self.interval_s = interval_s
+        self.hot_idle_fraction = hot_idle_fraction
+        self.head_blocks = head_blocks
+        self.prefetched = 0  # blocks, over the router's life
+        self._task: asyncio.Task[None] | None = None
+
+    def ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.round()
+
+    async def round(self) -> int:
+        """One pass over the devices; returns the blocks prefetched."""
+        moved = 0
+        for device_id, device in list(self.members.devices.items()):
+            try:
+                stats = await device.stats()
+                self.state.update_load(device_id, float(stats["hot_usage"]))
+                if stats["incarnation"] != self.state.devices[device_id].incarnation:
+                    await self.members.check(device_id, force=True)
+                    continue
+                if stats["hot_usage"] >= self.hot_idle_fraction:
+                    continue
+                for session_id in self.state.background_candidates(device_id, limit=4):
+                    head = self.state.get(session_id).chain[: self.head_blocks]
+                    moved += int(await device.prefetch(head))
+            except MemkvError as e:  # MemberGoneError among them
+                # A device restarting or a session deleted meanwhile: the next
+                # foreground call recovers it; background work just skips a round.
+                logger.info("background prefetch skipped %s: %s", device_id, e)
+        self.prefetched += moved
+        return moved

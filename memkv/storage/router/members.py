@@ -1,0 +1,226 @@
+"""The devices a router directs, and what it does when one restarts.
+
+A device that restarts comes back empty (a new incarnation): each of its
+sessions is adopted again from what some tier still holds (the archive), or
+truncated to the prefix that survives, or marked lost. :class:`Members` notices
+a restart by the changed incarnation in a ping (at most once a second per
+device) or by :class:`~memkv.errors.MemberGoneError` on a call, and recovers
+once however many callers notice it together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from memkv.errors import BlockLostError, MemberGoneError, plain_message
+from memkv.protocol.enums import SessionState
+from memkv.protocol.layout import block_token_count
+from memkv.protocol.members import BlockStore, DeviceInfo, Directory
+from memkv.storage.pool_core import Holder
+from memkv.storage.router.state import RouterState
+from memkv.storage.sessions import SessionRecord
+
+__all__ = ["DEVICE_CHECK_INTERVAL_S", "DEVICE_RECOVERY_TIMEOUT_S", "Members"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+# How long the router waits for a restarted device to answer before giving up.
+DEVICE_RECOVERY_TIMEOUT_S = 120.0
+# A device that answered a ping this recently is not pinged again per request.
+DEVICE_CHECK_INTERVAL_S = 1.0
+_RECOVERY_POLL_S = 0.2
+
+#: Deletes archived blocks no session serves any more (the router's collector).
+Collect = Callable[[list[bytes]], Awaitable[None]]
+
+
+class Members:
+    """The router's devices, each by its cluster-wide name.
+
+    Args:
+        state: the session table the recoveries change.
+        owner: the router shard whose block references these are.
+        collect: deletes archived blocks a truncated session no longer serves.
+    """
+
+    def __init__(self, state: RouterState, owner: str, collect: Collect) -> None:
+        self.state = state
+        self.owner = owner
+        self._collect = collect
+        self.devices: dict[str, BlockStore] = {}
+        self._checked: dict[str, float] = {}  # device -> when it last answered a ping
+        self._recovering: dict[str, asyncio.Future[None]] = {}
+
+    async def call(
+        self, device_id: str, session_id: str | None,
+        call: Callable[[BlockStore], Awaitable[_T]],
+    ) -> _T:
+        """``call(device)``; if the device died meanwhile it is recovered and called again.
+
+        After a recovery the session may have been marked lost; it is checked
+        again so the caller gets BlockLostError rather than an unknown session.
+        """
+        await self.check(device_id)
+        try:
+            return await call(self.devices[device_id])
+        except MemberGoneError:
+            await self.check(device_id, force=True)
+            if session_id is not None:
+                self.state.get(session_id)
+            return await call(self.devices[device_id])
+
+    async def check(self, device_id: str, *, force: bool = False) -> None:
+        """Recover the device's sessions if its process was restarted since we last looked.
+
+        A device answered within the last DEVICE_CHECK_INTERVAL_S is not pinged
+        again (a ping per request costs a round trip); a restart in between
+        surfaces as MemberGoneError on the caller's own call, and callers then
+        report it (``force``).
+        """
+        pending = self._recovering.get(device_id)
+        if pending is not None:
+            await pending
+            return
+        if not force and time.monotonic() - self._checked.get(device_id, -1e9) < (
+            DEVICE_CHECK_INTERVAL_S
+        ):
+            return
+        try:
+            info = await self.devices[device_id].ping()
+        except MemberGoneError:
+            info = await self.wait_for_restart(device_id)
+        self._checked[device_id] = time.monotonic()
+        if info.incarnation != self.state.devices[device_id].incarnation:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._recovering[device_id] = future
+            try:
+                await self._recover(device_id, info.incarnation)
+                future.set_result(None)
+            except BaseException as e:
+                future.set_exception(e)
+                raise
+            finally:
+                del self._recovering[device_id]
+
+    async def wait_for_restart(self, device_id: str) -> DeviceInfo:
+        device = self.devices[device_id]
+        deadline = time.monotonic() + DEVICE_RECOVERY_TIMEOUT_S
+        while True:
+            try:
+                return await device.ping()
+            except MemberGoneError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(_RECOVERY_POLL_S)
+
+    async def reattach(self, directory: Directory) -> None:
+        """A restarted router: find the journal's devices again by name.
+
+        A device that still answers keeps its blocks: its references are set
+        again from the table (an append the router died before recording
+        leaves none behind). A device that is gone (the machine restarted: new
+        actors, new names) is forgotten; its sessions move to the devices that
+        register next, from the archive (:meth:`rehome_orphans`).
+        """
+        for name in list(self.state.known_devices):
+            device = directory.device(name)
+            if device is None:
+                self.state.forget_device(name)  # no such actor any more (a new cluster)
+                continue
+            self.devices[name] = device
+            try:
+                info = await device.ping()
+            except MemberGoneError:
+                info = await self.wait_for_restart(name)  # it exists, and is restarting
+            self.state.add_device(name, info.incarnation)
+            self._checked[name] = time.monotonic()
+            await self.resync(name)
+
+    async def resync(self, device_id: str) -> None:
+        """Set a device's block references from the table; sessions it cannot serve are lost."""
+        records = [r for r in self.state.sessions_on(device_id) if r.chain and not r.lost]
+        holders = [
+            Holder(r.layout, list(r.chain), block_token_count(r.layout, r.tokens), r.active,
+                   r.priority, r.exact_only)
+            for r in records
+        ]
+        device = self.devices[device_id]
+        for i in await device.resync(holders, self.owner):
+            reason = (
+                f"device {device_id} no longer has all of its blocks and the archive lacks some"
+            )
+            if await self.serve_what_survives(device, records[i], reason):
+                self.state.record_state(records[i].session_id, SessionState.ARCHIVED)
+
+    async def rehome_orphans(self) -> None:
+        """Sessions whose device is gone for good go to a live one, from the archive."""
+        if not self.devices:
+            return
+        for record in list(self.state.sessions):
+            if record.device_id is None or record.device_id in self.devices or record.lost:
+                continue
+            target = min(self.devices, key=lambda d: (self.state.devices[d].sessions, d))
+            if not record.chain:
+                self.state.move(record.session_id, target)
+                continue
+            reason = "its device is gone and the archive lacks some of its blocks"
+            if not await self.serve_what_survives(self.devices[target], record, reason):
+                continue
+            self.state.move(record.session_id, target)
+            self.state.record_state(record.session_id, SessionState.ARCHIVED)
+
+    async def _recover(self, device_id: str, incarnation: str) -> None:
+        """A device restarted empty: re-adopt its sessions from the archive, or mark them lost."""
+        logger.warning("device %s restarted; recovering its sessions from the archive", device_id)
+        self.state.devices[device_id].incarnation = incarnation
+        device = self.devices[device_id]
+        for record in self.state.sessions_on(device_id):
+            if record.lost or not record.chain:
+                continue
+            reason = (
+                f"device {device_id} restarted before all of the session's blocks reached "
+                f"the archive"
+            )
+            if await self.serve_what_survives(device, record, reason):
+                self.state.record_state(record.session_id, SessionState.ARCHIVED)
+
+    async def serve_what_survives(
+        self, device: BlockStore, record: SessionRecord, reason: str
+    ) -> bool:
+        """Have ``device`` hold what is left of ``record``'s chain: the longest prefix
+        some tier still has (the engine recomputes the rest), or nothing.
+
+        Returns:
+            False when not even the first block survives (the session is lost: 410).
+        """
+        try:
+            held = await device.adopt(
+                record.layout, list(record.chain), block_token_count(record.layout, record.tokens),
+                record.priority.value, record.exact_only, self.owner, True,
+            )
+        except BlockLostError as e:
+            self.state.mark_lost(record.session_id, f"{reason} ({plain_message(e)})")
+            return False
+        if held < len(record.chain):
+            tokens = record.tokens
+            # Blocks after the first missing one that the archive has are garbage
+            # now (no session serves past the gap).
+            await self._collect(
+                self.state.truncate(
+                    record.session_id,
+                    held,
+                    f"{reason}: blocks {held}..{len(record.chain) - 1} of {len(record.chain)} "
+                    f"are lost",
+                )
+            )
+            logger.warning(
+                "session %s keeps %d of its %d tokens (%s)",
+                record.session_id, record.tokens, tokens, reason,
+            )
+        return True
