@@ -1,12 +1,4 @@
-"""Which memory-tier block leaves first: plain LRU and prefix-aware LRU-K.
-
-Both policies track keys only (``BlockHash`` bytes in the store, ints in the
-trace replay); the tier owns the bytes. A policy is told about every
-``insert`` (a newly cached block, which counts as an access), ``access`` (a
-hit), ``remove`` (gone for another reason), ``pin``/``unpin`` (refcounted; a
-pinned key is never a victim) and chooses *and forgets* a victim in
-``pop_victim``. Expected outcomes are return values (``None``: nothing can be
-evicted); misuse raises :class:`~memkv.errors.InvalidInputError`.
+"""Prefix-aware LRU-K with exact victim selection.
 
 LRU-K score
 -----------
@@ -82,27 +74,15 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic
 
 from sortedcontainers import SortedList
 
-from memkv.errors import ConfigError, InvalidInputError
-from memkv.storage.config import EvictionConfig
+from memkv.errors import InvalidInputError
+from memkv.storage.eviction.policy import K, _already_tracked, _not_pinned, _still_pinned, _unknown
 
-__all__ = [
-    "DEFAULT_GHOST_FLOOR",
-    "MIN_AGE",
-    "POLICIES",
-    "EvictionPolicy",
-    "LRUKPolicy",
-    "LRUPolicy",
-    "lru_k_score",
-    "make_policy",
-]
-
-K = TypeVar("K", bound=Hashable)
+__all__ = ["DEFAULT_GHOST_FLOOR", "MIN_AGE", "LRUKPolicy", "lru_k_score"]
 
 #: Smallest age used in the LRU-K score: guards ``now == t_i`` (and a clock that
 #: steps back), in the caller's time unit. Far below any real inter-access gap.
@@ -136,156 +116,6 @@ def lru_k_score(times: tuple[float, ...], now: float) -> float:
         age = now - t
         s += 1.0 / (age if age > MIN_AGE else MIN_AGE)
     return s
-
-
-class EvictionPolicy(Protocol[K]):
-    """What a memory tier needs from an eviction policy."""
-
-    def insert(self, key: K, now: float, parent: K | None = None) -> None:
-        """Track a newly cached block (counts as an access); ``parent`` precedes it in its chain."""
-        ...
-
-    def access(self, key: K, now: float) -> None:
-        """Record a hit."""
-        ...
-
-    def remove(self, key: K) -> None:
-        """Forget a block that left for another reason (deleted, moved to another tier)."""
-        ...
-
-    def pin(self, key: K) -> None:
-        """Protect a block from eviction (refcounted)."""
-        ...
-
-    def unpin(self, key: K) -> None:
-        """Drop one pin."""
-        ...
-
-    def pop_victim(self, now: float) -> K | None:
-        """Choose and forget the victim; ``None`` when nothing is evictable."""
-        ...
-
-    def __contains__(self, key: object) -> bool: ...
-
-    def __len__(self) -> int: ...
-
-
-def _unknown(op: str, key: object) -> InvalidInputError:
-    return InvalidInputError(f"{op}: key {key!r} is not tracked by this policy; insert() it first")
-
-
-def _already_tracked(key: object) -> InvalidInputError:
-    return InvalidInputError(f"insert: key {key!r} is already tracked; use access() for a hit")
-
-
-def _still_pinned(key: object, pins: int) -> InvalidInputError:
-    return InvalidInputError(f"remove: key {key!r} is pinned {pins} time(s); unpin it first")
-
-
-def _not_pinned(key: object) -> InvalidInputError:
-    return InvalidInputError(f"unpin: key {key!r} is not pinned (its pin count would go below 0)")
-
-
-# ---------------------------------------------------------------------------- LRU
-
-
-class LRUPolicy(Generic[K]):
-    """Plain least-recently-used, the baseline: O(1) per operation.
-
-    ``parent`` is accepted for interface compatibility and ignored. A pinned key
-    leaves the recency order and re-enters it as most recent when its last pin
-    is dropped (a pinned block is one being read, i.e. used).
-
-    Example:
-        >>> p = LRUPolicy()
-        >>> p.insert("a", 1.0); p.insert("b", 2.0); p.access("a", 3.0)
-        >>> p.pop_victim(4.0)
-        'b'
-    """
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[K, None] = OrderedDict()  # unpinned, least recent first
-        self._pins: dict[K, int] = {}
-
-    def insert(self, key: K, now: float, parent: K | None = None) -> None:
-        """Track a newly cached block as the most recent.
-
-        Raises:
-            InvalidInputError: ``key`` is already tracked (use :meth:`access`).
-        """
-        if key in self:
-            raise _already_tracked(key)
-        self._order[key] = None
-
-    def access(self, key: K, now: float) -> None:
-        """Make ``key`` the most recent.
-
-        Raises:
-            InvalidInputError: ``key`` is not tracked.
-        """
-        if key in self._order:
-            self._order.move_to_end(key)
-        elif key not in self._pins:
-            raise _unknown("access", key)
-
-    def remove(self, key: K) -> None:
-        """Forget ``key``.
-
-        Raises:
-            InvalidInputError: ``key`` is not tracked, or is pinned (unpin it first).
-        """
-        if key in self._pins:
-            raise _still_pinned(key, self._pins[key])
-        if key not in self._order:
-            raise _unknown("remove", key)
-        del self._order[key]
-
-    def pin(self, key: K) -> None:
-        """Protect ``key`` from eviction until as many :meth:`unpin` calls.
-
-        Raises:
-            InvalidInputError: ``key`` is not tracked.
-        """
-        if key in self._pins:
-            self._pins[key] += 1
-        elif key in self._order:
-            del self._order[key]
-            self._pins[key] = 1
-        else:
-            raise _unknown("pin", key)
-
-    def unpin(self, key: K) -> None:
-        """Drop one pin of ``key``.
-
-        Raises:
-            InvalidInputError: ``key`` is not tracked, or is not pinned.
-        """
-        count = self._pins.get(key)
-        if count is None:
-            if key in self._order:
-                raise _not_pinned(key)
-            raise _unknown("unpin", key)
-        if count == 1:
-            del self._pins[key]
-            self._order[key] = None
-        else:
-            self._pins[key] = count - 1
-
-    def pop_victim(self, now: float) -> K | None:
-        """Forget and return the least recent unpinned key, or ``None`` if there is none."""
-        if not self._order:
-            return None
-        key, _ = self._order.popitem(last=False)
-        return key
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order or key in self._pins
-
-    def __len__(self) -> int:
-        return len(self._order) + len(self._pins)
-
-
-# ---------------------------------------------------------------------------- LRU-K
 
 
 class _ScoreIndex:
@@ -737,50 +567,3 @@ class LRUKPolicy(Generic[K]):
             self._recency.remove(old[0])
             self._by_recency.discard(gk)
             self._by_score.discard(gk)
-
-
-# ---------------------------------------------------------------------------- registry
-
-
-def _make_lru(config: EvictionConfig) -> EvictionPolicy[Any]:
-    return LRUPolicy()
-
-
-def _make_lru_k(config: EvictionConfig) -> EvictionPolicy[Any]:
-    return LRUKPolicy(
-        config.k,
-        prefix_aware=config.prefix_aware,
-        recency_guard=config.recency_guard,
-        inherit=config.inherit,
-    )
-
-
-#: Policy constructors by ``EvictionConfig.policy``.
-POLICIES: dict[str, Callable[[EvictionConfig], EvictionPolicy[Any]]] = {
-    "lru": _make_lru,
-    "lru_k": _make_lru_k,
-}
-
-
-def make_policy(config: EvictionConfig) -> EvictionPolicy[Any]:
-    """A fresh policy as ``config`` describes.
-
-    Args:
-        config: the eviction settings (policy name, ``k``, ``prefix_aware``).
-
-    Returns:
-        An empty policy.
-
-    Raises:
-        ConfigError: unknown policy name.
-
-    Example:
-        >>> make_policy(EvictionConfig(policy="lru")).pop_victim(0.0) is None
-        True
-    """
-    factory = POLICIES.get(config.policy)
-    if factory is None:
-        raise ConfigError(
-            f"unknown eviction policy {config.policy!r}; expected one of {sorted(POLICIES)}"
-        )
-    return factory(config)
