@@ -20,6 +20,13 @@ come from the model's config, never from constants here. Sliding-window layers
 are kept whole (every token's KV), since KV is only ever stored under the
 tokens it was computed from; the model's attention mask applies the window.
 
+Precision (the deployment's ``device.precision``, by default): blocks of a
+session's first turn stay in the model's dtype wherever they go; blocks of
+later turns are stored as float16 once demoted from the hot tier
+(``later_dtype``), and long-idle unshared blocks as int8. An fp32 session
+that must stay exact is created with ``exact_only=True``; every restored
+block says whether it is exact (``Block.exact``, ``Block.lossy``).
+
 The client is anything with the methods of :class:`KVClient` (the HTTP
 :class:`memkv.client.Client` has them), so this module needs no server to test.
 """

@@ -69,12 +69,7 @@ def layout_for(
 ) -> KVLayout:
     """The :class:`KVLayout` of a Llama-family model's cache.
 
-    Precision (the deployment's ``device.precision``, by default): blocks of a
-    session's first turn stay in the model's dtype wherever they go; blocks of
-    later turns are stored as float16 once demoted from the hot tier
-    (``later_dtype``), and long-idle unshared blocks as int8. An fp32 session
-    that must stay exact is created with ``exact_only=True``; every restored
-    block says whether it is exact (``Block.exact``, ``Block.lossy``).
+    Precision: as the package docstring says (:mod:`memkv.integrations.transformers`).
 
     Args:
         model_or_config: a transformers model (``AutoModelForCausalLM``) or its config.

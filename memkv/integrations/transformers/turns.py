@@ -44,12 +44,7 @@ def save_turn(
     Only blocks the server does not hold yet travel (the client skips the
     stored part of the chain), and a retried turn is a no-op.
 
-    Precision (the deployment's ``device.precision``, by default): blocks of a
-    session's first turn stay in the model's dtype wherever they go; blocks of
-    later turns are stored as float16 once demoted from the hot tier
-    (``later_dtype``), and long-idle unshared blocks as int8. An fp32 session
-    that must stay exact is created with ``exact_only=True``; every restored
-    block says whether it is exact (``Block.exact``, ``Block.lossy``).
+    Precision: as the package docstring says (:mod:`memkv.integrations.transformers`).
 
     Args:
         client: a memkv client.
@@ -142,12 +137,7 @@ def restore(
     a new session). The cache is cropped so that at least one input token is
     left to prefill.
 
-    Precision (the deployment's ``device.precision``, by default): blocks of a
-    session's first turn stay in the model's dtype wherever they go; blocks of
-    later turns are stored as float16 once demoted from the hot tier
-    (``later_dtype``), and long-idle unshared blocks as int8. An fp32 session
-    that must stay exact is created with ``exact_only=True``; every restored
-    block says whether it is exact (``Block.exact``, ``Block.lossy``).
+    Precision: as the package docstring says (:mod:`memkv.integrations.transformers`).
 
     Args:
         client: a memkv client.
