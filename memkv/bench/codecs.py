@@ -3,7 +3,7 @@
 Two kinds of KV:
 
 * two byte-level Llamas trained here on the standard library's sources
-  (:mod:`memkv.bench.accuracy`: 4 layers / hidden 256 and 8 layers / hidden
+  (:mod:`memkv.bench.byte_llama`: 4 layers / hidden 256 and 8 layers / hidden
   512; each trained once, cached under the user's cache directory): the
   table's perplexity rise and greedy agreement per model, with real
   statistics (outlier channels, token correlation, peaked distributions),
@@ -33,18 +33,15 @@ import torch
 from memkv.bench.accuracy import (
     DEFAULT_CONT,
     DEFAULT_PREFIX,
-    MODELS,
-    QUICK,
     KVTransform,
     PerplexityResult,
-    TrainedModel,
     codec_transform,
     int8_transform,
     perplexity_with_codecs,
     precision_transform,
-    train_byte_llama,
     trained_kv_blocks,
 )
+from memkv.bench.byte_llama import MODELS, QUICK, TrainedModel, train_byte_llama
 from memkv.bench.capacity import CapacityRow, measure_capacity
 from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track

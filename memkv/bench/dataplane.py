@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -35,8 +35,10 @@ import numpy as np
 from memkv.bench.clients import ClientRun, run_clients
 from memkv.bench.context import BENCH_MAX_BODY_BYTES, BenchContext
 from memkv.bench.demotion import TIER_BLOCKS, DemotionRun, measure_demotions
+from memkv.bench.levels import GB, MS, P50, LevelResult, from_latencies, from_runs, memcpy_level
 from memkv.bench.peers import bare_asgi_server, raw_socket_server, redis_server
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
+from memkv.bench.session_reads import NAMESPACE, PREFILL_MFU, h100_prefill_s, session_rows
 from memkv.protocol.checksum import CRC32_BACKEND, crc32
 from memkv.protocol.layout import KVLayout
 
@@ -71,9 +73,6 @@ DEMOTIONS = 48
 QUICK_DEMOTIONS = 6
 QUICK_MEMCPY_REPS = 50
 #: Bytes the memcpy ring spans (well past a last-level cache).
-MEMCPY_RING_BYTES = 256 << 20
-MEMCPY_RING_MAX_BUFFERS = 256
-NAMESPACE = "bench-dataplane"
 BARE_ASGI = "bare ASGI (uvicorn)"
 GATEWAY_HTTP = "gateway (HTTP)"
 GATEWAY_PORT = "gateway (block port)"
@@ -92,102 +91,6 @@ TARGETS = {
     "http_put_vs_bare_asgi": 0.75,
     "block_port_put_vs_raw_8_clients_2_workers": 0.5,
 }
-#: One H100 SXM: 989 TFLOPS dense BF16 (NVIDIA H100 Tensor Core GPU datasheet; 1,979
-#: is the sparse figure). Prefill FLOPs of Llama-3-8B (8.03e9 parameters) for T
-#: tokens: 2*N*T for the weights plus 2*L*T^2*d for causal attention (QK^T and AV).
-H100_BF16_FLOPS = 989e12
-LLAMA3_8B_PARAMS = 8.03e9
-LLAMA3_8B_HIDDEN = 4096
-#: Model FLOPs utilisation of a good prefill kernel stack (vLLM, TensorRT-LLM) on H100.
-PREFILL_MFU = 0.5
-_GB = 1e9
-_MS = 1000.0
-_P50, _P99 = 50, 99
-
-
-@dataclass(frozen=True, slots=True)
-class LevelResult:
-    """One target, operation and concurrency."""
-
-    target: str
-    op: str
-    concurrency: int
-    ops: int
-    block_bytes: int
-    gb_s: float
-    p50_ms: float
-    p99_ms: float
-
-
-def _from_runs(target: str, op: str, rounds: list[list[ClientRun]], nbytes: int) -> LevelResult:
-    """GB/s = clients x block bytes / median latency, over every round's operations.
-
-    The median, not bytes over wall time: this 2-core machine, shared by the
-    servers, the clients and Ray, stalls now and then, and one 40-100 ms stall
-    in a round of 1.5 ms operations would decide a wall-time figure (the raw
-    socket's own P99 was 42 ms here). For closed-loop clients c / median
-    latency is the throughput of a stall-free round.
-    """
-    latencies = [lat for runs in rounds for r in runs for lat in r.latencies]
-    c = len(rounds[0])
-    p50 = percentile(latencies, _P50)
-    return LevelResult(
-        target,
-        op,
-        c,
-        len(latencies),
-        nbytes,
-        c * nbytes / p50 / _GB,
-        p50 * _MS,
-        percentile(latencies, _P99) * _MS,
-    )
-
-
-def _from_latencies(target: str, op: str, latencies: list[float], nbytes: int) -> LevelResult:
-    """A sequential single-client figure: bytes over the median operation."""
-    p50 = percentile(latencies, _P50)
-    return LevelResult(
-        target,
-        op,
-        1,
-        len(latencies),
-        nbytes,
-        nbytes / p50 / _GB,
-        p50 * _MS,
-        percentile(latencies, _P99) * _MS,
-    )
-
-
-def memcpy_level(block_bytes: int, reps: int, blocks: int = 1) -> LevelResult:
-    """Single-core copy of ``blocks`` blocks into other buffers, ``reps`` times.
-
-    The copies walk a ring of buffers larger than any last-level cache, as a
-    server's copies do: one cache-resident block copied over and over measured
-    60 GB/s here, a cache figure, not the memory bandwidth a block move gets.
-    """
-    total = block_bytes * blocks
-    ring = max(2, min(-(-MEMCPY_RING_BYTES // total), MEMCPY_RING_MAX_BUFFERS))
-    rng = np.random.default_rng(0)
-    srcs = [rng.integers(0, 255, total, dtype=np.uint8) for _ in range(ring)]
-    dsts = [np.empty_like(s) for s in srcs]
-    for d, s in zip(dsts, srcs, strict=True):
-        np.copyto(d, s)  # fault the pages in before timing
-    lat = []
-    for i in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(dsts[i % ring], srcs[(i + 1) % ring])
-        lat.append(time.perf_counter() - t0)
-    label = "memcpy (1 core)" if blocks == 1 else f"memcpy (1 core, {blocks} blocks)"
-    return LevelResult(
-        label,
-        "copy",
-        1,
-        reps,
-        total,
-        reps * total / sum(lat) / _GB,
-        percentile(lat, _P50) * _MS,
-        percentile(lat, _P99) * _MS,
-    )
 
 
 def _crc_gb_s(nbytes: int) -> float:
@@ -196,7 +99,7 @@ def _crc_gb_s(nbytes: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
         crc32(data)
-    return reps * nbytes / (time.perf_counter() - t0) / _GB
+    return reps * nbytes / (time.perf_counter() - t0) / GB
 
 
 def _ray_hop_ms(ctx: BenchContext) -> float:
@@ -211,152 +114,21 @@ def _ray_hop_ms(ctx: BenchContext) -> float:
         t0 = time.perf_counter()
         ray.get(device.ping.remote())
         lat.append(time.perf_counter() - t0)
-    return percentile(lat, _P50) * _MS
-
-
-# -- session reads ----------------------------------------------------------------------------
-
-
-def _store_session(ctx: BenchContext, layout: KVLayout, tokens: int, tag: str) -> tuple[str, Any]:
-    """A session of ``tokens`` random tokens' KV stored in-cluster; its id and route."""
-    import ray
-    import torch
-
-    cluster = ctx.get_cluster()
-    sid = f"dp-session-{tag}-{uuid.uuid4().hex[:8]}"
-    cluster.create_session(sid, layout, namespace=NAMESPACE)
-    token_ids = np.random.default_rng(3).integers(0, 32000, tokens).tolist()
-    n_blocks = -(-tokens // layout.block_tokens)
-    g = torch.Generator().manual_seed(4)
-    # One block of random values repeated: the bytes moved are what is measured.
-    block = torch.randn(layout.block_shape(), generator=g).to(layout.torch_dtype)
-    for i in range(n_blocks):  # one turn per block keeps each put's object small
-        cluster.put_blocks(
-            sid, token_ids[: min(tokens, (i + 1) * layout.block_tokens)], [block], start_block=i
-        )
-    route = ray.get(cluster.routers.of(sid).read_route.remote(sid, 0, None))
-    return sid, route
-
-
-def _same_node_reads(route: Any, reps: int) -> list[float]:
-    import ray
-
-    from memkv.same_node import SameNodeReader
-
-    layout = KVLayout.from_dict(route.layout)
-    out = [np.empty(layout.block_nbytes(n), dtype=np.uint8) for n in route.tokens]
-    node = ray.get_runtime_context().get_node_id()
-    lat = []
-    with SameNodeReader(route.device, node_id=node) as reader:
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            got = reader.read(list(route.keys), out=out)
-            lat.append(time.perf_counter() - t0)
-            if len(got) != len(out) or not all(g.exact for g in got):
-                raise RuntimeError("the same-node read did not return every block exactly")
-    return lat[1:]
-
-
-def _in_cluster_reads(ctx: BenchContext, sid: str, route: Any, reps: int) -> list[float]:
-    """Until every block is readable in this process: zero-copy views of object-store objects.
-
-    Unlike the same-node path, whose blocks must be copied out before their
-    lease ends, these views stay valid while the reader holds them, so the
-    read ends when the last one is mapped (an engine then copies them into its
-    own cache, as it would any restored block).
-    """
-    cluster = ctx.get_cluster()
-    # Untimed first: reads until the object store's worth of bytes has passed. A
-    # fresh process's first pass over the store's pages pays page faults (64 MiB:
-    # 43 ms against 25 ms once touched, measured here; Ray's preallocation of the
-    # store did not remove it) that a long-running cluster paid long ago.
-    layout = KVLayout.from_dict(route.layout)
-    session_bytes = max(1, sum(layout.block_nbytes(n) for n in route.tokens))
-    warm = 1 + -(-_object_store_bytes() // session_bytes)
-    lat = []
-    for _ in range(reps + warm):
-        t0 = time.perf_counter()
-        held = [block for _, block in cluster.read_session(sid)]
-        lat.append(time.perf_counter() - t0)
-        if len(held) != len(route.keys):
-            raise RuntimeError(f"expected {len(route.keys)} blocks in-cluster, got {len(held)}")
-        del held
-    return lat[warm:]
-
-
-def _object_store_bytes() -> int:
-    import ray
-
-    return int(ray.cluster_resources().get("object_store_memory", 0))
-
-
-def _gateway_session_reads(
-    url: str, sid: str, route: Any, reps: int, block_port: bool
-) -> list[float]:
-    layout = KVLayout.from_dict(route.layout)
-    params = {
-        "url": url,
-        "block_port": block_port,
-        "session_id": sid,
-        "ops": reps + 1,
-        "block_bytes": [layout.block_nbytes(n) for n in route.tokens],
-    }
-    (run,) = run_clients("gateway_session", params, 1)
-    return run.latencies[1:]
-
-
-def _session_rows(
-    ctx: BenchContext, layout: KVLayout, tokens: int, reps: int, tag: str
-) -> list[LevelResult]:
-    sid, route = _store_session(ctx, layout, tokens, tag)
-    nbytes = sum(layout.block_nbytes(n) for n in route.tokens)
-    label = f"{tokens}-token session ({nbytes / (1 << 20):.0f} MiB, {layout.model_id})"
-    try:
-        rows = [memcpy_level(nbytes // len(route.keys), max(reps * 4, 8), len(route.keys))]
-        rows[0] = LevelResult(
-            f"memcpy ({label})",
-            "copy",
-            1,
-            rows[0].ops,
-            nbytes,
-            rows[0].gb_s,
-            rows[0].p50_ms,
-            rows[0].p99_ms,
-        )
-        rows.append(
-            _from_latencies(f"same-node ({label})", "read", _same_node_reads(route, reps), nbytes)
-        )
-        rows.append(
-            _from_latencies(
-                f"in-cluster ({label})", "read", _in_cluster_reads(ctx, sid, route, reps), nbytes
-            )
-        )
-        for path, port in (("HTTP", False), ("block port", True)):
-            rows.append(
-                _from_latencies(
-                    f"gateway {path} ({label})",
-                    "read",
-                    _gateway_session_reads(ctx.get_gateway_url(), sid, route, reps, port),
-                    nbytes,
-                )
-            )
-        return rows
-    finally:
-        ctx.get_cluster().delete_session(sid)
+    return percentile(lat, P50) * MS
 
 
 def _demotion_rows(runs: list[DemotionRun]) -> list[LevelResult]:
     rows = []
     for run in runs:
         rows.append(
-            _from_latencies(f"append demoting to cold ({run.mode})", "put", run.appends, run.nbytes)
+            from_latencies(f"append demoting to cold ({run.mode})", "put", run.appends, run.nbytes)
         )
         # Throughput over the whole run, drain included: the median append alone
         # would hide work the writer still had to do.
         rows[-1] = replace(rows[-1], gb_s=run.gb_s)
         if run.probes:
             rows.append(
-                _from_latencies(f"pool reader meanwhile ({run.mode})", "lock wait", run.probes, 0)
+                from_latencies(f"pool reader meanwhile ({run.mode})", "lock wait", run.probes, 0)
             )
     return rows
 
@@ -373,13 +145,6 @@ def _demotion_note(runs: list[DemotionRun]) -> str:
         "cold write holds the lock. Cold-tier calls per run: "
         f"{calls} (a cluster's archive adds one Ray call to each)."
     )
-
-
-def h100_prefill_s(tokens: int) -> tuple[float, float]:
-    """Seconds one H100 needs to prefill ``tokens`` of Llama-3-8B: at peak, and at PREFILL_MFU."""
-    flops = 2 * LLAMA3_8B_PARAMS * tokens + 2 * 32 * tokens**2 * LLAMA3_8B_HIDDEN
-    peak = flops / H100_BF16_FLOPS
-    return peak, peak / PREFILL_MFU
 
 
 # -- the suite --------------------------------------------------------------------------------
@@ -425,12 +190,12 @@ def _levels(
             for op in ("get", "put"):
                 base = {"nbytes": nbytes, "ops": ops, "op": op}
                 out.append(
-                    _from_runs(
+                    from_runs(
                         "raw socket", op, measure("raw", {**base, "port": raw_port}, c), nbytes
                     )
                 )
                 out.append(
-                    _from_runs(
+                    from_runs(
                         BARE_ASGI,
                         op,
                         measure("bare_http", {**base, "port": bare_port}, c),
@@ -439,7 +204,7 @@ def _levels(
                 )
                 if redis_port is not None:
                     out.append(
-                        _from_runs(
+                        from_runs(
                             "redis (redis-py+hiredis)",
                             op,
                             measure("redis", {**base, "port": redis_port}, c),
@@ -455,7 +220,7 @@ def _levels(
                     "namespace": NAMESPACE,
                 }
                 for target, port in ((GATEWAY_HTTP, False), (GATEWAY_PORT, True)):
-                    out.append(_from_runs(target, op, measure("gateway", {**gw, "block_port": port},
+                    out.append(from_runs(target, op, measure("gateway", {**gw, "block_port": port},
                                                               c), nbytes))
         # The most clients again, against a gateway of WORKERS processes on one port pair.
         from memkv.api.workers import Gateway
@@ -467,20 +232,20 @@ def _levels(
                 params = {"url": workers.url, "layout": layout.to_dict(), "ops": ops, "op": op,
                           "session_blocks": SESSION_BLOCKS, "namespace": NAMESPACE,
                           "block_port": True}
-                out.append(_from_runs(GATEWAY_PORT_WORKERS, op,
+                out.append(from_runs(GATEWAY_PORT_WORKERS, op,
                                       measure("gateway", params, c, "w"), nbytes))
     # A long turn: APPEND_BLOCKS blocks in one request, against the raw stream of as many bytes.
     big = nbytes * (QUICK_APPEND_BLOCKS if ctx.quick else APPEND_BLOCKS)
     append_ops = max(2, ops // 4)
     with raw_socket_server(big) as raw_port:
-        out.append(_from_runs(
+        out.append(from_runs(
             f"raw socket ({big >> 20} MiB)", "append",
             measure("raw", {"nbytes": big, "ops": append_ops, "op": "put", "port": raw_port}, 1),
             big))
     for target, port in ((GATEWAY_HTTP, False), (GATEWAY_PORT, True)):
         params = {"url": url, "layout": layout.to_dict(), "ops": append_ops,
                   "blocks": big // nbytes, "namespace": NAMESPACE, "block_port": port}
-        out.append(_from_runs(f"{target} ({big >> 20} MiB)", "append",
+        out.append(from_runs(f"{target} ({big >> 20} MiB)", "append",
                               measure("gateway_append", params, 1), big))
     return out
 
@@ -504,18 +269,18 @@ def run(ctx: BenchContext) -> SuiteResult:
         results += _levels(ctx, layout, levels, ops, redis_port, 1 if quick else ROUNDS, drains)
     session_tokens = QUICK_SESSION_TOKENS if quick else SESSION_TOKENS
     _drain_cold(ctx, [])
-    results += _session_rows(ctx, layout, session_tokens, reps, "4k")
+    results += session_rows(ctx, layout, session_tokens, reps, "4k")
     real_size: dict[str, Any] = {}
     if not quick:
-        big = _session_rows(ctx, LLAMA3_8B_LAYOUT, SESSION_TOKENS, max(2, reps // 2), "8b")
+        big = session_rows(ctx, LLAMA3_8B_LAYOUT, SESSION_TOKENS, max(2, reps // 2), "8b")
         results += big
         peak, typical = h100_prefill_s(SESSION_TOKENS)
         real_size = {
             "bytes": big[0].block_bytes,
-            "seconds": {r.target.split(" (")[0]: r.p50_ms / _MS for r in big},
+            "seconds": {r.target.split(" (")[0]: r.p50_ms / MS for r in big},
             "h100_prefill_s_peak": peak,
             "h100_prefill_s_at_mfu": typical,
-            "break_even_gb_s": big[0].block_bytes / typical / _GB,
+            "break_even_gb_s": big[0].block_bytes / typical / GB,
         }
     hop_ms = _ray_hop_ms(ctx)
     crc_gb_s = _crc_gb_s(nbytes)

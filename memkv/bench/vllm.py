@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from memkv.bench.context import BenchContext
-from memkv.bench.dataplane import memcpy_level
+from memkv.bench.levels import memcpy_level
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track
 
 __all__ = ["run"]

@@ -134,7 +134,7 @@ def test_codecs_quick(ctx: BenchContext) -> None:
 def test_byte_llama_is_cached_and_reused(tmp_path: Path) -> None:
     import torch
 
-    from memkv.bench.accuracy import MANIFEST, train_byte_llama
+    from memkv.bench.byte_llama import MANIFEST, train_byte_llama
 
     model, info = train_byte_llama(tmp_path, quick=True)
     assert not info.cached and info.path is not None and (info.path / MANIFEST).is_file()
@@ -153,7 +153,7 @@ def test_byte_llama_is_cached_and_reused(tmp_path: Path) -> None:
 
 
 def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from memkv.bench.accuracy import default_cache_dir
+    from memkv.bench.byte_llama import default_cache_dir
 
     monkeypatch.delenv("MEMKV_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -165,7 +165,8 @@ def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_
 def test_perplexity_is_scored_on_the_transformed_cache() -> None:
     import torch
 
-    from memkv.bench.accuracy import perplexity_with_codecs, precision_transform, train_byte_llama
+    from memkv.bench.accuracy import perplexity_with_codecs, precision_transform
+    from memkv.bench.byte_llama import train_byte_llama
     from memkv.errors import InvalidInputError
 
     model, info = train_byte_llama(None, quick=True, minutes=0.01)

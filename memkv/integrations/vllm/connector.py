@@ -62,13 +62,11 @@ counters ``vllm:memkv_*`` on the engine's ``/metrics`` (see ``metrics.py``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import httpx
@@ -80,11 +78,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from memkv.errors import InvalidInputError, MemkvError
+from memkv.errors import MemkvError
 from memkv.gpu_kernels import ops as kernels
 from memkv.integrations.vllm.block_buffers import BlockBuffers
 from memkv.integrations.vllm.direct_load import DirectLoad, PinnedStaging, cache_words
 from memkv.integrations.vllm.metrics import MemkvConnectorStats, MemkvPromMetrics, StatsRecorder
+from memkv.integrations.vllm.plan import (
+    Direct,
+    Fetched,
+    Leased,
+    Load,
+    MemkvConnectorMetadata,
+    Save,
+    content_session_id,
+    paged_layout,
+    request_bytes,
+)
 from memkv.integrations.vllm.stats_file import write_part
 from memkv.integrations.vllm.transport import KVTransport, transport_from_config
 from memkv.protocol.dtypes import StorageDType
@@ -123,65 +132,8 @@ except ImportError:  # pragma: no cover - the gateway transport needs no Ray
     pass
 
 
-#: Blocks travel in requests of at most this many bytes: a 4096-token prompt of a
-#: Llama-3-8B-shaped model is 512 MiB, over a gateway's body limit in one piece.
-_REQUEST_BYTES = 64 << 20
 #: Fetched-block buffers kept between steps for reuse (the rest of a big load is freed).
 FETCH_BUFFER_KEEP_BYTES = 1 << 30
-
-
-def _request_bytes(extra: dict[str, Any]) -> int:
-    value = extra.get("max_request_bytes", _REQUEST_BYTES)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidInputError(f"max_request_bytes must be a positive int, got {value!r}")
-    return value
-
-
-@dataclass
-class _Load:
-    req_id: str
-    keys: list[bytes]  # memkv block keys, in chain order
-    block_ids: list[int]  # vLLM blocks to fill, one per key
-
-
-@dataclass
-class _Save:
-    req_id: str
-    token_ids: list[int]  # the prompt's full blocks' tokens
-    block_ids: list[int]  # one vLLM block per memkv block
-    start_block: int  # blocks before it are in memkv already
-    session_id: str | None
-    priority: str
-
-
-@dataclass
-class _Fetched:
-    """A load's blocks, fetched and waiting to be written layer by layer."""
-
-    load: _Load
-    blocks: list[torch.Tensor]
-    pending: set[int]  # layers not written yet
-
-
-@dataclass
-class _Direct:
-    """A load's blocks copied straight from shared memory, layer by layer."""
-
-    load: _Load
-    copy: DirectLoad
-    pending: set[int]  # layers not written yet
-
-
-@dataclass
-class _Leased:
-    entry: _Direct
-    pending_ids: set[int]  # the vLLM blocks it fills
-
-
-@dataclass
-class MemkvConnectorMetadata(KVConnectorMetadata):
-    loads: list[_Load] = field(default_factory=list)
-    saves: list[_Save] = field(default_factory=list)
 
 
 class MemkvConnector(KVConnectorBase_V1):
@@ -208,7 +160,7 @@ class MemkvConnector(KVConnectorBase_V1):
             block_tokens=self._block_size,
         )
         self._layerwise = bool(self._extra.get("layerwise", True))
-        self._request_bytes = _request_bytes(self._extra)
+        self._request_bytes = request_bytes(self._extra)
         self._stats_path = self._extra.get("stats_path")
         self._stats_lock = threading.Lock()  # the engine's thread and the saver's
         self._role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
@@ -216,26 +168,26 @@ class MemkvConnector(KVConnectorBase_V1):
         self._transport_lock = threading.Lock()
         # Scheduler side: what get_num_new_matched_tokens found, per request.
         self._matched: dict[str, list[bytes]] = {}
-        self._pending_loads: dict[str, _Load] = {}
+        self._pending_loads: dict[str, Load] = {}
         self._hits: dict[str, int] = {}  # memkv blocks of each request's prompt
         self._params: dict[str, dict[str, Any]] = {}
         # Worker side.
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
         self._layer_names: list[str] = []
-        self._fetched: list[_Fetched] = []
+        self._fetched: list[Fetched] = []
         self._buffers = BlockBuffers(
             self.layout.block_nbytes(),
             int(self._extra.get("fetch_buffer_bytes", FETCH_BUFFER_KEEP_BYTES)),
         )
-        self._direct: list[_Direct] = []
+        self._direct: list[Direct] = []
         self._maps = SegmentMaps()  # this host's memkv segments, mapped once
         self._words: dict[int, np.ndarray] = {}  # CPU layer caches as numpy words
         self._pinned = PinnedStaging()  # for CUDA caches: reused host staging
         self._failed_requests: set[str] = set()  # this step's loads that went wrong
         self._staged: dict[str, torch.Tensor] = {}  # req id -> [blocks, L, 2, H, N, D]
         self._load_errors: set[int] = set()
-        self._outbox: queue.Queue[tuple[_Save, torch.Tensor] | None] = queue.Queue()
+        self._outbox: queue.Queue[tuple[Save, torch.Tensor] | None] = queue.Queue()
         self._sender: threading.Thread | None = None
         self.stats = StatsRecorder()
         # Saves handed to the saver thread, and those it finished (stored or failed).
@@ -290,7 +242,7 @@ class MemkvConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         first = (request.num_computed_tokens or 0) // self._block_size
         wanted = keys[first:]
-        self._pending_loads[request.request_id] = _Load(
+        self._pending_loads[request.request_id] = Load(
             request.request_id, wanted, block_ids[first : first + len(wanted)]
         )
 
@@ -312,7 +264,7 @@ class MemkvConnector(KVConnectorBase_V1):
             if start == full:
                 continue
             meta.saves.append(
-                _Save(
+                Save(
                     new.req_id,
                     tokens[: full * self._block_size],
                     list(new.block_ids[0][start:full]),
@@ -366,15 +318,15 @@ class MemkvConnector(KVConnectorBase_V1):
         if metadata.loads:
             self._write_stats_file()
 
-    def _start_load(self, load: _Load) -> None:
+    def _start_load(self, load: Load) -> None:
         """Lease what this host's shared memory holds, fetch the rest; write now or per layer."""
         start = time.perf_counter()
         direct = self._lease(load)
         wanted = [(k, b) for k, b in zip(load.keys, load.block_ids, strict=True)
                   if direct is None or b not in direct.pending_ids]
-        fetched: _Fetched | None = None
+        fetched: Fetched | None = None
         if wanted:
-            rest = _Load(load.req_id, [k for k, _ in wanted], [b for _, b in wanted])
+            rest = Load(load.req_id, [k for k, _ in wanted], [b for _, b in wanted])
             try:
                 blocks = self._read(rest.keys)
             except _FAILURES as e:
@@ -385,7 +337,7 @@ class MemkvConnector(KVConnectorBase_V1):
                 if direct is not None:
                     direct.entry.copy.finish()  # its leases go back; nothing of it is written
                 return
-            fetched = _Fetched(rest, blocks, set(self._layer_index.values()))
+            fetched = Fetched(rest, blocks, set(self._layer_index.values()))
             self._fetched.append(fetched)
         if direct is not None:
             self._direct.append(direct.entry)
@@ -410,7 +362,7 @@ class MemkvConnector(KVConnectorBase_V1):
             load_write_seconds=write_s,
         )
 
-    def _lease(self, load: _Load) -> _Leased | None:
+    def _lease(self, load: Load) -> Leased | None:
         """The load's blocks in this host's shared memory, mapped and pinned (None: none)."""
         try:
             leased = self.transport().lease(load.keys)
@@ -432,8 +384,8 @@ class MemkvConnector(KVConnectorBase_V1):
             logger.warning("memkv shared memory unusable for %s, fetching: %s", load.req_id, e)
             release()
             return None
-        entry = _Direct(load, copy, set(self._layer_index.values()))
-        return _Leased(entry, set(copy.block_ids))
+        entry = Direct(load, copy, set(self._layer_index.values()))
+        return Leased(entry, set(copy.block_ids))
 
     def _write_all(self, layer: int) -> None:
         """Layer ``layer`` of every load of this step not written yet."""
@@ -443,7 +395,7 @@ class MemkvConnector(KVConnectorBase_V1):
         for direct in self._direct:
             if layer in direct.pending:
                 kv_layer = self._kv_caches[self._layer_names[layer]]
-                direct.copy.write_layer(layer, kv_layer, _paged_layout(kv_layer),
+                direct.copy.write_layer(layer, kv_layer, paged_layout(kv_layer),
                                         self._words.get(layer))
                 direct.pending.discard(layer)
 
@@ -472,7 +424,7 @@ class MemkvConnector(KVConnectorBase_V1):
                 shape = (len(save.block_ids), *self.layout.block_shape())
                 staged = torch.empty(shape, dtype=self.layout.torch_dtype)
                 self._staged[save.req_id] = staged
-            kernels.paged_read(kv_layer, save.block_ids, layer, staged, _paged_layout(kv_layer))
+            kernels.paged_read(kv_layer, save.block_ids, layer, staged, paged_layout(kv_layer))
 
     def wait_for_save(self) -> None:
         self._finish_loads()
@@ -525,12 +477,12 @@ class MemkvConnector(KVConnectorBase_V1):
 
     # -- internals ---------------------------------------------------------------------
 
-    def _write_layer(self, fetched: _Fetched, layer: int) -> None:
+    def _write_layer(self, fetched: Fetched, layer: int) -> None:
         """Layer ``layer`` of each fetched block into its vLLM block."""
         kv_layer = self._kv_caches[self._layer_names[layer]]  # names in layer order
         blocks: Any = fetched.blocks
         kernels.paged_write(blocks, fetched.load.block_ids, layer, kv_layer,
-                            _paged_layout(kv_layer))
+                            paged_layout(kv_layer))
         fetched.pending.discard(layer)
 
     def _finish_loads(self) -> None:
@@ -562,7 +514,7 @@ class MemkvConnector(KVConnectorBase_V1):
             blocks.extend(self.transport().read(chunk, out=self._buffers.take(len(chunk))))
         return blocks
 
-    def _save(self, session_id: str, save: _Save, blocks: list[torch.Tensor]) -> None:
+    def _save(self, session_id: str, save: Save, blocks: list[torch.Tensor]) -> None:
         """Append in requests of at most ``max_request_bytes``, each the tokens up to its end."""
         per = self._chunk_blocks()
         for i in range(0, len(blocks), per):
@@ -598,7 +550,7 @@ class MemkvConnector(KVConnectorBase_V1):
                 return
             save, staged = item
             start = time.perf_counter()
-            session_id = save.session_id or _content_session_id(self.layout, save.token_ids)
+            session_id = save.session_id or content_session_id(self.layout, save.token_ids)
             blocks = [staged[i] for i in range(staged.shape[0])]
             try:
                 self._save(session_id, save, blocks)
@@ -613,24 +565,3 @@ class MemkvConnector(KVConnectorBase_V1):
                 )
             self._saves_done += 1
             self._write_stats_file()
-
-
-def _paged_layout(kv_layer: torch.Tensor) -> int:
-    """Which of vLLM's paged layouts a layer's cache has (see memkv.gpu_kernels).
-
-    The CPU backend's ``[blocks, H, N, 2 * D]`` (per head, the block's K rows then
-    its V rows), and the flash-attention one ``[2, blocks, N, H, D]``.
-    """
-    if kv_layer.dim() == 4:
-        return kernels.PAGED_CPU
-    if kv_layer.dim() == 5 and kv_layer.shape[0] == 2:
-        return kernels.PAGED_FLASH
-    raise ValueError(f"memkv does not know vLLM's KV cache layout {tuple(kv_layer.shape)}")
-
-
-def _content_session_id(layout: KVLayout, token_ids: list[int]) -> str:
-    """The session a request without one stores its prompt under: named by its content."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(layout.fingerprint)
-    digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
-    return f"vllm-{digest.hexdigest()}"
