@@ -15,7 +15,7 @@ import json
 import signal
 import threading
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 import typer
 
@@ -163,9 +163,10 @@ def _stats_over_ray(address: str | None, config: Path | None) -> dict[str, Any]:
     ray.init(address=address, namespace=cfg.cluster.namespace, logging_level=logging.ERROR)
     try:
         from memkv.actors.router_shards import RouterShards, merge_stats
+        from memkv.protocol.stats import as_document
 
         routers = RouterShards.find(cfg.cluster.router_name, cfg.cluster.namespace)
-        return dict(merge_stats(ray.get(routers.stats())))
+        return as_document(merge_stats(ray.get(routers.stats())))
     finally:
         ray.shutdown()
 
@@ -184,18 +185,19 @@ def compact(
     import ray
 
     from memkv.config import load_config
+    from memkv.protocol.stats import ClusterStats
     from memkv.status_view import compact_archives, human_bytes
 
     cfg = load_config(config)
     ray.init(address=address, namespace=cfg.cluster.namespace, logging_level=logging.ERROR)
     try:
         router = ray.get_actor(cfg.cluster.router_name, namespace=cfg.cluster.namespace)
-        stats = cast("dict[str, Any]", ray.get(router.stats.remote()))
-        names = sorted(stats.get("archives", {}))
+        stats: ClusterStats = ray.get(router.stats.remote())  # type: ignore[assignment]
+        names = sorted(stats.archives)
         handles = {n: ray.get_actor(n, namespace=cfg.cluster.namespace) for n in names}
         for name, done in compact_archives(handles, force=force).items():
-            typer.echo(f"{name}: {done['segments_in']} segments -> {done['segments_out']}, "
-                       f"{human_bytes(done['bytes_reclaimed'])} reclaimed")
+            typer.echo(f"{name}: {done.segments_in} segments -> {done.segments_out}, "
+                       f"{human_bytes(done.bytes_reclaimed)} reclaimed")
     finally:
         ray.shutdown()
 

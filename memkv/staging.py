@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from memkv.actors.payload import BlockPayload, StagedBlock
-from memkv.actors.segments import SegmentOwnership, reclaim_orphans, warm_segment_name
 from memkv.storage.buddy import BuddyAllocator
+from memkv.storage.device.warm_segments import SegmentOwnership, reclaim_orphans, warm_segment_name
 
 __all__ = ["STAGING_UNIT_BYTES", "PutStaging", "StagingSlot", "staging_for", "staging_node"]
 

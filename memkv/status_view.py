@@ -6,12 +6,17 @@ only lays it out, so the CLI can read it from Ray or from a gateway alike.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.table import Table
 
 from memkv.protocol.stats import ArchiveStats, ClusterStats, DeviceStats, TenantUse, cluster_stats
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from memkv.storage.segments import CompactionStats
 
 __all__ = ["compact_archives", "human_bytes", "status_tables"]
 
@@ -126,14 +131,16 @@ def print_status(stats: dict[str, Any], console: Console | None = None) -> None:
     (console or Console()).print(status_tables(stats))
 
 
-def compact_archives(archives: dict[str, Any], *, force: bool = False) -> dict[str, Any]:
+def compact_archives(archives: dict[str, ActorHandle], *, force: bool = False
+                     ) -> dict[str, CompactionStats]:
     """Compact each archive actor (one at a time, under a progress bar on stderr)."""
-    import ray
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    out: dict[str, Any] = {}
+    from memkv.actors.handles import ArchiveHandle  # imports Ray: only when compacting
+
+    out: dict[str, CompactionStats] = {}
     columns = (TextColumn("[bold]compacting archives"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         for name in progress.track(sorted(archives), description="archives"):
-            out[name] = ray.get(archives[name].compact.remote(force))
+            out[name] = ArchiveHandle(archives[name]).compact(force).result()
     return out

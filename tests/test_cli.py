@@ -129,5 +129,4 @@ def test_compacting_every_archive(cluster):
     done = compact_archives(cluster.archives, force=True)
     assert set(done) == set(cluster.archives)
     for result in done.values():
-        assert {"segments_in", "segments_out", "bytes_reclaimed"} <= set(result)
-        assert result["bytes_reclaimed"] >= 0
+        assert min(result.segments_in, result.segments_out, result.bytes_reclaimed) >= 0

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from memkv.actors.device import DeviceCache
-from memkv.actors.leases import LeaseTable
 from memkv.actors.payload import to_payload
 from memkv.errors import (
     InvariantViolationError,
@@ -18,6 +17,7 @@ from memkv.errors import (
 from memkv.protocol.hashing import chain_hashes
 from memkv.same_node import SameNodeReader, copy_entries
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
+from memkv.storage.device.leases import LeaseTable
 from memkv.storage.layout import KVLayout, split_kv
 from memkv.storage.sessions import SessionTable
 

@@ -1,18 +1,15 @@
-"""One device's hot and warm tiers: :class:`DeviceCache` and its actor.
+"""The device actor: :class:`DeviceCache`, a shell over the plain block store.
 
-A :class:`DeviceCache` is a block store: it wraps a
-:class:`~memkv.storage.block_pool.BlockPool` whose cold tier is the node's
-:class:`~memkv.actors.archive.ArchiveService` (:class:`RemoteColdTier`), so
-blocks it demotes survive the device. It has no session table: the router,
-the one owner of sessions, says which blocks an append holds and drops
-(:class:`~memkv.protocol.messages.ChainUpdate`), which go idle or active, and
-at what priority. It speaks in plain values and typed messages because every
-call crosses a process boundary.
+:class:`~memkv.storage.device.service.DeviceService` holds the logic (the
+tiers, reads, plans, prefetch, stats); this shell gives it what only a Ray
+process has: the node's archive actor as its cold tier (:class:`RemoteColdTier`,
+found by name so a restart finds it again), ``ray.put`` to hand read batches
+over through the object store, this node's id, and appends whose blocks arrive
+as object references.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -21,39 +18,25 @@ import torch
 from ray.exceptions import RayActorError
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from memkv.actors.leases import LeaseTable
-from memkv.actors.payload import BlockPayload, StagedBlock, from_payload, to_payload
-from memkv.actors.segments import SegmentOwnership, reclaim_orphans, warm_segment_name
+from memkv.actors.payload import BlockPayload, StagedBlock
 from memkv.config import DeviceSettings
-from memkv.errors import CorruptDataError, InvalidInputError, WrongNodeError
-from memkv.gpu_kernels import backend as kernel_backend
-from memkv.gpu_kernels.unified import PriorityStreams
-from memkv.protocol.dtypes import numpy_view_dtype
-from memkv.protocol.enums import Priority, Tier
-from memkv.protocol.hashing import BlockHash
-from memkv.protocol.layout import KVLayout
-from memkv.protocol.members import DeviceInfo, StoredBlocks
-from memkv.protocol.messages import ChainUpdate, ReadPlan
-from memkv.same_node import SegmentMaps
-from memkv.storage.block_pool import BlockPool, Holder
+from memkv.protocol.enums import Tier
+from memkv.protocol.members import StoredBlocks
+from memkv.protocol.messages import ChainUpdate
+from memkv.protocol.stats import ArchiveStats
 from memkv.storage.codecs import decode_frame, encode_stored
 from memkv.storage.config import CodecConfig, StoreConfig
+from memkv.storage.device.service import DeviceService, attach_priority_session
+from memkv.storage.device.warm_segments import warm_segment_name
 from memkv.storage.tiers import ColdStats, StoredBlock
 
 __all__ = [
     "DeviceCache",
     "DeviceCacheActor",
     "RemoteColdTier",
+    "attach_priority_session",
     "warm_segment_name",
 ]
-
-
-#: How long a read plan's blocks stay pinned unless released earlier (seconds).
-DEFAULT_LEASE_S = 30.0
-MAX_LEASE_S = 600.0
-#: How long a read's hold on its blocks lasts at most (a read takes far less;
-#: a reader that vanished without releasing is let go of after this).
-READ_HOLD_S = 120.0
 
 # Pause between retries while the archive actor restarts.
 _ARCHIVE_RETRY_S = 0.2
@@ -65,7 +48,7 @@ class RemoteColdTier:
     Blocks are encoded here (the device's CPU does the codec work) and sent as
     frames. ``remove`` does nothing: another device's session may hold the same
     content-addressed block, so only the router, which sees every session,
-    deletes archived blocks. Session manifests are the router's too.
+    deletes archived blocks.
     """
 
     tier = Tier.COLD
@@ -131,6 +114,9 @@ class RemoteColdTier:
     def block_keys(self) -> Iterator[bytes]:
         return iter(())
 
+    # Session manifests are the single-process store's (SessionRecord.manifest(), a
+    # document it writes and reads back); in a cluster the router's journal keeps
+    # sessions, so these are no-ops that take the ColdBackend's signature.
     def put_manifest(self, session_id: str, manifest: dict[str, Any]) -> None:
         return None
 
@@ -141,8 +127,8 @@ class RemoteColdTier:
         return iter(())
 
     def stats(self) -> ColdStats:
-        s = self._call(lambda a: a.stats.remote())
-        return ColdStats(int(s["blocks"]), int(s["live_bytes"]), int(s["dead_bytes"]))
+        s: ArchiveStats = self._call(lambda a: a.stats.remote())
+        return ColdStats(s.blocks, s.live_bytes, s.dead_bytes)
 
     def live_bytes(self) -> int:
         return self.stats().live_bytes
@@ -151,51 +137,13 @@ class RemoteColdTier:
         return None
 
 
-def attach_priority_session(
-    streams: PriorityStreams | None,
-    pool: BlockPool,
-    session_id: str,
-    keys: Sequence[bytes],
-    priority: Priority,
-) -> int:
-    """A high-priority session's hot blocks onto its own stream; others lose theirs.
-
-    Returns the blocks attached (0 without unified memory: ``streams`` is None).
-    """
-    if streams is None:
-        return 0
-    if priority is not Priority.HIGH:
-        streams.release(session_id)
-        return 0
-    located = pool.hot_locations(keys)
-    for offset, nbytes in located:
-        streams.attach(session_id, offset, nbytes)
-    return len(located)
-
-
-def _node_id() -> str:
-    """This process's Ray node (readers compare it with theirs); "local" outside Ray."""
-    if ray.is_initialized():
-        return str(ray.get_runtime_context().get_node_id())
-    return "local"
-
-
-class DeviceCache:
-    """The hot and warm tiers of one device, behind plain-value methods.
+class DeviceCache(DeviceService):
+    """A :class:`DeviceService` in a Ray actor (see :class:`DeviceService` for the rest).
 
     Args:
-        device_id: the cluster-wide name of this device.
-        store_config: tier capacities and policies (``archive`` unused when
-            ``archive`` is given), or a deployment's DeviceSettings (its
-            ``auto`` device is resolved in this process).
-        archive: an ArchiveService actor handle or its name (in this actor's
-            namespace); None keeps a local cold tier (``store_config.archive``),
-            for single-process use.
-        same_node_reads: serve read plans (default: the DeviceSettings' choice; on
-            for a plain StoreConfig).
-        devices_on_node: device actors on this node, which split its host memory
-            between them where a tier is ``auto``.
-        put_object: how :meth:`fetch_blocks` hands blocks over (``ray.put``).
+        archive: the node's ArchiveService actor, or its name in this actor's
+            namespace; None keeps a local cold tier (single-process use).
+        put_object: how read batches are handed over (``ray.put``: the object store).
     """
 
     def __init__(
@@ -206,74 +154,24 @@ class DeviceCache:
         *,
         same_node_reads: bool | None = None,
         devices_on_node: int = 1,
-        put_object: Callable[[Any], Any] = ray.put,
+        put_object: Callable[[list[BlockPayload]], object] = ray.put,
     ) -> None:
-        self.device_id = device_id
-        # How fetch_blocks hands its blocks over: into the node's object store
-        # (a process without Ray, the gateway's fakes, passes an in-memory ref).
-        self._put_object = put_object
-        self.incarnation = uuid.uuid4().hex
-        # Plain use (tests, one process) plans reads unless told otherwise; a
-        # deployment says so in its DeviceSettings (off unless turned on).
-        self.same_node_reads = (
-            same_node_reads
-            if same_node_reads is not None
-            else store_config.same_node_reads
-            if isinstance(store_config, DeviceSettings)
-            else True
-        )
-        if isinstance(store_config, DeviceSettings):
-            # Resolved here, in the actor: only it knows whether Ray gave it a GPU
-            # (Ray narrows CUDA_VISIBLE_DEVICES, so its GPU is cuda:0).
-            device = store_config.resolve_device(0 if torch.cuda.is_available() else None)
-            # Sized here too: 'auto' measures this node's free memory.
-            self.tier_sizes = store_config.tier_sizes(device, devices_on_node=devices_on_node)
-            store_config = store_config.store_config(
-                device=device, archive=None, sizes=self.tier_sizes
-            )
-        else:
-            self.tier_sizes = store_config.tier_sizes()
         if isinstance(archive, str):
             # By name: a handle passed as a constructor argument lives in the
             # object store, and a restart after its owner exits would fail.
             archive = ray.get_actor(archive, namespace=ray.get_runtime_context().namespace)
-        cold = RemoteColdTier(archive, store_config.codecs) if archive is not None else None
-        # A fixed segment name per device, so a restart after a crash (which
-        # could not unlink it) reclaims the old warm pool instead of leaking it.
-        self.warm_segment = warm_segment_name(device_id)
-        # Segments of devices that died without unlinking them (their lock is
-        # free) hold populated memory: reclaim them, then take this one's name.
-        reclaim_orphans()
-        self._ownership = SegmentOwnership(self.warm_segment)
-        try:
-            self.pool = BlockPool(store_config, cold=cold, warm_name=self.warm_segment)
-        except BaseException:
-            self._ownership.release()
-            raise
-        self.leases = LeaseTable(lambda keys: self.pool.unpin_blocks([BlockHash(k) for k in keys]))
-        self.node_id = _node_id()
-        self._staging_maps = SegmentMaps()  # gateways' staging segments (memkv.staging)
-        self._streams: PriorityStreams | None = None  # unified memory only
 
-    def ping(self) -> DeviceInfo:
-        """Who answers: the device id and this process's incarnation."""
-        return DeviceInfo(self.device_id, self.incarnation)
+        def cold_tier(codecs: CodecConfig) -> RemoteColdTier:
+            return RemoteColdTier(archive, codecs)
 
-    def node(self) -> str:
-        """The Ray node this device runs on."""
-        return self.node_id
+        super().__init__(
+            device_id, store_config, cold_tier=cold_tier if archive is not None else None,
+            same_node_reads=same_node_reads, devices_on_node=devices_on_node,
+            put_object=put_object,
+            node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local",
+        )
 
-    def reserved(self) -> str:
-        """What this device's tiers reserved and why, in words (``memkv up`` prints it)."""
-        return self.tier_sizes.describe()
-
-    def wait_prefaulted(self, timeout_s: float) -> bool:
-        """Block until the arenas' pages are populated (benchmarks wait for it)."""
-        return self.pool.prefault_done.wait(timeout_s)
-
-    # -- blocks, as the router (the owner of sessions) directs -----------------
-
-    def put(
+    def put(  # also takes blocks by object reference
         self,
         update: ChainUpdate,
         blocks: Sequence[BlockPayload | StagedBlock | ray.ObjectRef],
@@ -281,282 +179,14 @@ class DeviceCache:
         durable: bool = False,
         owner: str = "",
     ) -> StoredBlocks:
-        """Apply one append: its new blocks (payloads, refs to them, or staged) and references.
-
-        Staged blocks are copied out of the sender's segment before this returns,
-        so the sender may reuse the space once it has the answer.
-
-        Args:
-            update: what the append changes, from the router.
-            checksums: the writer's CRC32 of each block, already verified by the
-                caller (the gateway): kept and served with the block.
-            durable: answer only once every block of the chain is fsynced in
-                the archive (an ``archive``-mode session).
-            owner: the router shard whose session this is (each shard's
-                references are its own: see :meth:`resync`).
-        """
-        self.leases.sweep()
+        """:meth:`DeviceService.put`, with blocks sent by reference fetched first."""
         refs = [i for i, b in enumerate(blocks) if isinstance(b, ray.ObjectRef)]
         resolved: list[Any] = list(blocks)
         if refs:
             pending: list[Any] = [blocks[i] for i in refs]
             for i, value in zip(refs, ray.get(pending), strict=True):
                 resolved[i] = value
-        tensors = [from_payload(self._unstage(p) if isinstance(p, StagedBlock) else p)
-                   for p in resolved]
-        return self.pool.put(update, tensors, checksums=checksums, durable=durable, owner=owner)
-
-    def _unstage(self, staged: StagedBlock) -> BlockPayload:
-        """A view of a staged block in its sender's segment (the pool copies it)."""
-        if staged.node_id != self.node_id:
-            raise WrongNodeError(
-                f"block {staged.key.hex()} is staged on node {staged.node_id}, this device "
-                f"runs on {self.node_id}: send it by value")
-        segment = self._staging_maps.view(staged.segment, staged.segment_bytes,
-                                          staged.incarnation)
-        end = staged.offset + staged.nbytes
-        if staged.offset < 0 or end > segment.size:
-            raise CorruptDataError(
-                f"staged block {staged.key.hex()}: bytes {staged.offset}+{staged.nbytes} lie "
-                f"outside segment {staged.segment!r} of {segment.size} bytes")
-        np_dtype = numpy_view_dtype(staged.dtype)
-        data = segment[staged.offset : end].view(np_dtype).reshape(staged.shape)
-        return BlockPayload(staged.key, staged.dtype, data)
-
-    def adopt(
-        self,
-        layout: KVLayout,
-        chain: Sequence[bytes],
-        tokens: Sequence[int],
-        priority: str,
-        exact_only: bool = False,
-        owner: str = "",
-        keep_prefix: bool = False,
-    ) -> int:
-        """Hold an archived chain again (after this device restarted, or moved here).
-
-        Returns the leading blocks held: all, or with ``keep_prefix`` those
-        before the first block that is in no tier.
-
-        Raises:
-            BlockLostError: some block is in no tier, or (``keep_prefix``) the first.
-        """
-        return self.pool.adopt(
-            layout, chain, tokens, Priority(priority), exact_only, owner, keep_prefix=keep_prefix
-        )
-
-    def resync(self, holders: Sequence[Holder], owner: str = "") -> list[int]:
-        """Set ``owner``'s block references from its table (a restarted router shard).
-
-        The references of other shards stay as they are.
-
-        Returns:
-            Indices of holders some of whose blocks are in no tier (lost).
-        """
-        return self.pool.resync(holders, owner)
-
-    def release(self, keys: Sequence[bytes], active: bool, owner: str = "") -> int:
-        """A holder of ``keys`` went (session deleted). Returns the blocks freed."""
-        return self.pool.release(keys, active=active, owner=owner)
-
-    def deactivate(
-        self,
-        keys: Sequence[bytes],
-        offline: bool = False,
-        was_active: bool = True,
-        owner: str = "",
-    ) -> bool:
-        """A session suspended: its blocks go cold; True if some stay in memory."""
-        return self.pool.deactivate(keys, offline=offline, was_active=was_active, owner=owner)
-
-    def activate(self, keys: Sequence[bytes], owner: str = "") -> list[tuple[bytes, str, int]]:
-        """A session resumed: its blocks count as in use. Answers ``(key, tier, tokens)``."""
-        self.pool.activate(keys, owner)
-        return self.tiers_of(keys)
-
-    def tiers_of(self, keys: Sequence[bytes]) -> list[tuple[bytes, str, int]]:
-        """``(key, tier, tokens)`` of stored blocks."""
-        out = []
-        for k in keys:
-            key = BlockHash(bytes(k))
-            tier = self.pool.locate(key) or Tier.COLD
-            out.append((bytes(k), tier.value, self.pool.tokens_of(key)))
-        return out
-
-    def set_priority(
-        self, keys: Sequence[bytes], priority: str, session_id: str | None = None
-    ) -> None:
-        """Move a session's blocks to ``priority``'s eviction queue; with unified memory,
-        a high-priority session's hot blocks also get a CUDA stream of their own."""
-        self.pool.set_priority(keys, Priority(priority))
-        if session_id is not None:
-            attach_priority_session(self._priority_streams(), self.pool, session_id, keys,
-                                    Priority(priority))
-
-    def _priority_streams(self) -> PriorityStreams | None:
-        if self._streams is None:
-            managed = self.pool.managed_hot_arena()
-            if managed is not None:
-                self._streams = PriorityStreams(managed)
-        return self._streams
-
-    def get_blocks(self, keys: Sequence[bytes], stream: str | None = None) -> list[BlockPayload]:
-        """Blocks by key, each promoted to the hot tier (batched: one call, many blocks)."""
-        out = []
-        for k in keys:
-            fetched = self.pool.fetch(BlockHash(bytes(k)), stream=stream)
-            out.append(
-                to_payload(k, fetched.block, fetched.tier.value, fetched.exact, fetched.lossy)
-            )
-        return out
-
-    def fetch_blocks(self, keys: Sequence[bytes], stream: str | None = None) -> ray.ObjectRef:
-        """Blocks by key as one object in the node's object store (the in-cluster path).
-
-        The bytes are copied once, from the arena (pinned meanwhile) into the
-        object store, where every reader on the node maps them without a copy
-        (a read-only view). The caller gets the object's reference: one more
-        local fetch, one copy less than returning the blocks by value, which
-        would need an owned copy to serialise after the pins are gone.
-        """
-        hashes = [BlockHash(bytes(k)) for k in keys]
-        with self.pool.pinned_reads(hashes, stream=stream) as fetched:
-            return self._put_object(
-                [to_payload(f.key, f.block, f.tier.value, f.exact, f.lossy) for f in fetched]
-            )
-
-    def read_plan(
-        self,
-        keys: Sequence[bytes],
-        stream: str | None = None,
-        ttl_s: float = DEFAULT_LEASE_S,
-        ahead: Sequence[bytes] = (),
-        owner: str | None = None,
-    ) -> ReadPlan:
-        """Pin blocks and say where a reader on this node copies them from (same-node path).
-
-        The blocks stay pinned until :meth:`release_lease` or for ``ttl_s``
-        seconds, whichever comes first. Entries that are None could not be
-        planned (read them with :meth:`get_blocks`). ``ahead`` (read-ahead) are
-        planned after ``keys`` only where they are in memory already. ``owner``:
-        only a release naming it ends the lease early (a client's tenant).
-
-        A deployment without ``same_node_reads`` answers a plan of no entries
-        (``same_node`` False).
-
-        Raises:
-            UnknownBlockError: a key is not stored here (nothing stays pinned).
-            InvalidInputError: ``ttl_s`` is not in (0, MAX_LEASE_S].
-        """
-        if (
-            isinstance(ttl_s, bool)
-            or not isinstance(ttl_s, int | float)
-            or not (0 < ttl_s <= MAX_LEASE_S)
-        ):
-            raise InvalidInputError(f"ttl_s must be in (0, {MAX_LEASE_S}] seconds, got {ttl_s!r}")
-        hashes = [BlockHash(bytes(k)) for k in keys]
-        if not self.same_node_reads:
-            # Off for this deployment: nothing is planned (readers go in-cluster).
-            return ReadPlan(
-                "",
-                self.device_id,
-                self.node_id,
-                self.incarnation,
-                0.0,
-                tuple(None for _ in keys),
-                same_node=False,
-            )
-        planned = self.pool.plan_reads(
-            hashes, stream=stream, ahead=[BlockHash(bytes(k)) for k in ahead]
-        )
-        pinned = [p.key for p in planned if p is not None]
-        lease = self.leases.grant(pinned, float(ttl_s), owner)
-        return ReadPlan(
-            lease_id=lease.lease_id,
-            device_id=self.device_id,
-            node_id=self.node_id,
-            incarnation=self.incarnation,
-            ttl_s=float(ttl_s),
-            entries=tuple(planned),
-            expires_at=lease.expires_at,
-        )
-
-    def hold_for_read(self, keys: Sequence[bytes], ttl_s: float = READ_HOLD_S) -> str:
-        """Pin every block a read will send, before it sends the first (its answer's head).
-
-        A session deleted or shortened while the read streams frees these
-        blocks only once :meth:`release_lease` (or ``ttl_s``) lets go of them:
-        a read that got its 200 sends every block it announced.
-
-        Returns:
-            The lease to release.
-
-        Raises:
-            UnknownBlockError: a block is not stored here (nothing is pinned).
-        """
-        if not 0 < ttl_s <= MAX_LEASE_S:
-            raise InvalidInputError(f"ttl_s must be in (0, {MAX_LEASE_S}] seconds, got {ttl_s!r}")
-        pinned = self.pool.pin_blocks([BlockHash(bytes(k)) for k in keys])
-        return self.leases.grant(pinned, float(ttl_s)).lease_id
-
-    def still_held(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Those of ``keys`` this device keeps (a reader's pin outlives a delete)."""
-        return self.pool.held(keys)
-
-    def release_lease(self, lease_id: str, owner: str | None = None) -> bool:
-        """Unpin a plan's blocks. False if the lease had run out (discard what was copied),
-        or is ``owner``'s to release and someone else asked."""
-        return self.leases.release(lease_id, owner)
-
-    # -- prefetch ----------------------------------------------------------------------
-
-    def prefetch(self, keys: Sequence[bytes]) -> int:
-        """Bring blocks into free hot-tier space (never evicting for it)."""
-        return self.pool.prefetch([BlockHash(bytes(k)) for k in keys])
-
-    def prefetch_predicted(self, key: bytes) -> int:
-        """Prefetch what the Markov model expects after ``key``."""
-        return self.pool.prefetch_predicted(BlockHash(bytes(key)))
-
-    def flush_cold(self) -> None:
-        """Wait until every demotion queued so far has reached the archive (benchmarks,
-        drains)."""
-        self.pool.flush_cold()
-
-    def archive_held(self, limit: int = 64) -> tuple[int, int]:
-        """A planned stop: durable archive copies of up to ``limit`` memory-only held
-        blocks; ``(written, left)`` (see :meth:`BlockPool.archive_held`)."""
-        return self.pool.archive_held(limit)
-
-    # -- stats -------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        st = self.pool.stats().as_dict()
-        hot = st["tiers"]["hot"]
-        st["device_id"] = self.device_id
-        st["incarnation"] = self.incarnation
-        st["kernels"] = kernel_backend()  # cuda, or cpu (the reference)
-        st["prefault_done"] = self.pool.prefault_done.is_set()
-        st["reserved"] = self.reserved()
-        st["leases"] = {
-            "active": len(self.leases),
-            "granted": self.leases.granted,
-            "expired": self.leases.expired,
-        }
-        st["hot_usage"] = hot["used_bytes"] / hot["capacity_bytes"] if hot["capacity_bytes"] else 0
-        return st
-
-    def locations(self, keys: Sequence[bytes]) -> list[str | None]:
-        """The tier of each block on this device (None: not here)."""
-        out: list[str | None] = []
-        for k in keys:
-            tier = self.pool.locate(BlockHash(bytes(k)))
-            out.append(tier.value if tier is not None else None)
-        return out
-
-    def close(self) -> None:
-        self.pool.close()
-        self._ownership.release()
+        return super().put(update, resolved, checksums, durable, owner)
 
 
 #: The actor. A few concurrent calls (the store has its own lock) let a prefetch

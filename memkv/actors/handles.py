@@ -22,14 +22,18 @@ from memkv.protocol.services import (
     AppendAnswer,
     AppendTurn,
     CreateSession,
+    CreateSessions,
     ResumeAnswer,
     SessionView,
+    SessionViews,
     decode,
     encode,
 )
+from memkv.protocol.stats import ArchiveStats, DeviceStats
 
 if TYPE_CHECKING:
     from memkv.storage.pool_core import Holder
+    from memkv.storage.segments import CompactionStats
 
 __all__ = [
     "ArchiveHandle",
@@ -93,6 +97,10 @@ def _view(document: bytes) -> SessionView:
     return decode(SessionView, document)
 
 
+def _views(document: bytes) -> SessionViews:
+    return decode(SessionViews, document)
+
+
 def _appended(document: bytes) -> AppendAnswer:
     return decode(AppendAnswer, document)
 
@@ -113,6 +121,9 @@ class SessionServiceHandle:
 
     def create_session(self, request: CreateSession) -> Pending[SessionView]:
         return Pending(self.actor.create_session_wire.remote(encode(request)), _view)
+
+    def create_sessions(self, request: CreateSessions) -> Pending[SessionViews]:
+        return Pending(self.actor.create_sessions_wire.remote(encode(request)), _views)
 
     def session(self, session_id: str) -> Pending[SessionView]:
         return Pending(self.actor.session_wire.remote(session_id), _view)
@@ -189,7 +200,10 @@ class DeviceHandle:
     def prefetch_predicted(self, key: bytes) -> MemberPending[int]:
         return MemberPending(self.actor.prefetch_predicted.remote(key), _same)
 
-    def stats(self) -> MemberPending[dict[str, Any]]:
+    def archive_held(self, limit: int) -> MemberPending[tuple[int, int]]:
+        return MemberPending(self.actor.archive_held.remote(limit), _same)
+
+    def stats(self) -> MemberPending[DeviceStats]:
         return MemberPending(self.actor.stats.remote(), _same)
 
 
@@ -210,7 +224,10 @@ class ArchiveHandle:
     def delete(self, keys: Sequence[bytes]) -> MemberPending[int]:
         return MemberPending(self.actor.delete.remote(keys), _same)
 
-    def stats(self) -> MemberPending[dict[str, Any]]:
+    def compact(self, force: bool = False) -> MemberPending[CompactionStats]:
+        return MemberPending(self.actor.compact.remote(force), _same)
+
+    def stats(self) -> MemberPending[ArchiveStats]:
         return MemberPending(self.actor.stats.remote(), _same)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from memkv.actors.handles import ArchiveHandle, DeviceHandle, RayDirectory
-from memkv.protocol.services import AppendTurn, CreateSession, decode, encode
+from memkv.protocol.services import AppendTurn, CreateSession, CreateSessions, decode, encode
 from memkv.storage.router import RouterState, SessionRouter
 
 __all__ = ["RouterState", "SessionRouter", "SessionRouterActor", "SessionRouterShell"]
@@ -35,6 +35,9 @@ class SessionRouterShell(SessionRouter):
 
     async def create_session_wire(self, request: bytes) -> bytes:
         return encode(await self.create_session(decode(CreateSession, request)))
+
+    async def create_sessions_wire(self, request: bytes) -> bytes:
+        return encode(await self.create_sessions(decode(CreateSessions, request)))
 
     async def session_wire(self, session_id: str) -> bytes:
         return encode(await self.session(session_id))

@@ -17,8 +17,14 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from memkv.actors.handles import SessionServiceHandle
+import msgspec
+
+from memkv.actors.handles import Pending, SessionServiceHandle
+from memkv.protocol.layout import KVLayout
+from memkv.protocol.messages import PrefixMatch
+from memkv.protocol.services import CreateSession, CreateSessions, SessionView, SessionViews
 from memkv.protocol.shards import shard_name, shard_of
+from memkv.protocol.stats import ClusterStats, TenantUse
 from memkv.storage.router.state import OTHER_TENANTS, STATS_TENANTS
 
 __all__ = ["RouterShards", "merge_created", "merge_located", "merge_prefix", "merge_stats"]
@@ -83,7 +89,7 @@ class RouterShards:
             return [self.first.stats.remote()]
         return [h.stats.remote(i == 0) for i, h in enumerate(self.handles)]
 
-    def match_prefix(self, layout: dict[str, Any], namespace: str, tokens: list[int]) -> list[Any]:
+    def match_prefix(self, layout: KVLayout, namespace: str, tokens: list[int]) -> list[Any]:
         return [h.match_prefix.remote(layout, namespace, tokens) for h in self.handles]
 
     def locate_blocks(self, keys: list[bytes], namespace: str | list[str] | None) -> list[Any]:
@@ -96,43 +102,45 @@ class RouterShards:
         ]
 
     def create_sessions(
-        self, specs: Sequence[dict[str, Any]], quota: tuple[int | None, int | None] | None = None
-    ) -> tuple[list[list[int]], list[Any]]:
+        self, requests: Sequence[CreateSession]
+    ) -> tuple[list[list[int]], list[Pending[SessionViews]]]:
         """Each shard's share of a bulk create, in one call per shard.
 
-        Returns the indices each call covers and its ref: the answers, put back
-        in order by :func:`merge_created`, are one record per spec. An error
-        names the spec's index in ``specs``; specs of other shards may have
-        been created meanwhile (their retry answers ConflictError).
+        Returns the indices each call covers and its answer: put back in order
+        by :func:`merge_created`, one view per request. An error names the
+        request's index in ``requests``; those of other shards may have been
+        created meanwhile (their retry answers ConflictError).
         """
         if len(self.handles) == 1:
-            everything = list(range(len(specs)))
-            return [everything], [self.first.create_sessions.remote(list(specs), quota)]
-        groups = self.split([str(s.get("session_id", "")) for s in specs])
+            bulk = CreateSessions(requests=tuple(requests))
+            return [list(range(len(requests)))], [self._services[0].create_sessions(bulk)]
+        groups = self.split([r.session_id for r in requests])
         order = sorted(groups)
-        refs = [
-            self.handles[shard].create_sessions.remote(
-                [specs[i] for i in groups[shard]], quota, groups[shard]
-            )
+        calls = [
+            self._services[shard].create_sessions(CreateSessions(
+                requests=tuple(requests[i] for i in groups[shard]),
+                indices=tuple(groups[shard]),
+            ))
             for shard in order
         ]
-        return [groups[shard] for shard in order], refs
+        return [groups[shard] for shard in order], calls
 
 
-def merge_created(indices: list[list[int]], answers: list[list[Any]]) -> list[Any]:
-    """The records of a split bulk create, in the order of the specs."""
-    out: list[Any] = [None] * sum(len(at) for at in indices)
-    for at, records in zip(indices, answers, strict=True):
-        for i, record in zip(at, records, strict=True):
-            out[i] = record
-    return out
+def merge_created(indices: list[list[int]], answers: list[SessionViews]) -> list[SessionView]:
+    """The sessions of a split bulk create, in the order of the requests."""
+    out: list[SessionView | None] = [None] * sum(len(at) for at in indices)
+    for at, answer in zip(indices, answers, strict=True):
+        for i, view in zip(at, answer.sessions, strict=True):
+            out[i] = view
+    assert all(v is not None for v in out)  # every index is some shard's
+    return [v for v in out if v is not None]
 
 
-def merge_prefix(answers: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_prefix(answers: list[PrefixMatch]) -> PrefixMatch:
     """The longest cached prefix any shard's sessions hold."""
     if len(answers) == 1:
         return answers[0]
-    return max(answers, key=lambda a: int(a["tokens"]))
+    return max(answers, key=lambda a: a.tokens)
 
 
 def merge_located(
@@ -153,38 +161,35 @@ def merge_located(
     return list(groups.values())
 
 
-def merge_stats(answers: list[dict[str, Any]]) -> dict[str, Any]:
-    """One stats document for the whole table (sums; devices and archives from shard 0)."""
+def merge_stats(answers: list[ClusterStats]) -> ClusterStats:
+    """One figure set for the whole table (sums; devices and archives from shard 0)."""
     if len(answers) == 1:
         return answers[0]
-    first = answers[0]
     states: Counter[str] = Counter()
     priorities: Counter[str] = Counter()
-    tenants: dict[str, dict[str, int]] = {}
+    sessions: Counter[str] = Counter()
+    kv_bytes: Counter[str] = Counter()
     for a in answers:
-        states.update(a.get("session_states", {}))
-        priorities.update(a.get("session_priorities", {}))
-        for name, use in a.get("tenants", {}).items():
-            total = tenants.setdefault(name, {"sessions": 0, "bytes": 0})
-            total["sessions"] += use["sessions"]
-            total["bytes"] += use["bytes"]
-    named = sorted((t for t in tenants if t != OTHER_TENANTS),
-                   key=lambda t: (-tenants[t]["bytes"], t))
-    merged_tenants = {t: tenants[t] for t in named[:STATS_TENANTS]}
-    rest = named[STATS_TENANTS:] + ([OTHER_TENANTS] if OTHER_TENANTS in tenants else [])
+        states.update(a.session_states)
+        priorities.update(a.session_priorities)
+        for name, use in a.tenants.items():
+            sessions[name] += use.sessions
+            kv_bytes[name] += use.bytes
+    named = sorted((t for t in sessions if t != OTHER_TENANTS), key=lambda t: (-kv_bytes[t], t))
+    tenants = {t: TenantUse(sessions=sessions[t], bytes=kv_bytes[t])
+               for t in named[:STATS_TENANTS]}
+    rest = named[STATS_TENANTS:] + ([OTHER_TENANTS] if OTHER_TENANTS in sessions else [])
     if rest:
-        merged_tenants[OTHER_TENANTS] = {
-            "sessions": sum(tenants[t]["sessions"] for t in rest),
-            "bytes": sum(tenants[t]["bytes"] for t in rest),
-        }
-    return {
-        **first,
-        "shard": None,
-        "sessions": sum(a["sessions"] for a in answers),
-        "shard_sessions": [a["sessions"] for a in answers],
-        "logical_bytes": sum(a["logical_bytes"] for a in answers),
-        "session_states": dict(states),
-        "session_priorities": dict(priorities),
-        "tenants": merged_tenants,
-        "background_prefetched": sum(a.get("background_prefetched", 0) for a in answers),
-    }
+        tenants[OTHER_TENANTS] = TenantUse(sessions=sum(sessions[t] for t in rest),
+                                           bytes=sum(kv_bytes[t] for t in rest))
+    return msgspec.structs.replace(
+        answers[0],
+        shard=None,
+        sessions=sum(a.sessions for a in answers),
+        shard_sessions=[a.sessions for a in answers],
+        logical_bytes=sum(a.logical_bytes for a in answers),
+        session_states=dict(states),
+        session_priorities=dict(priorities),
+        tenants=tenants,
+        background_prefetched=sum(a.background_prefetched for a in answers),
+    )

@@ -45,6 +45,7 @@ from memkv.api.middleware import (
 )
 from memkv.api.observe import StatsSnapshot
 from memkv.api.routes import appends, cluster, health, leases, reads, sessions
+from memkv.protocol.stats import ClusterStats
 from memkv.same_node import SegmentMaps
 from memkv.staging import PutStaging
 
@@ -101,7 +102,7 @@ def create_app(
     )
     routers = router if isinstance(router, RouterShards) else RouterShards([router])
 
-    async def whole_table_stats() -> dict[str, Any]:
+    async def whole_table_stats() -> ClusterStats:
         return merge_stats(list(await asyncio.gather(*routers.stats())))
 
     this_node = node_id or this_node_id() or ""

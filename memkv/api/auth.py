@@ -47,7 +47,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import yaml
 
@@ -310,6 +310,14 @@ def _names(value: Any, what: str) -> frozenset[str]:
     return frozenset(check_name(v, what) for v in value)
 
 
+class AuthOptions(TypedDict, total=False):
+    """:class:`Authenticator`'s keywords that every token source passes on."""
+
+    open_metrics: bool
+    open_docs: bool
+    default_quota: Quota
+
+
 @dataclass(slots=True)
 class Authenticator:
     """Resolves ``Authorization: Bearer <token>`` headers to principals.
@@ -348,7 +356,8 @@ class Authenticator:
         return cls(enabled=False)
 
     @classmethod
-    def from_document(cls, text: str, where: str, **options: Any) -> Authenticator:
+    def from_document(cls, text: str, where: str, **options: Unpack[AuthOptions]
+                      ) -> Authenticator:
         """An authenticator from a token document (YAML or JSON, see the module notes).
 
         Raises:
@@ -381,7 +390,7 @@ class Authenticator:
         tokens_file: Path | None,
         *,
         environ: Mapping[str, str] | None = None,
-        **options: Any,
+        **options: Unpack[AuthOptions],
     ) -> Authenticator:
         """Tokens from ``tokens_file`` (a mounted Secret, say), else ``$MEMKV_TOKENS``.
 
@@ -465,11 +474,12 @@ def deployment_authenticator(
     Returns:
         The authenticator, and the dev token's file when one is in use.
     """
-    options: dict[str, Any] = {
-        "open_metrics": settings.open_metrics,
-        "open_docs": settings.open_docs,
-        "default_quota": Quota(settings.max_sessions_per_tenant, settings.max_bytes_per_tenant),
-    }
+    # What every token source shares (Authenticator's keywords).
+    options = AuthOptions(
+        open_metrics=settings.open_metrics,
+        open_docs=settings.open_docs,
+        default_quota=Quota(settings.max_sessions_per_tenant, settings.max_bytes_per_tenant),
+    )
     if not settings.enabled:
         return Authenticator(enabled=False, **options), None
     env = os.environ if environ is None else environ

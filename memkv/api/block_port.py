@@ -27,11 +27,14 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
+from starlette.responses import Response
+from starlette.types import Message
 
+from memkv.api.answers import AppendOut
 from memkv.api.auth import Principal
 from memkv.api.body_budget import BodyHold
 from memkv.api.errors import BodyTimeout, PayloadTooLarge, any_error_document
@@ -40,6 +43,7 @@ from memkv.errors import InvalidInputError, MemkvError
 from memkv.protocol.wire import (
     PREFIX_BYTES,
     Frame,
+    FrameHeader,
     WireError,
     decode_header,
     decode_prefix,
@@ -170,7 +174,7 @@ class _Inbox(asyncio.BufferedProtocol):
         await self._wait(hold)
 
     async def read_header(self, max_header_bytes: int, max_payload_bytes: int
-                          ) -> tuple[dict[str, Any], int]:
+                          ) -> tuple[FrameHeader, int]:
         """The next frame's header and payload size (the payload is not read)."""
         prefix = bytearray(PREFIX_BYTES)
         await self.readinto(memoryview(prefix))
@@ -251,9 +255,6 @@ class PortStats:
     refused_connections: int = 0
     requests: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)  # copies the dicts: a snapshot, not live counters
 
 
 class _FatalToConnection(Exception):
@@ -353,7 +354,7 @@ class BlockPortServer:
         }))
         return who
 
-    async def _request(self, inbox: _Inbox, who: Principal, header: dict[str, Any]) -> bool:
+    async def _request(self, inbox: _Inbox, who: Principal, header: FrameHeader) -> bool:
         """Answer one request; False when the connection must close after it."""
         rid = header.get("id")
         op = header.get("op")
@@ -385,7 +386,7 @@ class BlockPortServer:
         return True
 
     async def _append(self, inbox: _Inbox, who: Principal, rid: int,
-                      header: dict[str, Any]) -> None:
+                      header: FrameHeader) -> None:
         session_id = header.get("session_id")
         body_bytes = header.get("body_bytes")
         if not isinstance(session_id, str):
@@ -414,7 +415,7 @@ class BlockPortServer:
             # the body is still on the wire, so the connection cannot go on.
             raise (e if body_read else _FatalToConnection(e)) from None
         await inbox.write(encode_frame({"kind": "reply", "id": rid, "status": 200,
-                                        "result": result}))
+                                        "result": AppendOut.of(result).model_dump()}))
 
     async def _body_frames(
         self,
@@ -455,7 +456,7 @@ class BlockPortServer:
         return frames
 
     async def _read(self, inbox: _Inbox, who: Principal, rid: int,
-                    header: dict[str, Any]) -> None:
+                    header: FrameHeader) -> None:
         session_id = header.get("session_id")
         start, end, turn = header.get("start", 0), header.get("end"), header.get("turn")
         if not isinstance(session_id, str):
@@ -472,7 +473,7 @@ class BlockPortServer:
                            f"the read of {session_id!r}")
 
     async def _read_keys(self, inbox: _Inbox, who: Principal, rid: int,
-                         header: dict[str, Any]) -> None:
+                         header: FrameHeader) -> None:
         keys = header.get("keys")
         if not isinstance(keys, list) or not all(isinstance(k, bytes) for k in keys):
             raise InvalidInputError("read_keys needs 'keys', a list of 16-byte keys")
@@ -486,12 +487,12 @@ class BlockPortServer:
         await self._stream(inbox, response, {"kind": "reply", "id": rid, "status": 200,
                                              "until_end": True}, "the by-key read")
 
-    async def _stream(self, inbox: _Inbox, response: Any, head: dict[str, Any],
+    async def _stream(self, inbox: _Inbox, response: Response, head: FrameHeader,
                       what: str) -> None:
         """Write an ASGI response's body after ``head``; cut short, the connection closes."""
         started = False
 
-        async def send(message: dict[str, Any]) -> None:
+        async def send(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
@@ -524,7 +525,7 @@ class BlockPortServer:
             pass
 
 
-async def _no_receive() -> dict[str, Any]:
+async def _no_receive() -> Message:
     # ASGI spec 2.4: responses do not listen for a disconnect; a write to a closed
     # connection raises ConnectionGone instead.
     await asyncio.get_running_loop().create_future()

@@ -35,9 +35,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from memkv.protocol.messages import PlanEntry, ReadPlan
+from memkv.protocol.messages import ReadPlan
 
-__all__ = ["ClientLeases", "parse_lease_id", "plan_entry_json"]
+__all__ = ["ClientLeases", "parse_lease_id"]
 
 #: Longest lease a client may ask for: a load copies in well under a second.
 MAX_TTL_S = 60.0
@@ -124,21 +124,3 @@ def parse_lease_id(public_id: str) -> tuple[str, str] | None:
     if not dot or not lease_id or not device_id:
         return None
     return lease_id, device_id
-
-
-def plan_entry_json(entry: PlanEntry, lease: int) -> dict[str, Any]:
-    """One planned block as the lease route answers it (``lease``: its lease's index)."""
-    return {
-        "lease": lease,
-        "key": entry.key.hex(),
-        "found": entry.found,
-        "segment": entry.segment,
-        "segment_bytes": entry.segment_bytes,
-        "offset": entry.offset,
-        "nbytes": entry.nbytes,
-        "shape": list(entry.shape),
-        "dtype": entry.dtype,
-        "crc32": entry.crc32,
-        "exact": entry.exact,
-        "lossy": entry.lossy,
-    }

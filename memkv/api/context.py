@@ -16,6 +16,7 @@ from prometheus_client import (
     Counter,
     Histogram,
 )
+from ray.actor import ActorHandle
 
 from memkv.actors.router_shards import RouterShards
 from memkv.api.auth import Principal
@@ -223,7 +224,7 @@ class Gateway:
         default_factory=lambda: SessionLRU(SESSION_CACHE_ENTRIES))
     unstaged: SessionLRU[bool] = field(default_factory=lambda: SessionLRU(SESSION_CACHE_ENTRIES))
     routes: RouteCache = field(default_factory=lambda: RouteCache(SESSION_CACHE_ENTRIES))
-    devices_by_id: dict[str, Any] = field(default_factory=dict)
+    devices_by_id: dict[str, ActorHandle] = field(default_factory=dict)
     touches: Touches = field(init=False)
 
     def __post_init__(self) -> None:

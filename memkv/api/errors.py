@@ -5,7 +5,7 @@ document that lists every status a route may answer."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypedDict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -68,7 +68,15 @@ class BodyTimeout(InvalidInputError):
     """A request body stalled (no bytes for the gateway's body timeout)."""
 
 
-def error_document(exc: BaseException) -> dict[str, Any]:
+class ErrorDocument(TypedDict):
+    """An error as the HTTP API and the block port answer it (``{"error": ...}``)."""
+
+    type: str  # the error's class name (memkv.errors), e.g. "NotFoundError"
+    message: str
+    status: int  # the HTTP status it maps to
+
+
+def error_document(exc: BaseException) -> ErrorDocument:
     """How an error is answered: ``{"type", "message", "status"}`` (HTTP and block port)."""
     # Errors raised in an actor arrive wrapped (RayTaskError subclasses the cause);
     # report the cause's own type and message, not the remote traceback.
@@ -81,7 +89,7 @@ def error_document(exc: BaseException) -> dict[str, Any]:
         status = 408
     if status >= 500 or shown is not exc:
         logger.warning("memkv error answered %d: %s", status, exc)
-    return {"type": type(shown).__name__, "message": plain_message(shown), "status": status}
+    return ErrorDocument(type=type(shown).__name__, message=plain_message(shown), status=status)
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -101,24 +109,24 @@ def error_response(exc: BaseException) -> JSONResponse:
     )
 
 
-_RESTARTING = {"type": "ClosedError", "message": "a memkv service is restarting; retry shortly",
-               "status": 503}
-_INTERNAL = {"type": "InternalError", "message": "internal error", "status": 500}
+_RESTARTING = ErrorDocument(type="ClosedError", status=503,
+                            message="a memkv service is restarting; retry shortly")
+_INTERNAL = ErrorDocument(type="InternalError", message="internal error", status=500)
 
 
-def any_error_document(exc: BaseException) -> dict[str, Any]:
+def any_error_document(exc: BaseException) -> ErrorDocument:
     """:func:`error_document` of any exception, as the HTTP exception handlers answer it
     (the block port answers with this)."""
     if isinstance(exc, RayActorError):
         logger.warning("a memkv actor is unavailable: %s", exc)
-        return dict(_RESTARTING)
+        return _RESTARTING.copy()
     cause = getattr(exc, "cause", None)
     if isinstance(exc, RayError) and isinstance(cause, MemkvError):
         return error_document(cause)
     if isinstance(exc, MemkvError):
         return error_document(exc)
     logger.error("unexpected error in the gateway", exc_info=exc)
-    return dict(_INTERNAL)
+    return _INTERNAL.copy()
 
 
 def unavailable_response(exc: BaseException) -> JSONResponse:
@@ -183,7 +191,7 @@ _ERROR_SCHEMA = {
 }
 
 
-def openapi_with_errors(app: FastAPI) -> dict[str, Any]:
+def openapi_with_errors(app: FastAPI) -> dict[str, Any]:  # FastAPI's own type for it
     """FastAPI's document, with every status a route may answer and its media types."""
     if app.openapi_schema is not None:
         return app.openapi_schema

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,7 +27,6 @@ from memkv.protocol.stats import (
     ClusterStats,
     DeviceStats,
     TenantUse,
-    cluster_stats,
 )
 
 __all__ = ["SNAPSHOT_TTL_S", "StatsSnapshot", "engine_metrics"]
@@ -70,7 +68,7 @@ class StatsSnapshot:
 
     def __init__(
         self,
-        fetch: Callable[[], Awaitable[dict[str, Any]]],
+        fetch: Callable[[], Awaitable[ClusterStats]],
         *,
         ttl_s: float = SNAPSHOT_TTL_S,
         clock: Callable[[], float] = time.monotonic,
@@ -78,14 +76,14 @@ class StatsSnapshot:
         self._fetch = fetch
         self._ttl_s = ttl_s
         self._clock = clock
-        self._value: dict[str, Any] | None = None
+        self._value: ClusterStats | None = None
         self._at = 0.0
         self._lock = asyncio.Lock()
 
-    async def get(self) -> dict[str, Any]:
+    async def get(self) -> ClusterStats:
         async with self._lock:
             if self._value is None or self._clock() - self._at >= self._ttl_s:
-                self._value = dict(await self._fetch())
+                self._value = await self._fetch()
                 self._at = self._clock()
             return self._value
 
@@ -213,9 +211,9 @@ class _Snapshot:
         yield from families.values()
 
 
-def engine_metrics(stats: dict[str, Any], *, tenants: bool = False) -> bytes:
-    """The Prometheus text of a router stats document; ``tenants``: with the
+def engine_metrics(stats: ClusterStats, *, tenants: bool = False) -> bytes:
+    """The Prometheus text of the cluster's figures; ``tenants``: with the
     per-tenant series (for a caller allowed to see every tenant's use)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(cluster_stats(stats), tenants=tenants))
+    registry.register(_Snapshot(stats, tenants=tenants))
     return bytes(generate_latest(registry))

@@ -6,7 +6,7 @@ import asyncio
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import ray
 import uvicorn
@@ -18,16 +18,22 @@ from memkv.api.auth import Authenticator
 from memkv.api.block_port import BlockPortServer
 from memkv.staging import PutStaging, staging_for
 
-__all__ = ["UVICORN_SETTINGS", "GatewayServer"]
+__all__ = ["UVICORN_SETTINGS", "GatewayServer", "UvicornSettings"]
+
+
+class UvicornSettings(TypedDict):
+    """The keywords of :class:`uvicorn.Config` memkv sets."""
+
+    loop: Literal["uvloop"]
+    http: Literal["httptools"]
+    log_level: str
+    access_log: bool
+    lifespan: Literal["off"]
 
 #: How the gateway runs uvicorn (the dataplane suite's bare-ASGI ceiling uses the same).
-UVICORN_SETTINGS: dict[str, Any] = {
-    "loop": "uvloop",
-    "http": "httptools",
-    "log_level": "warning",
-    "access_log": False,
-    "lifespan": "off",
-}
+UVICORN_SETTINGS = UvicornSettings(
+    loop="uvloop", http="httptools", log_level="warning", access_log=False, lifespan="off",
+)
 
 # How long start() waits for uvicorn to report that it is serving.
 _STARTUP_TIMEOUT_S = 30.0

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -26,20 +28,32 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from memkv.api.server import GatewayServer
 
-__all__ = ["Gateway", "GatewayProcess", "GatewayWorker"]
+__all__ = ["Gateway", "GatewayProcess", "GatewayWorker", "WorkerInfo"]
 
 logger = logging.getLogger(__name__)
 
 
-class GatewayProcess:
-    """One more gateway process on this node, on the first worker's ports (an actor)."""
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """Which process a gateway worker is and where it serves."""
 
-    def __init__(self, routers: Any, worker: int, options: dict[str, Any]) -> None:
+    pid: int
+    url: str
+    block_port: int | None
+
+
+class GatewayProcess:
+    """One more gateway process on this node, on the first worker's ports (an actor).
+
+    ``options``: :meth:`GatewayServer.start`'s keywords, as worker 0 got them
+    (with its ports), forwarded whole.
+    """
+
+    def __init__(self, routers: Any, worker: int, options: Mapping[str, Any]) -> None:
         self._server = GatewayServer.start(routers, reuse_port=True, worker=worker, **options)
 
-    def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "url": self._server.url,
-                "block_port": self._server.block_port}
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(os.getpid(), self._server.url, self._server.block_port)
 
     def stop(self) -> None:
         self._server.stop()
@@ -92,7 +106,7 @@ class Gateway:
             gateway.stop()
             raise
         logger.info("gateway workers on %s: pids %s", first.url,
-                    [os.getpid()] + [i["pid"] for i in infos])
+                    [os.getpid()] + [i.pid for i in infos])
         return gateway
 
     def stop(self) -> None:

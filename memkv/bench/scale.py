@@ -35,7 +35,8 @@ from memkv.actors.router_shards import RouterShards
 from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.services import CreateSession, LayoutSpec, encode
+from memkv.protocol.services import CreateSession, CreateSessions, LayoutSpec, encode
+from memkv.protocol.stats import ClusterStats
 
 __all__ = ["run"]
 
@@ -154,9 +155,9 @@ def _on_shards(shards: int, n: int, run_id: str, namespace: str) -> dict[str, An
             f"scale: creates over {shards} shard(s)")
         driver_cpu = time.process_time() - driver_before
         shard_cpu = [a - b for a, b in zip(_cpu_seconds(handles), shards_before, strict=True)]
-        held = ray.get([h.stats.remote(False) for h in handles])
+        held: list[ClusterStats] = ray.get([h.stats.remote(False) for h in handles])
         return {"create_ops_s": creates, "bare_call_ops_s": bare,
-                "sessions_per_shard": [int(h["sessions"]) for h in held],
+                "sessions_per_shard": [h.sessions for h in held],
                 "driver_cpu_us_per_create": driver_cpu / n * 1e6,
                 "shard_cpu_us_per_create": sum(shard_cpu) / n * 1e6,
                 "shard_cpu_us_per_bare_call": bare_cpu / calls * 1e6,
@@ -231,12 +232,10 @@ def run(ctx: BenchContext) -> SuiteResult:
     rss_idle = _rss_bytes(pid) if pid is not None else None
     # Bulk work in batches: one call per BATCH creates.
     batch_ids = [f"scale-{run_id}-batch-{i}" for i in range(n)]
-    layout = LAYOUT.to_dict()
     start = time.perf_counter()
     for lo in track(range(0, n, BATCH), "scale: batched creates", total=-(-n // BATCH)):
-        specs = [{"session_id": sid, "layout": layout, "namespace": NAMESPACE}
-                 for sid in batch_ids[lo : lo + BATCH]]
-        ray.get(router.create_sessions.remote(specs))
+        batch = CreateSessions(requests=tuple(_create(sid) for sid in batch_ids[lo : lo + BATCH]))
+        service.create_sessions(batch).result()
     batch_create_s = n / (time.perf_counter() - start)
     lookup_s = _rate(lambda i: service.session(sids[i]).ref, n, "scale: look up sessions")
 
@@ -246,8 +245,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         cluster.put_blocks(sids[i], prefix + own, [block, block])
     put_s = n / (time.perf_counter() - start)
     stats = cluster.stats()
-    hot_usage = {d: s.get("hot_usage") for d, s in stats["devices"].items()}
-    dedup = {d: s.get("dedup_hits") for d, s in stats["devices"].items()}
+    hot_usage = {d: s.hot_usage for d, s in stats.devices.items()}
+    dedup = {d: s.dedup_hits for d, s in stats.devices.items()}
 
     requests = QUICK_GATEWAY_REQUESTS if ctx.quick else GATEWAY_REQUESTS
     gateway = _gateway_rate(ctx.get_gateway_url(), sids, requests)

@@ -6,6 +6,7 @@
 >>> cluster = memkv.cluster.attach("auto")     # doctest: +SKIP  (a client: creates nothing)
 """
 
-from memkv.cluster.connect import LOOPBACK_ENV, MemkvCluster, attach, connect
+from memkv.cluster.connect import LOOPBACK_ENV, attach, connect
+from memkv.cluster.memkv_cluster import MemkvCluster
 
 __all__ = ["LOOPBACK_ENV", "MemkvCluster", "attach", "connect"]

@@ -6,525 +6,36 @@ local data directory and the router, and shuts down only what it started.
 With an address it joins that cluster and finds (or creates) the named actors:
 one device actor per unit of the ``memkv_device`` resource on each node, one
 archive actor per node advertising ``memkv_nvme``, and the router.
+Both answer a :class:`~memkv.cluster.memkv_cluster.MemkvCluster`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
-import torch
-from ray.exceptions import RayActorError
+from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from memkv.actors.archive import ArchiveActor
 from memkv.actors.device import DeviceCacheActor
-from memkv.actors.payload import (
-    READ_BATCH_BLOCKS,
-    READ_WINDOW_BATCHES,
-    BlockPayload,
-    from_payload,
-    to_payload,
-)
 from memkv.actors.router import SessionRouterActor
-from memkv.actors.router_shards import (
-    RouterShards,
-    merge_created,
-    merge_located,
-    merge_prefix,
-    merge_stats,
-)
+from memkv.actors.router_shards import RouterShards
 from memkv.cluster.loopback import (
     LOOPBACK_ADDRESS,
     LOOPBACK_ENV,
     is_loopback_address,
     keep_ray_on_loopback,
 )
+from memkv.cluster.memkv_cluster import MemkvCluster
 from memkv.config import MemkvConfig, load_config
-from memkv.errors import ConfigError, InvalidInputError, UnknownBlockError, WrongNodeError
-from memkv.protocol.enums import parse_ack, parse_priority
-from memkv.protocol.hashing import chain_hashes
-from memkv.protocol.messages import PlanEntry, ReadPlan
-from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec
+from memkv.errors import ConfigError
 from memkv.protocol.shards import shard_name
-from memkv.same_node import HostLease, SameNodeReader, shm_identity
-from memkv.staging import PutStaging, staging_for, staging_node
-from memkv.storage.layout import KVLayout, split_kv
 
 __all__ = ["LOOPBACK_ENV", "MemkvCluster", "attach", "connect"]
 
-logger = logging.getLogger(__name__)
-
-# A read that hits a device while it restarts is retried this often after the
-# router has recovered the device.
-_DEVICE_RETRIES = 1
-_CLOSE_TIMEOUT_S = 30.0
-
-
-class MemkvCluster:
-    """A connection to memkv's actors, with the in-cluster client API.
-
-    In-cluster readers get blocks through Ray's object store (zero-copy reads);
-    the HTTP gateway is the way in from outside the cluster.
-    """
-
-    def __init__(
-        self,
-        config: MemkvConfig,
-        router: Any | RouterShards,
-        devices: dict[str, Any],
-        archives: dict[str, Any],
-        *,
-        owned: list[Any],
-        started_ray: bool,
-    ) -> None:
-        self.config = config
-        # The session table's shards; each session's calls go to its owner.
-        self.routers = router if isinstance(router, RouterShards) else RouterShards([router])
-        self.router = self.routers.first
-        self.devices = devices
-        self.archives = archives
-        self._owned = owned
-        self._started_ray = started_ray
-        self._closed = False
-        self._readers: dict[str, SameNodeReader] = {}
-        self._remote_devices: set[str] = set()  # devices of other nodes: no same-node reads
-        # Appends staged in shared memory for this node's devices (memkv.staging):
-        # made on the first append, None when no device runs here (or after a refusal).
-        self._staging: PutStaging | None = None
-        self._staging_checked = False
-
-    # -- sessions ----------------------------------------------------------------------
-
-    def create_session(
-        self,
-        session_id: str,
-        layout: KVLayout,
-        *,
-        namespace: str = "default",
-        priority: str = "normal",
-        ack: str | None = None,
-        exact_only: bool = False,
-        finite_only: bool = False,
-    ) -> dict[str, Any]:
-        """A new session; ``ack`` (``memory`` / ``archive``) and ``exact_only``:
-        see docs/durability.md; ``finite_only``: appends through a gateway holding
-        NaN or inf are refused (docs/security.md)."""
-        request = CreateSession(
-            session_id=session_id, layout=LayoutSpec.of(layout), namespace=namespace,
-            priority=parse_priority(priority), ack=parse_ack(ack),
-            exact_only=exact_only, finite_only=finite_only,
-        )
-        return self.routers.service(session_id).create_session(request).result().as_dict()
-
-    def create_sessions(self, specs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Many sessions in one router call: each spec as :meth:`create_session`'s
-        arguments (``session_id``, ``layout`` as a :class:`KVLayout` or its dict, and
-        optionally ``namespace``, ``priority``, ``ack``, ``exact_only``)."""
-        wire = [
-            {**spec, "layout": spec["layout"].to_dict()}
-            if isinstance(spec.get("layout"), KVLayout) else dict(spec)
-            for spec in specs
-        ]
-        indices, refs = self.routers.create_sessions(wire)
-        return [dict(r) for r in merge_created(indices, ray.get(refs))]
-
-    def session(self, session_id: str) -> dict[str, Any]:
-        return self.routers.service(session_id).session(session_id).result().as_dict()
-
-    def put_kv(
-        self,
-        session_id: str,
-        token_ids: Sequence[int] | np.ndarray,
-        keys: Sequence[torch.Tensor],
-        values: Sequence[torch.Tensor],
-    ) -> dict[str, Any]:
-        """Store a session's whole KV (per-layer K and V for every token so far).
-
-        Only blocks from the first one that differs from the stored chain are
-        sent: earlier turns' blocks are never copied again.
-        """
-        record = self.session(session_id)
-        layout = KVLayout.from_dict(record["layout"])
-        tokens = [int(t) for t in token_ids]
-        chain = chain_hashes(tokens, layout, record["namespace"])
-        start = 0
-        for old, new in zip(record["chain"], chain, strict=False):
-            if bytes(old) != bytes(new):
-                break
-            start += 1
-        blocks = split_kv(layout, keys, values)
-        return self._put(session_id, tokens, chain, blocks[start:], start)
-
-    def put_blocks(
-        self,
-        session_id: str,
-        token_ids: Sequence[int] | np.ndarray,
-        blocks: Sequence[torch.Tensor],
-        start_block: int = 0,
-    ) -> dict[str, Any]:
-        """Store blocks ``start_block ..`` of a session whose tokens so far are ``token_ids``."""
-        record = self.session(session_id)
-        layout = KVLayout.from_dict(record["layout"])
-        tokens = [int(t) for t in token_ids]
-        chain = chain_hashes(tokens, layout, record["namespace"])
-        return self._put(session_id, tokens, chain, list(blocks), start_block)
-
-    def _put(
-        self,
-        session_id: str,
-        tokens: list[int],
-        chain: Sequence[bytes],
-        blocks: Sequence[torch.Tensor],
-        start_block: int,
-    ) -> dict[str, Any]:
-        if len(blocks) != len(chain) - start_block:
-            raise InvalidInputError(
-                f"{len(tokens)} tokens make {len(chain)} blocks; from block {start_block} "
-                f"expected {len(chain) - start_block} blocks, got {len(blocks)}"
-            )
-        payloads = [to_payload(chain[start_block + i], b) for i, b in enumerate(blocks)]
-
-        request = AppendTurn(session_id=session_id, token_ids=AppendTurn.pack_tokens(tokens),
-                             start_block=start_block, chain=tuple(bytes(k) for k in chain))
-
-        def put(sent: list[Any]) -> dict[str, Any]:
-            return self.routers.service(session_id).put_blocks(request, sent).result().as_dict()
-
-        staging = self._put_staging()
-        slot = staging.lease(sum(p.nbytes for p in payloads)) if staging and payloads else None
-        if slot is not None and staging is not None:
-            # One copy into shared memory the device copies from: no object store.
-            copies = []
-            for p in payloads:
-                view = slot.take(p.nbytes)
-                assert view is not None  # the slot was sized for every block
-                dst = np.frombuffer(view, dtype=p.data.dtype).reshape(p.data.shape)
-                np.copyto(dst, p.data)
-                copies.append(BlockPayload(p.key, p.dtype, dst))
-            staged = staging.describe(copies, staging_node())
-            assert staged is not None  # every copy lies in the slot
-            # The slot is reused only once the call has answered (the device has
-            # copied); an interrupt mid-call leaves it taken rather than risk that.
-            try:
-                result = put(staged)
-            except WrongNodeError:
-                slot.release()
-                self._drop_staging()  # this node's devices are not where sessions live
-            except Exception:
-                slot.release()
-                raise
-            else:
-                slot.release()
-                return result
-        # By reference: the router forwards the refs and the device maps the
-        # blocks from the object store, so no process copies them on the way.
-        return put([ray.put(p) for p in payloads])
-
-    def _put_staging(self) -> PutStaging | None:
-        """This process's staging segment, made once a device runs on its node."""
-        if not self._staging_checked:
-            self._staging_checked = True
-            self._staging = staging_for(self.devices.values(),
-                                        self.config.gateway.put_staging_bytes)
-        return self._staging
-
-    def _drop_staging(self) -> None:
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
-
-    def resume(self, session_id: str) -> dict[str, Any]:
-        """Answers at once with the chain and each block's tier; blocks follow lazily."""
-        resumed = self.routers.service(session_id).resume(session_id).result()
-        return {
-            "session_id": resumed.session_id,
-            "device_id": resumed.device_id,
-            "tokens": resumed.tokens,
-            "blocks": [(b.key, b.tier.value, b.tokens) for b in resumed.blocks],
-        }
-
-    def read_session(
-        self, session_id: str, start: int = 0, end: int | None = None
-    ) -> Iterator[tuple[bytes, torch.Tensor]]:
-        """Yield ``(key, block)`` in chain order, fetched lazily in small pipelined batches.
-
-        A batch of :data:`READ_BATCH_BLOCKS` is one object in the node's object
-        store (zero-copy read-only views: copy before writing); at most
-        :data:`READ_WINDOW_BATCHES` are in flight, so the device promotes
-        blocks just ahead of the reader, and the first arrives before the last
-        is loaded. If the device dies mid-read, the router recovers it (from
-        the archive) and the read goes on from the next block. Whether each
-        block is exact: :meth:`read_session_payloads`.
-        """
-        for payload in self.read_session_payloads(session_id, start, end):
-            yield payload.key, from_payload(payload)
-
-    def read_session_payloads(
-        self, session_id: str, start: int = 0, end: int | None = None
-    ) -> Iterator[BlockPayload]:
-        """:meth:`read_session`'s blocks with what is known of each: ``exact`` (False
-        once its bytes went through a lossy step), ``lossy`` (which one:
-        memkv.protocol.exactness), ``tier`` (where it was found); ``data`` is a
-        read-only view (``memkv.actors.payload.from_payload`` makes the tensor)."""
-        position = start
-        attempt = 0
-        router = self.routers.of(session_id)
-        while True:
-            route = ray.get(router.read_route.remote(session_id, position, end))
-            device_id, device = route.device_id, route.device
-            try:
-                for payload in _pipelined(device, list(route.keys), session_id):
-                    position += 1
-                    yield payload
-                return
-            except RayActorError:
-                if attempt >= _DEVICE_RETRIES:
-                    raise
-                attempt += 1
-                ray.get(router.device_failed.remote(device_id))
-
-    def get_blocks(self, session_id: str, keys: Sequence[bytes]) -> list[torch.Tensor]:
-        """Blocks by key from the session's device (retried once if the device restarted)."""
-        attempt = 0
-        router = self.routers.of(session_id)
-        while True:
-            device_id, device = ray.get(router.device_of.remote(session_id))
-            try:
-                payloads = ray.get(device.get_blocks.remote([bytes(k) for k in keys], session_id))
-                return [from_payload(p) for p in payloads]
-            except RayActorError:
-                if attempt >= _DEVICE_RETRIES:
-                    raise
-                attempt += 1
-                ray.get(router.device_failed.remote(device_id))
-
-    def match_prefix(
-        self, layout: KVLayout, namespace: str, token_ids: Sequence[int]
-    ) -> tuple[int, list[bytes]]:
-        """Leading tokens of ``token_ids`` that sessions of ``namespace`` cached, and their keys."""
-        tokens = [int(t) for t in token_ids]
-        result = merge_prefix(
-            ray.get(self.routers.match_prefix(layout.to_dict(), namespace, tokens)))
-        return int(result["tokens"]), [bytes(k) for k in result["blocks"]]
-
-    def blocks_by_key(
-        self, keys: Sequence[bytes], namespace: str, *, same_node: bool = False
-    ) -> list[BlockPayload]:
-        """Blocks of ``namespace`` by key, in the order asked, from whichever devices hold them.
-
-        ``same_node``: blocks on a device of this node are copied out of its
-        shared memory under a lease (checksum checked) instead of through the
-        object store; the device must allow it (``device.same_node_reads``),
-        else it plans nothing and the blocks come in-cluster.
-
-        Raises:
-            UnknownBlockError: a key that no device of the namespace holds.
-        """
-        wanted = [bytes(k) for k in keys]
-        groups = merge_located(ray.get(self.routers.locate_blocks(wanted, namespace)))
-        found: dict[bytes, BlockPayload] = {}
-        for device_id, device, group in groups:
-            if same_node and device_id not in self._remote_devices:
-                try:
-                    copies = self._reader(device_id, device).read(group)
-                except WrongNodeError:
-                    self._remote_devices.add(device_id)
-                    copies = []
-                for c in copies:
-                    found[c.key] = BlockPayload(c.key, c.dtype, c.array, c.found, c.exact, c.lossy)
-            for payload in ray.get(device.get_blocks.remote([k for k in group if k not in found])):
-                found[payload.key] = payload
-        missing = [k for k in wanted if k not in found]
-        if missing:
-            raise UnknownBlockError(
-                f"{len(missing)} of {len(wanted)} blocks are not held in namespace "
-                f"{namespace!r} (first {missing[0].hex()})"
-            )
-        return [found[k] for k in wanted]
-
-    def lease_blocks(self, keys: Sequence[bytes], namespace: str, ttl_s: float = 30.0
-                     ) -> tuple[HostLease, Callable[[], None]]:
-        """Blocks of ``namespace`` pinned in this node's shared memory, and how to let go.
-
-        Blocks on devices of other nodes (or of a deployment without
-        ``device.same_node_reads``) are answered None: read them with
-        :meth:`blocks_by_key`. The release does not wait for the devices.
-
-        Raises:
-            UnknownBlockError: a key that no device of the namespace holds.
-        """
-        wanted = [bytes(k) for k in keys]
-        groups = merge_located(ray.get(self.routers.locate_blocks(wanted, namespace)))
-        plans: list[tuple[SameNodeReader, ReadPlan]] = []
-        where: dict[bytes, tuple[ReadPlan, PlanEntry]] = {}
-        for device_id, device, group in groups:
-            if device_id in self._remote_devices:
-                continue
-            reader = self._reader(device_id, device)
-            try:
-                plan = reader.plan(group)
-            except WrongNodeError:
-                self._remote_devices.add(device_id)
-                continue
-            if not plan.lease_id:
-                continue
-            plans.append((reader, plan))
-            for entry in plan.entries:
-                if entry is not None:
-                    where[entry.key] = (plan, entry)
-
-        def release() -> None:
-            for reader, plan in plans:
-                reader.release_async(plan)
-
-        lease = HostLease(shm_identity(), tuple(p for _, p in plans),
-                          tuple(where.get(k) for k in wanted))
-        return lease, release
-
-    def _reader(self, device_id: str, device: Any) -> SameNodeReader:
-        """One reader per device: its segment mappings are kept between reads."""
-        reader = self._readers.get(device_id)
-        if reader is None:
-            node_id = ray.get_runtime_context().get_node_id()
-            reader = self._readers[device_id] = SameNodeReader(device, node_id=node_id)
-        return reader
-
-    def suspend(self, session_id: str, *, offline: bool = False) -> dict[str, Any]:
-        return self.routers.service(session_id).suspend(session_id, offline).result().as_dict()
-
-    def set_priority(self, session_id: str, priority: str) -> dict[str, Any]:
-        service = self.routers.service(session_id)
-        return service.set_priority(session_id, parse_priority(priority)).result().as_dict()
-
-    def delete_session(self, session_id: str) -> None:
-        self.routers.service(session_id).delete_session(session_id).result()
-
-    def stats(self) -> dict[str, Any]:
-        return dict(merge_stats(ray.get(self.routers.stats())))
-
-    def device_of(self, session_id: str) -> str:
-        device_id, _ = ray.get(self.routers.of(session_id).device_of.remote(session_id))
-        return str(device_id)
-
-    # -- lifecycle ---------------------------------------------------------------------
-
-    def disconnect(self) -> None:
-        """Leave the cluster's (detached) actors running; disconnect from Ray."""
-        if self._closed:
-            return
-        self._closed = True
-        self._close_readers()
-        if ray.is_initialized():
-            ray.shutdown()
-
-    def drain_to_archive(
-        self,
-        timeout_s: float,
-        progress: Callable[[str, int, int], None] | None = None,
-        batch_blocks: int = 64,
-    ) -> bool:
-        """Give every held block a durable archive copy (a planned stop).
-
-        Devices write, batch by batch, the blocks their sessions hold that live
-        only in memory; the router shards' journals are made durable last. A
-        restart then serves every session again, ``memory`` mode included.
-        Stops at ``timeout_s`` (what is left is lost with the memory, as in a
-        crash). ``progress(device_id, written so far, left)`` after each batch.
-        Returns whether everything was written.
-        """
-        deadline = time.monotonic() + timeout_s
-        complete = True
-        for device_id, handle in sorted(self.devices.items()):
-            written = 0
-            while True:
-                left_s = deadline - time.monotonic()
-                if left_s <= 0:
-                    complete = False
-                    break
-                try:
-                    done, left = ray.get(handle.archive_held.remote(batch_blocks),
-                                         timeout=left_s)
-                except (RayActorError, ray.exceptions.GetTimeoutError) as e:
-                    logger.warning("device %s was not drained: %s", device_id, e)
-                    complete = False
-                    break
-                written += int(done)
-                if progress is not None:
-                    progress(device_id, written, int(left))
-                if left == 0:
-                    break
-        try:
-            ray.get([h.flush_journal.remote() for h in self.routers.handles],
-                    timeout=max(deadline - time.monotonic(), 1.0))
-        except (RayActorError, ray.exceptions.GetTimeoutError) as e:
-            logger.warning("a router journal was not made durable: %s", e)
-            complete = False
-        return complete
-
-    @property
-    def owns_actors(self) -> bool:
-        """Whether :meth:`shutdown` stops actors (the embedded default), not only leaves."""
-        return bool(self._owned)
-
-    def shutdown(self) -> None:
-        """Stop the actors this connection created, and Ray if it started it.
-
-        Against a cluster it created nothing (its actors are detached and
-        shared), so this only disconnects.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        self._close_readers()
-        # Close first: devices unlink their shared-memory warm pools and the
-        # archive flushes; ray.kill alone would leave both behind.
-        closing = [h.close.remote() for h in self._owned if h not in self.routers.handles]
-        try:
-            ray.get(closing, timeout=_CLOSE_TIMEOUT_S)
-        except (RayActorError, ray.exceptions.GetTimeoutError) as e:
-            logger.warning("some memkv actors did not close cleanly: %s", e)
-        for handle in self._owned:
-            try:
-                ray.kill(handle, no_restart=True)
-            except ValueError:  # already gone
-                pass
-        if self._started_ray:
-            ray.shutdown()
-
-    def _close_readers(self) -> None:
-        self._drop_staging()
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
-
-    def __enter__(self) -> MemkvCluster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-
-def _pipelined(device: Any, keys: list[bytes], stream: str) -> Iterator[BlockPayload]:
-    """Payloads of ``keys`` in order, with a bounded window of batched fetch_blocks calls.
-
-    Each batch arrives as a reference to one object-store object (see
-    ``DeviceCache.fetch_blocks``) whose arrays this process maps read-only.
-    """
-    batches = [keys[i : i + READ_BATCH_BLOCKS] for i in range(0, len(keys), READ_BATCH_BLOCKS)]
-    in_flight: deque[Any] = deque()
-    for batch in batches:
-        in_flight.append(device.fetch_blocks.remote(batch, stream))
-        if len(in_flight) > READ_WINDOW_BATCHES:
-            yield from ray.get(ray.get(in_flight.popleft()))
-    while in_flight:
-        yield from ray.get(ray.get(in_flight.popleft()))
 
 
 def attach(address: str, *, namespace: str | None = None) -> MemkvCluster:
@@ -615,7 +126,7 @@ def connect(
 def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCluster:
     settings = cfg.cluster
     lifetime = None if embedded else "detached"
-    owned: list[Any] = []
+    owned: list[ActorHandle] = []
     # num_cpus=0: these are long-lived services placed by memkv's own resources;
     # Ray's default of one CPU each would leave a second device unscheduled on a
     # small node (it waits for a CPU the first one never gives back).
@@ -627,7 +138,7 @@ def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCl
     }
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    archives: dict[str, Any] = {}
+    archives: dict[str, ActorHandle] = {}
     archive_by_node: dict[str, str] = {}
     for node in nodes:
         if node["Resources"].get(settings.nvme_resource, 0) < 1:
@@ -652,7 +163,7 @@ def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCl
         )
     fallback_archive = next(iter(archives))
 
-    devices: dict[str, Any] = {}
+    devices: dict[str, ActorHandle] = {}
     for node in nodes:
         node_id = node["NodeID"]
         gpus = int(node["Resources"].get("GPU", 0))
@@ -683,6 +194,7 @@ def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCl
     shards = cfg.router.shards
     if cfg.router.journal:
         check_journal_layout(router_journal_dir(cfg), shards)
+    # (Ray's stubs type an actor class's .remote() too loosely to call methods on.)
     handles: list[Any] = [
         SessionRouterActor.options(name=shard_name(settings.router_name, i), **common).remote(
             hotness_half_life_s=cfg.router.hotness_half_life_s,
@@ -700,7 +212,8 @@ def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCl
         for i in range(shards)
     ]
     # get_if_exists: a running deployment's shards answer; their count must match.
-    for i, info in enumerate(ray.get([h.shard_info.remote() for h in handles])):
+    infos: list[dict[str, int]] = ray.get([h.shard_info.remote() for h in handles])
+    for i, info in enumerate(infos):
         if info != {"shard": i, "shards": shards}:
             raise ConfigError(
                 f"router {shard_name(settings.router_name, i)!r} runs as shard "

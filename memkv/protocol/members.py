@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.messages import ChainUpdate
+from memkv.protocol.stats import ArchiveStats, DeviceStats
 
 if TYPE_CHECKING:  # the pool's record of a holder (storage imports torch)
     from memkv.storage.pool_core import Holder
@@ -93,10 +94,7 @@ class BlockStore(Protocol):
 
     def prefetch_predicted(self, key: bytes) -> Awaitable[int]: ...
 
-    def stats(self) -> Awaitable[dict[str, Any]]:
-        """The device's stats document (JSON values; :class:`memkv.protocol.stats.DeviceStats`
-        reads it)."""
-        ...
+    def stats(self) -> Awaitable[DeviceStats]: ...
 
 
 class Archive(Protocol):
@@ -108,9 +106,7 @@ class Archive(Protocol):
 
     def delete(self, keys: Sequence[bytes]) -> Awaitable[int]: ...
 
-    def stats(self) -> Awaitable[dict[str, Any]]:
-        """The archive's stats document (:class:`memkv.protocol.stats.ArchiveStats`)."""
-        ...
+    def stats(self) -> Awaitable[ArchiveStats]: ...
 
 
 class RouterPeer(Protocol):

@@ -13,7 +13,17 @@ from typing import Any
 from memkv.protocol.enums import Priority
 from memkv.protocol.layout import KVLayout
 
-__all__ = ["ChainUpdate", "PlanEntry", "ReadPlan", "ReadRoute"]
+__all__ = ["ChainUpdate", "PlanEntry", "PrefixMatch", "ReadPlan", "ReadRoute"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The leading tokens some session of a namespace cached, and their block keys."""
+
+    tokens: int
+    blocks: tuple[bytes, ...]
+    #: The namespace it was found in (a gateway asks several: a tenant's, public ones).
+    namespace: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,11 +29,13 @@ __all__ = [
     "AppendAnswer",
     "BlockTier",
     "CreateSession",
+    "CreateSessions",
     "Expected",
     "LayoutSpec",
     "Quota",
     "ResumeAnswer",
     "SessionView",
+    "SessionViews",
     "SessionService",
     "decode",
     "encode",
@@ -132,6 +134,23 @@ class SessionView(_Message, frozen=True, kw_only=True):
         return out
 
 
+class CreateSessions(_Message, frozen=True, kw_only=True):
+    """Many sessions in one call (bulk work: a fleet starting up, a restore).
+
+    ``indices``: each request's index in the caller's whole list (a client that
+    split one list across shards), so an error names the caller's index.
+    """
+
+    requests: tuple[CreateSession, ...]
+    indices: tuple[int, ...] | None = None
+
+
+class SessionViews(_Message, frozen=True, kw_only=True):
+    """The sessions a :class:`CreateSessions` made, in its order."""
+
+    sessions: tuple[SessionView, ...]
+
+
 class Expected(_Message, frozen=True, kw_only=True):
     """The ``layout`` and ``namespace`` a caller hashed a chain with (its cached view):
     a session that differs (deleted and created again) refuses the append."""
@@ -212,6 +231,8 @@ class SessionService(Protocol):
     """The session lifecycle, as every owner of sessions answers it."""
 
     async def create_session(self, request: CreateSession) -> SessionView: ...
+
+    async def create_sessions(self, request: CreateSessions) -> SessionViews: ...
 
     async def session(self, session_id: str) -> SessionView: ...
 

@@ -24,6 +24,7 @@ __all__ = [
     "LeaseStats",
     "TenantUse",
     "TierStats",
+    "as_document",
     "cluster_stats",
 ]
 
@@ -66,6 +67,15 @@ class DeviceStats(msgspec.Struct, frozen=True, kw_only=True):
     cold_blocks_written: int = 0
     kernels: str = "cpu"
     leases: LeaseStats = msgspec.field(default_factory=LeaseStats)
+    device_id: str = ""
+    #: This process's identity: a restarted device answers another one.
+    incarnation: str = ""
+    #: Whether the arenas' pages are populated yet (first reads are slower before).
+    prefault_done: bool = False
+    #: What the tiers reserved and why, in words (``memkv up`` prints it).
+    reserved: str = ""
+    #: The hot tier's used share of its capacity (0 when it has none).
+    hot_usage: float = 0.0
 
     @property
     def prefetch_accuracy(self) -> float | None:
@@ -106,6 +116,15 @@ class ClusterStats(msgspec.Struct, frozen=True, kw_only=True):
     background_prefetched: int = 0
     #: Sessions per shard, in shard order (a sharded table; empty with one shard).
     shard_sessions: list[int] = msgspec.field(default_factory=list)
+    #: Which shard answered (None: every shard's figures merged).
+    shard: int | None = None
+    shards: int = 1
+
+
+def as_document(stats: msgspec.Struct) -> dict[str, Any]:
+    """A stats struct as plain JSON values (what ``/v1/stats`` serves)."""
+    document: dict[str, Any] = msgspec.to_builtins(stats)
+    return document
 
 
 def cluster_stats(document: dict[str, Any]) -> ClusterStats:

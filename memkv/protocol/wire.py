@@ -41,6 +41,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "PREFIX_BYTES",
     "Frame",
+    "FrameHeader",
     "FrameReader",
     "WireError",
     "block_frame_prefix",
@@ -66,9 +67,15 @@ class WireError(InvalidInputError):
     """A body is malformed, truncated, or its headers disagree with its payloads."""
 
 
+#: A frame's header: the msgpack map docs/wire-format.md defines for its kind.
+#: It comes from outside, so its reader takes each field with a check that names
+#: the field (:class:`WireError`) rather than trusting a schema it was not sent.
+FrameHeader = dict[str, Any]
+
+
 @dataclass(slots=True)
 class Frame:
-    header: dict[str, Any]
+    header: FrameHeader
     #: The payload's bytes: its own bytearray, or a view of a buffer the reader was given.
     payload: bytearray | memoryview = field(default_factory=bytearray)
 
@@ -88,7 +95,7 @@ def numpy_dtype(dtype: str) -> np.dtype[Any]:
 
 
 def encode_frame(
-    header: dict[str, Any], payload: bytes | memoryview = b""
+    header: FrameHeader, payload: bytes | memoryview = b""
 ) -> list[bytes | memoryview]:
     """A frame as chunks to write (the payload is not copied)."""
     if payload:
@@ -228,7 +235,7 @@ def decode_prefix(prefix: bytes | bytearray | memoryview, max_header_bytes: int 
     return int(header_len)
 
 
-def decode_header(raw: bytes, max_payload_bytes: int) -> tuple[dict[str, Any], int]:
+def decode_header(raw: bytes, max_payload_bytes: int) -> tuple[FrameHeader, int]:
     """A frame header and its payload size, checked before anything is allocated for it."""
     try:
         header = msgpack.unpackb(raw, raw=False)

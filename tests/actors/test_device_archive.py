@@ -70,9 +70,9 @@ def test_device_cache_round_trip_with_local_cold_tier(tmp_path):
     got = [from_payload(p) for p in dev.get_blocks(chain)]
     assert all(torch.equal(a, b) for a, b in zip(got, bl, strict=True))
     st = dev.stats()
-    assert st["device_id"] == "dev-0" and 0 < st["hot_usage"] <= 1
+    assert st.device_id == "dev-0" and 0 < st.hot_usage <= 1
     assert dev.release(chain, True) == 10
-    assert dev.stats()["blocks"] == 0
+    assert dev.stats().blocks == 0
     dev.close()
 
 
@@ -93,7 +93,7 @@ def test_archive_service_dedups_serves_and_survives_restart(tmp_path):
 
     again = ArchiveService(cfg)
     assert again.ping() != incarnation
-    assert again.stats()["blocks"] == 2
+    assert again.stats().blocks == 2
     (frame,) = again.get_frames([b"b" * 16])
     assert torch.equal(codec.decode(frame), b1)
     assert again.delete([b"a" * 16, b"z" * 16]) == 1

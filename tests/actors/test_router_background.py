@@ -52,7 +52,7 @@ def test_an_under_used_hot_tier_brings_the_hottest_idle_session_back(tmp_path):
         chain = await _session(router, "idle", 0)
         await router.suspend("idle")
         assert device.locations(chain) == ["cold"]
-        assert device.stats()["hot_usage"] < 0.3
+        assert device.stats().hot_usage < 0.3
         moved = await router.background_round()
         return moved, device.locations(chain)
 
@@ -65,7 +65,7 @@ def test_a_busy_hot_tier_is_left_to_foreground_work(tmp_path):
         idle = await _session(router, "idle", 0)
         await router.suspend("idle")
         await _session(router, "busy", 1000)  # active: its block stays hot
-        assert device.stats()["hot_usage"] >= 0.3
+        assert device.stats().hot_usage >= 0.3
         moved = await router.background_round()
         return moved, device.locations(idle)
 

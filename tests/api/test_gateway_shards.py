@@ -19,7 +19,7 @@ from memkv.api.app import create_app
 from memkv.client import Client
 from memkv.errors import CapacityError, ConflictError, InvalidInputError
 from memkv.protocol.hashing import chain_hashes
-from memkv.protocol.services import CreateSession, LayoutSpec, Quota
+from memkv.protocol.services import CreateSession, CreateSessions, LayoutSpec, Quota
 from memkv.protocol.shards import shard_of
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
@@ -153,10 +153,11 @@ def test_a_bulk_create_asks_the_other_shards_for_a_tenants_use_once(sharded, mon
         return await totals(tenant)
 
     monkeypatch.setattr(routers[1], "tenant_totals", counted)
-    specs = [{"session_id": sid, "layout": LAYOUT.to_dict()} for sid in mine[:6]]
+    specs = tuple(CreateSession(session_id=sid, layout=LayoutSpec.of(LAYOUT),
+                                quota=Quota(max_sessions=6)) for sid in mine[:6])
     # The other shard's session counts: five more fit under a quota of six.
     with pytest.raises(CapacityError, match="spec 5 .*has 6 sessions, its quota is 6"):
-        loop.run_until_complete(routers[0].create_sessions(specs, quota=(6, None)))
+        loop.run_until_complete(routers[0].create_sessions(CreateSessions(requests=specs)))
     assert asked == ["tenant-b"]
     assert len(routers[0].state.sessions) == 5
 
@@ -168,11 +169,11 @@ async def _gather(calls):
 def test_a_bulk_create_over_shards_names_the_callers_index(sharded):
     _, _, routers, loop = sharded
     shards = RouterShards([FakeHandle(r) for r in routers])
-    specs = [{"session_id": sid, "layout": LAYOUT.to_dict()} for sid in SESSIONS[:4]]
+    specs = [CreateSession(session_id=sid, layout=LayoutSpec.of(LAYOUT)) for sid in SESSIONS[:4]]
     indices, calls = shards.create_sessions(specs)
     answers = loop.run_until_complete(_gather(calls))
-    assert [r["session_id"] for r in merge_created(indices, answers)] == SESSIONS[:4]
-    again = [{"session_id": "fresh-one", "layout": LAYOUT.to_dict()}, specs[3]]
+    assert [v.session_id for v in merge_created(indices, answers)] == SESSIONS[:4]
+    again = [CreateSession(session_id="fresh-one", layout=LayoutSpec.of(LAYOUT)), specs[3]]
     indices, calls = shards.create_sessions(again)
     with pytest.raises(ConflictError, match="spec 1 "):
         loop.run_until_complete(_gather(calls))

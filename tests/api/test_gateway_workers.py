@@ -134,7 +134,7 @@ def test_a_dead_worker_leaves_the_ports_to_the_others(cluster):
 
     with Gateway.start(cluster, workers=2, host="127.0.0.1", port=0) as gw:
         (actor,) = gw.actors
-        pid = ray.get(actor.info.remote())["pid"]
+        pid = ray.get(actor.info.remote()).pid
         ray.kill(actor, no_restart=True)
         _wait_dead(actor)
         _wait_exited(pid)  # its listening sockets close with the process

@@ -5,6 +5,7 @@ import asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from memkv.api.observe import StatsSnapshot, engine_metrics
+from memkv.protocol.stats import TenantUse, cluster_stats
 from memkv.storage.router.state import OTHER_TENANTS, STATS_TENANTS, RouterState
 
 STATS = {
@@ -46,7 +47,7 @@ def samples(text):
 
 
 def test_engine_figures_become_metrics():
-    got = samples(engine_metrics(STATS, tenants=True))
+    got = samples(engine_metrics(cluster_stats(STATS), tenants=True))
     assert got[("memkv_sessions", (("state", "active"),))] == 2
     assert got[("memkv_sessions_by_priority", (("priority", "high"),))] == 1
     assert got[("memkv_tier_used_bytes", (("device", "dev-0"), ("tier", "hot")))] == 40
@@ -68,7 +69,8 @@ def test_engine_figures_become_metrics():
     assert got[("memkv_archive_dead_bytes", (("archive", "arc-0"),))] == 40
     assert got[("memkv_background_prefetched_total", ())] == 5
     # Without leave to see tenants (the open endpoint): no series names one.
-    assert not any(name.startswith("memkv_tenant") for name, _ in samples(engine_metrics(STATS)))
+    open_endpoint = samples(engine_metrics(cluster_stats(STATS)))
+    assert not any(name.startswith("memkv_tenant") for name, _ in open_endpoint)
 
 
 def test_a_figure_renamed_at_its_source_fails_loudly_instead_of_reading_zero():
@@ -81,7 +83,7 @@ def test_a_figure_renamed_at_its_source_fails_loudly_instead_of_reading_zero():
     renamed = copy.deepcopy(STATS)
     renamed["devices"]["dev-0"]["block_misses"] = renamed["devices"]["dev-0"].pop("misses")
     with pytest.raises(InvalidInputError, match="missing required field `misses`"):
-        engine_metrics(renamed)
+        engine_metrics(cluster_stats(renamed))
 
 
 def test_tenant_labels_are_bounded():
@@ -91,7 +93,7 @@ def test_tenant_labels_are_bounded():
         state.tenant_bytes[f"t{i:02d}"] = 1000 - i
     usage = state.tenant_usage()
     assert len(usage) == STATS_TENANTS + 1
-    assert usage[OTHER_TENANTS] == {"sessions": 5, "bytes": sum(1000 - i for i in range(20, 25))}
+    assert usage[OTHER_TENANTS] == TenantUse(sessions=5, bytes=sum(1000 - i for i in range(20, 25)))
     assert "t00" in usage and "t24" not in usage
 
 

@@ -39,7 +39,7 @@ def same(a, b):
 
 
 def device_blocks(cluster, device_id):
-    return ray.get(cluster.devices[device_id].stats.remote())["blocks"]
+    return ray.get(cluster.devices[device_id].stats.remote()).blocks
 
 
 def test_sessions_are_placed_on_both_devices(cluster):
@@ -61,18 +61,18 @@ def test_a_shared_prefix_is_stored_once(cluster):
 def test_suspend_archives_and_resume_is_lazy_and_byte_identical(cluster):
     sid, _, blocks = new_session(cluster, 64, seed=200)
     info = cluster.suspend(sid)
-    assert info["state"] == "archived"
+    assert info.state == "archived"
     device = cluster.devices[cluster.device_of(sid)]
-    assert ray.get(device.locations.remote(info["chain"])) == ["cold"] * 16
+    assert ray.get(device.locations.remote(info.chain)) == ["cold"] * 16
     handle = cluster.resume(sid)
     # The answer lists the chain before any block was promoted: lazy.
-    assert [tier for _, tier, _ in handle["blocks"]] == ["cold"] * 16
+    assert [b.tier for b in handle.blocks] == ["cold"] * 16
     stream = cluster.read_session(sid)
     first_key, first = next(stream)
-    assert first_key == info["chain"][0] and torch.equal(first, blocks[0])
+    assert first_key == info.chain[0] and torch.equal(first, blocks[0])
     # The first block is here while the tail is still in the archive: blocks are
     # promoted as the reader needs them (back-pressure + a bounded read-ahead).
-    assert ray.get(device.locations.remote(info["chain"][-4:])) == ["cold"] * 4
+    assert ray.get(device.locations.remote(info.chain[-4:])) == ["cold"] * 4
     assert same([first.clone()] + [b.clone() for _, b in stream], blocks)
 
 
@@ -83,8 +83,8 @@ def test_high_priority_stays_hot_while_background_is_demoted(cluster):
     bg, _, bg_blocks = new_session(cluster, 256, seed=301, prefix=prefix, priority="background")
     assert cluster.device_of(vip) == cluster.device_of(bg)
     device = cluster.devices[cluster.device_of(vip)]
-    vip_chain = cluster.session(vip)["chain"]
-    bg_chain = cluster.session(bg)["chain"]
+    vip_chain = cluster.session(vip).chain
+    bg_chain = cluster.session(bg).chain
     assert set(ray.get(device.locations.remote(vip_chain))) == {"hot"}
     bg_tiers = ray.get(device.locations.remote(bg_chain[1:]))
     assert bg_tiers.count("hot") < 32 and {"warm", "cold"} & set(bg_tiers)
@@ -139,26 +139,26 @@ def test_a_session_missing_its_tail_serves_the_prefix_that_survived(cluster):
     all_tokens = tokens + [90_000 + i for i in range(8)]
     cluster.put_kv(sid, all_tokens, keys, values)
     blocks = split_kv(LAYOUT, keys, values)
-    assert cluster.session(sid)["tokens"] == 16
+    assert cluster.session(sid).tokens == 16
     ray.kill(cluster.devices[cluster.device_of(sid)], no_restart=False)
 
     got = read(cluster, sid)  # before: BlockLostError, all 16 tokens lost for 8
     assert same(got, blocks[:2])
     info = cluster.session(sid)
-    assert (info["tokens"], info["lost_tokens"]) == (8, 8)
-    assert "restarted" in info["partial_reason"] and "blocks 2..3 of 4" in info["partial_reason"]
+    assert (info.tokens, info.lost_tokens) == (8, 8)
+    assert "restarted" in info.partial_reason and "blocks 2..3 of 4" in info.partial_reason
     assert cluster.match_prefix(LAYOUT, "tenant", all_tokens)[0] == 8
     # The next turn sends the lost blocks again (hashed from the same tokens).
     cluster.put_kv(sid, all_tokens, keys, values)
     assert same(read(cluster, sid), blocks)
-    assert cluster.session(sid)["tokens"] == 16
+    assert cluster.session(sid).tokens == 16
 
 
 def test_delete_frees_blocks_everywhere(cluster):
     sid, _, _ = new_session(cluster, 16, seed=500, namespace="delete-me")
     device = cluster.device_of(sid)
     before = device_blocks(cluster, device)
-    chain = cluster.session(sid)["chain"]
+    chain = cluster.session(sid).chain
     cluster.suspend(sid)
     archive = next(iter(cluster.archives.values()))
     assert ray.get(archive.contains.remote(chain)) == [True] * 4
@@ -176,7 +176,7 @@ def test_restarted_archive_rebuilds_its_index_and_serves_again(cluster):
     # The device's reads wait out the restart; the archive reopened its segments.
     assert same(read(cluster, sid), blocks)
     assert ray.get(archive.ping.remote()) != before
-    assert ray.get(archive.stats.remote())["blocks"] >= 5
+    assert ray.get(archive.stats.remote()).blocks >= 5
 
 
 def test_prefix_match_and_reads_by_key_in_cluster_and_from_shared_memory(cluster):
@@ -189,13 +189,13 @@ def test_prefix_match_and_reads_by_key_in_cluster_and_from_shared_memory(cluster
     assert matched == 12 and len(keys) == 3
     assert cluster.match_prefix(LAYOUT, "other", tokens) == (0, [])
     device = cluster.devices[cluster.device_of(sid)]
-    granted = ray.get(device.stats.remote())["leases"]["granted"]
+    granted = ray.get(device.stats.remote()).leases.granted
     for same_node in (False, True):
         got = cluster.blocks_by_key(list(reversed(keys)), "by-key", same_node=same_node)
         assert [p.key for p in got] == list(reversed(keys))
         assert same([from_payload(p) for p in reversed(got)], blocks)
     # The same-node read went through one lease (hot blocks sit in shared memory).
-    assert ray.get(device.stats.remote())["leases"]["granted"] == granted + 1
+    assert ray.get(device.stats.remote()).leases.granted == granted + 1
     # Blocks of another namespace are not found, whoever holds them.
     with pytest.raises(UnknownBlockError, match="no session holds block"):
         cluster.blocks_by_key(keys[:1], "other")
@@ -214,20 +214,21 @@ def test_attach_finds_the_running_cluster_and_creates_nothing(cluster):
 
 def test_sessions_created_in_bulk_and_a_bad_spec_named(cluster):
     from memkv.errors import ConflictError, InvalidInputError
+    from memkv.protocol.services import CreateSession, LayoutSpec
+
+    def request(sid, **options):
+        return CreateSession(session_id=sid, layout=LayoutSpec.of(LAYOUT), **options)
 
     ids = [f"bulk-{next(_ids)}" for _ in range(5)]
-    records = cluster.create_sessions(
-        [{"session_id": sid, "layout": LAYOUT, "namespace": "bulk"} for sid in ids]
-    )
-    assert [r["session_id"] for r in records] == ids
-    assert all(cluster.session(sid)["namespace"] == "bulk" for sid in ids)
+    views = cluster.create_sessions([request(sid, namespace="bulk") for sid in ids])
+    assert [v.session_id for v in views] == ids
+    assert all(cluster.session(sid).namespace == "bulk" for sid in ids)
     more = f"bulk-{next(_ids)}"
     with pytest.raises(ConflictError, match=r"spec 1"):
-        cluster.create_sessions([{"session_id": more, "layout": LAYOUT},
-                                 {"session_id": ids[0], "layout": LAYOUT}])
-    assert cluster.session(more)["session_id"] == more  # the one before it was created
-    with pytest.raises(InvalidInputError, match=r"spec 0: missing 'layout'"):
-        cluster.create_sessions([{"session_id": f"bulk-{next(_ids)}"}])
+        cluster.create_sessions([request(more), request(ids[0])])
+    assert cluster.session(more).session_id == more  # the one before it was created
+    with pytest.raises(InvalidInputError, match=r"spec 0 \('has space'\)"):
+        cluster.create_sessions([request("has space")])
     for sid in [*ids, more]:
         cluster.delete_session(sid)
 
@@ -239,10 +240,9 @@ def test_in_cluster_appends_are_staged_for_this_nodes_devices(cluster, monkeypat
     assert same(read(cluster, sid), blocks)
     # A writer on another node (as a device sees it): the device refuses the staged
     # blocks, the append goes by the object store and staging is dropped.
-    import importlib
+    from memkv.cluster import memkv_cluster
 
-    connect_module = importlib.import_module("memkv.cluster.connect")  # not the function
-    monkeypatch.setattr(connect_module, "staging_node", lambda: "a-node-elsewhere")
+    monkeypatch.setattr(memkv_cluster, "staging_node", lambda: "a-node-elsewhere")
     other, _, other_blocks = new_session(cluster, 12, seed=301)
     assert cluster._staging is None
     assert same(read(cluster, other), other_blocks)
@@ -256,7 +256,7 @@ def test_in_cluster_reads_say_which_blocks_are_exact(cluster):
     cluster.suspend(sid, offline=True)  # unshared blocks: the lossy Delta+RL codec
     cluster.resume(sid)
     read = list(cluster.read_session_payloads(sid))
-    assert [p.key for p in read] == cluster.session(sid)["chain"]
+    assert [p.key for p in read] == list(cluster.session(sid).chain)
     assert all(not p.exact and p.lossy == "delta_rl" for p in read), [
         (p.exact, p.lossy) for p in read]
     exact, _, _ = new_session(cluster, 8, seed=461)

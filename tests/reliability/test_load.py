@@ -197,10 +197,10 @@ def test_load_through_the_gateway_while_actors_are_killed(cluster, gateway, tmp_
         for sid in tally.acknowledged:
             _retry(tally, lambda sid=sid: client.delete_session(sid), time.monotonic() + 30)
     stats = ray.get(cluster.router.stats.remote())
-    for dev in stats["devices"].values():
+    for dev in stats.devices.values():
         for tier in ("hot", "warm"):
-            t = dev["tiers"][tier]
-            assert t["used_bytes"] <= t["capacity_bytes"]
+            t = dev.tiers[tier]
+            assert t.capacity_bytes is not None and t.used_bytes <= t.capacity_bytes
     assert tally.mismatches == [], f"reads returned other bytes: {tally.mismatches}"
     assert lost_blocks == 0
     assert faults == ["device", "archive", "router"]

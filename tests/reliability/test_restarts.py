@@ -60,12 +60,12 @@ def test_a_killed_router_comes_back_with_every_session(cluster):
         assert len(got) == len(blocks) and all(
             torch.equal(a, b) for a, b in zip(got, blocks, strict=True)
         ), sid
-    assert cluster.session("r-arch")["ack"] == "archive"
-    assert cluster.session("r-susp")["state"] in ("suspended", "archived")
+    assert cluster.session("r-arch").ack == "archive"
+    assert cluster.session("r-susp").state in ("suspended", "archived")
     # It keeps working: another turn, a delete.
     keys, values = kv(12, 9)
     cluster.put_kv("r-mem", list(range(100, 112)), keys, values)
-    assert cluster.session("r-mem")["turn"] == 2
+    assert cluster.session("r-mem").turn == 2
     for sid in sessions:
         cluster.delete_session(sid)
 

@@ -70,7 +70,7 @@ def test_a_killed_shard_resyncs_its_own_references_and_no_one_elses(cluster, sha
         sharded.put_kv(sid, PREFIX + [500 + 4 * i + j for j in range(4)], keys, values)
         expected[sid] = split_kv(LAYOUT, keys, values)
     stats = sharded.stats()
-    assert stats["shard_sessions"] == [list(owners.values()).count(s) for s in (0, 1)]
+    assert stats.shard_sessions == [list(owners.values()).count(s) for s in (0, 1)]
     # The suite's own router (a third owner on the same devices) keeps a session too;
     # another namespace (another deployment's table, which does not see these shards).
     cluster.create_session("beside-shards", LAYOUT, namespace="beside")

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 
 from memkv.actors.handles import Pending
 from memkv.actors.payload import BlockPayload
+from memkv.api.answers import AppendOut
 from memkv.api.auth import Principal
 from memkv.api.blocks import FRAMES_MEDIA_TYPE
 from memkv.api.body_budget import BodyHold
@@ -40,7 +41,7 @@ from memkv.protocol.dtypes import non_finite_count
 from memkv.protocol.hashing import chain_hashes, token_array
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.services import AppendAnswer, AppendTurn, Expected, LayoutSpec, Quota
-from memkv.protocol.wire import Frame, FrameReader, WireError, block_payload
+from memkv.protocol.wire import Frame, FrameHeader, FrameReader, WireError, block_payload
 from memkv.staging import StagingSlot
 
 __all__ = ["receive_append", "router"]
@@ -60,7 +61,7 @@ router = APIRouter()
 )
 async def append_turn(
     session_id: SessionIdPath, request: Request, gw: GatewayState, who: Caller
-) -> dict[str, Any]:
+) -> AppendOut:
     """Append a turn: a ``turn`` frame then its ``block`` frames (docs/wire-format.md).
 
     Idempotent by the turn index: a retry of the last turn with the same
@@ -73,9 +74,9 @@ async def append_turn(
         return _read_frames(request, gw.max_body_bytes, gw.body_timeout_s, allocate=allocate,
                             hold=hold)
 
-    return await receive_append(
+    return AppendOut.of(await receive_append(
         gw, who, session_id, int(declared) if declared and declared.isdigit() else None, read
-    )
+    ))
 
 
 async def receive_append(
@@ -85,7 +86,7 @@ async def receive_append(
     declared: int | None,
     read: Callable[[Callable[[int], memoryview | None] | None, BodyHold],
                    Awaitable[list[Frame]]],
-) -> dict[str, Any]:
+) -> AppendAnswer:
     """An append whose body ``read`` receives: into staging where it can, under the
     in-flight budget, stored only once every frame is in and checked.
 
@@ -115,7 +116,7 @@ async def receive_append(
 async def _append(
     gw: Gateway, sid: str, session_id: str, frames: list[Frame], slot: StagingSlot | None,
     who: Principal,
-) -> dict[str, Any]:
+) -> AppendAnswer:
     if not frames or frames[0].kind != "turn":
         raise WireError("an append body starts with a 'turn' frame")
     head = frames[0].header
@@ -198,12 +199,10 @@ async def _append(
         raise
     finally:
         gw.routes.drop(sid)
-    out = result.as_dict()
-    out["chain"] = [k.hex() for k in result.chain]
-    return out
+    return result
 
 
-def _tokens(head: dict[str, Any]) -> np.ndarray:
+def _tokens(head: FrameHeader) -> np.ndarray:
     raw = head.get("tokens")
     if isinstance(raw, bytes):
         if len(raw) % 8:

@@ -4,17 +4,21 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request
 from prometheus_client import Counter, Histogram
 
 from memkv.actors.router_shards import merge_prefix
+from memkv.api.answers import MatchOut
 from memkv.api.context import Caller, GatewayState
 from memkv.api.models import MatchIn
 from memkv.protocol.hashing import token_array
 from memkv.protocol.ids import PUBLISHER_SEPARATOR
 from memkv.protocol.layout import KVLayout
+from memkv.protocol.messages import PrefixMatch
+from memkv.protocol.stats import as_document
 
 __all__ = ["router"]
 
@@ -22,7 +26,7 @@ router = APIRouter()
 
 
 @router.post("/v1/match", tags=["kv"])
-async def match(body: MatchIn, gw: GatewayState, who: Caller) -> dict[str, Any]:
+async def match(body: MatchIn, gw: GatewayState, who: Caller) -> MatchOut:
     """How many leading tokens are already cached (any session of the namespace:
     the caller's tenant by default, or a public one its token may read)."""
     who.require("read")
@@ -30,22 +34,26 @@ async def match(body: MatchIn, gw: GatewayState, who: Caller) -> dict[str, Any]:
     token_array(body.token_ids)  # validate before asking the router
     # In a public namespace, each trusted publisher's blocks apart: the longest
     # prefix wins, the earlier publisher in the token's trust on a tie.
-    best: dict[str, Any] = {"tokens": 0, "blocks": []}
+    best: PrefixMatch | None = None
     for namespace in who.read_namespaces(body.namespace):
         found = merge_prefix(list(await asyncio.gather(
-            *gw.routers.match_prefix(layout.to_dict(), namespace, body.token_ids))))
-        if found["tokens"] > best["tokens"]:
-            best = {**found, "namespace": namespace}
-    return {"tokens": best["tokens"], "blocks": [bytes(k).hex() for k in best["blocks"]],
-            "publisher": _publisher_of(best.get("namespace"))}
+            *gw.routers.match_prefix(layout, namespace, body.token_ids))))
+        if found.tokens > (best.tokens if best is not None else 0):
+            best = found
+    if best is None:
+        return MatchOut(tokens=0, blocks=[], publisher=None)
+    return MatchOut(tokens=best.tokens, blocks=[k.hex() for k in best.blocks],
+                    publisher=_publisher_of(best.namespace))
 
 
+# An open document by design: ClusterStats as JSON plus this gateway's own figures,
+# which tools and the status page read by name, and which grow release by release.
 @router.get("/v1/stats", tags=["cluster"])
 async def stats(request: Request, gw: GatewayState, who: Caller) -> dict[str, Any]:
     """Cluster-wide figures (every tenant's): the admin role only. The cluster part is
     a snapshot at most 2 s old, shared with /metrics and the status page."""
     who.require("admin")
-    out = dict(await gw.snapshot.get())
+    out = as_document(await gw.snapshot.get())
     # This gateway's own read paths: how many blocks it served from shared
     # memory and how many in-cluster, and leases that ran out mid-write.
     out["gateway"] = {
@@ -64,7 +72,7 @@ async def stats(request: Request, gw: GatewayState, who: Caller) -> dict[str, An
     }
     port = getattr(request.app.state, "block_port", None)
     if port is not None:
-        out["gateway"]["block_port"] = port.stats.as_dict()
+        out["gateway"]["block_port"] = asdict(port.stats)  # a copy: a snapshot, not live counters
     return out
 
 

@@ -6,13 +6,13 @@ import asyncio
 import functools
 import importlib.resources
 import logging
-from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray.exceptions import RayError
 
+from memkv.api.answers import HealthOut
 from memkv.api.context import GatewayState
 from memkv.api.observe import engine_metrics
 
@@ -23,17 +23,15 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
-@router.get("/healthz", tags=["health"])
-async def healthz(request: Request) -> dict[str, Any]:
+@router.get("/healthz", tags=["health"], response_model_exclude_none=True)
+async def healthz(request: Request) -> HealthOut:
     """The gateway process is up (no token needed); ``block_port``: where its block
     port listens, when it has one (clients use it for KV bodies); ``worker``:
     which of the node's gateway processes answered (``gateway.workers``)."""
     state = request.app.state
     port = getattr(state, "block_port", None)
-    health: dict[str, Any] = {"status": "ok", "worker": getattr(state, "worker", 0)}
-    if port is not None:
-        health["block_port"] = port.stats.port
-    return health
+    return HealthOut(status="ok", worker=getattr(state, "worker", 0),
+                     block_port=port.stats.port if port is not None else None)
 
 
 @router.get("/readyz", tags=["health"])

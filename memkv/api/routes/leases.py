@@ -4,12 +4,13 @@ until the client gives the lease back (through any gateway worker) or it runs ou
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Path, Response
 
 from memkv.actors.router_shards import merge_located
-from memkv.api.client_leases import parse_lease_id, plan_entry_json
+from memkv.api.answers import LeasedBlockOut, LeaseOut, LeasesOut
+from memkv.api.client_leases import parse_lease_id
 from memkv.api.context import Caller, GatewayState
 from memkv.api.models import BlockLeaseIn
 from memkv.errors import InvalidInputError, UnknownBlockError
@@ -20,7 +21,7 @@ router = APIRouter()
 
 
 @router.post("/v1/blocks/lease", tags=["kv"])
-async def lease_blocks(body: BlockLeaseIn, gw: GatewayState, who: Caller) -> dict[str, Any]:
+async def lease_blocks(body: BlockLeaseIn, gw: GatewayState, who: Caller) -> LeasesOut:
     """Where blocks sit in this host's shared memory, pinned under leases (same host only).
 
     For a client on the gateway's host (its ``host`` equals the client's
@@ -43,8 +44,8 @@ async def lease_blocks(body: BlockLeaseIn, gw: GatewayState, who: Caller) -> dic
     groups = merge_located(
         list(await asyncio.gather(*gw.routers.locate_blocks(keys, namespaces)))
     )
-    planned: dict[bytes, dict[str, Any]] = {}
-    leases: list[dict[str, Any]] = []
+    planned: dict[bytes, LeasedBlockOut] = {}
+    leases: list[LeaseOut] = []
     for device_id, device, group in groups if gw.same_node_reads and gw.this_node else []:
         plan = await device.read_plan.remote(list(group), None, body.ttl_s, (), who.tenant)
         nbytes = sum(e.nbytes for e in plan.entries if e is not None)
@@ -59,16 +60,10 @@ async def lease_blocks(body: BlockLeaseIn, gw: GatewayState, who: Caller) -> dic
         public_id = gw.client_leases.add(who.tenant, device, plan, body.ttl_s)
         for entry in plan.entries:
             if entry is not None:
-                planned[entry.key] = plan_entry_json(entry, len(leases))
-        leases.append({
-            "id": public_id, "device_id": device_id,
-            "incarnation": plan.incarnation, "expires_at": plan.expires_at,
-        })
-    return {
-        "host": gw.host_shm,
-        "leases": leases,
-        "blocks": [planned.get(k) for k in keys],
-    }
+                planned[entry.key] = LeasedBlockOut.of(entry, len(leases))
+        leases.append(LeaseOut(id=public_id, device_id=device_id,
+                               incarnation=plan.incarnation, expires_at=plan.expires_at))
+    return LeasesOut(host=gw.host_shm, leases=leases, blocks=[planned.get(k) for k in keys])
 
 
 @router.delete("/v1/blocks/lease/{lease_id}", status_code=204, tags=["kv"])

@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Response
 
+from memkv.api.answers import PrefetchOut, ResumeOut, SessionOut
 from memkv.api.context import Caller, GatewayState, scoped
 from memkv.api.models import SessionCreate, SessionIdPath, SuspendIn
 from memkv.protocol.enums import parse_ack, parse_priority
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.services import CreateSession, LayoutSpec, Quota, SessionView
+from memkv.protocol.services import CreateSession, LayoutSpec, Quota
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 
-def _session_out(view: SessionView, session_id: str) -> dict[str, Any]:
-    """A session as its tenant sees it (its own id, not the router's scoped one)."""
-    out = view.as_dict()
-    out["session_id"] = session_id
-    out["chain"] = [k.hex() for k in view.chain]
-    return out
-
-
 @router.post("", status_code=201)
-async def create_session(body: SessionCreate, gw: GatewayState, who: Caller) -> dict[str, Any]:
+async def create_session(body: SessionCreate, gw: GatewayState, who: Caller) -> SessionOut:
     sid = scoped(who, body.session_id, "write")
     namespace = who.write_namespace(body.namespace)
     layout = KVLayout.from_dict(body.layout.model_dump())
@@ -35,13 +26,13 @@ async def create_session(body: SessionCreate, gw: GatewayState, who: Caller) -> 
         priority=parse_priority(body.priority), ack=parse_ack(body.ack),
         quota=Quota.of(who.quota), exact_only=body.exact_only, finite_only=body.finite_only,
     )
-    return _session_out(await gw.routers.service(sid).create_session(request), body.session_id)
+    return SessionOut.of(await gw.routers.service(sid).create_session(request), body.session_id)
 
 
 @router.get("/{session_id}")
-async def get_session(session_id: SessionIdPath, gw: GatewayState, who: Caller) -> dict[str, Any]:
+async def get_session(session_id: SessionIdPath, gw: GatewayState, who: Caller) -> SessionOut:
     sid = scoped(who, session_id, "read")
-    return _session_out(await gw.routers.service(sid).session(sid), session_id)
+    return SessionOut.of(await gw.routers.service(sid).session(sid), session_id)
 
 
 @router.delete("/{session_id}", status_code=204)
@@ -57,33 +48,24 @@ async def delete_session(session_id: SessionIdPath, gw: GatewayState, who: Calle
 @router.post("/{session_id}/suspend")
 async def suspend(
     session_id: SessionIdPath, gw: GatewayState, who: Caller, body: SuspendIn | None = None
-) -> dict[str, Any]:
+) -> SessionOut:
     sid = scoped(who, session_id, "write")
     offline = body.offline if body is not None else False
     await gw.let_go_of(sid)
-    return _session_out(await gw.routers.service(sid).suspend(sid, offline), session_id)
+    return SessionOut.of(await gw.routers.service(sid).suspend(sid, offline), session_id)
 
 
 @router.post("/{session_id}/resume")
-async def resume(session_id: SessionIdPath, gw: GatewayState, who: Caller) -> dict[str, Any]:
+async def resume(session_id: SessionIdPath, gw: GatewayState, who: Caller) -> ResumeOut:
     sid = scoped(who, session_id, "write")
-    resumed = await gw.routers.service(sid).resume(sid)
-    return {
-        "session_id": session_id,
-        "device_id": resumed.device_id,
-        "tokens": resumed.tokens,
-        "blocks": [
-            {"key": b.key.hex(), "tier": b.tier.value, "tokens": b.tokens}
-            for b in resumed.blocks
-        ],
-    }
+    return ResumeOut.of(await gw.routers.service(sid).resume(sid), session_id)
 
 
 @router.post("/{session_id}/input-end")
-async def input_end(session_id: SessionIdPath, gw: GatewayState, who: Caller) -> dict[str, int]:
+async def input_end(session_id: SessionIdPath, gw: GatewayState, who: Caller) -> PrefetchOut:
     """A turn's input is complete: prefetch the session's cache now.
 
     Needs the ``write`` role: the prefetch moves blocks between tiers and may
     evict other sessions' blocks to make room (a read-only token only reads)."""
     sid = scoped(who, session_id, "write")
-    return {"prefetched": int(await gw.routers.of(sid).notify_input_end.remote(sid))}
+    return PrefetchOut(prefetched=int(await gw.routers.of(sid).notify_input_end.remote(sid)))

@@ -53,11 +53,11 @@ class BackgroundPrefetch:
         for device_id, device in list(self.members.devices.items()):
             try:
                 stats = await device.stats()
-                self.state.update_load(device_id, float(stats["hot_usage"]))
-                if stats["incarnation"] != self.state.devices[device_id].incarnation:
+                self.state.update_load(device_id, stats.hot_usage)
+                if stats.incarnation != self.state.devices[device_id].incarnation:
                     await self.members.check(device_id, force=True)
                     continue
-                if stats["hot_usage"] >= self.hot_idle_fraction:
+                if stats.hot_usage >= self.hot_idle_fraction:
                     continue
                 for session_id in self.state.background_candidates(device_id, limit=4):
                     head = self.state.get(session_id).chain[: self.head_blocks]

@@ -29,26 +29,30 @@ from memkv.errors import (
     UnknownSessionError,
 )
 from memkv.protocol.enums import AckMode, Priority, SessionState, Tier
-from memkv.protocol.layout import block_token_count
+from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.members import Archive, BlockStore, Directory
-from memkv.protocol.messages import ReadRoute
+from memkv.protocol.messages import PrefixMatch, ReadRoute
 from memkv.protocol.services import (
     AppendAnswer,
     AppendTurn,
     BlockTier,
     CreateSession,
+    CreateSessions,
     ResumeAnswer,
     SessionService,
     SessionView,
+    SessionViews,
 )
 from memkv.protocol.shards import shard_owner
+from memkv.protocol.stats import ClusterStats
 from memkv.storage.journal import Journal
 from memkv.storage.router.appends import Appends
 from memkv.storage.router.background import BackgroundPrefetch
 from memkv.storage.router.collector import Collector
 from memkv.storage.router.members import Members
 from memkv.storage.router.peers import ShardPeers
-from memkv.storage.router.state import RouterState, parse_layout, tenant_of
+from memkv.storage.router.state import RouterState, tenant_of
+from memkv.storage.sessions import SessionRecord
 
 __all__ = ["JOURNAL_SNAPSHOT_RECORDS", "SessionRouter"]
 
@@ -205,14 +209,51 @@ class SessionRouter:
     async def create_session(self, request: CreateSession) -> SessionView:
         """A new session (:class:`CreateSession` says what each option means)."""
         await self._ready()
+        record = await self._create(request, {})
+        await self._durable(record.durable)
+        return record.view()
+
+    async def create_sessions(self, request: CreateSessions) -> SessionViews:
+        """Many new sessions in one call; the journal is made durable once, for all.
+
+        Raises:
+            InvalidInputError, ConflictError, CapacityError: naming the request's
+                index; the sessions before it are created (retry from that index).
+        """
+        await self._ready()
+        views: list[SessionView] = []
+        durable = False
+        # Other shards' use, asked once per tenant and call: this shard's own count
+        # grows as the loop creates, theirs is as it was when the call began.
+        elsewhere: dict[str, tuple[int, int]] = {}
+        try:
+            for at, one in enumerate(request.requests):
+                i = request.indices[at] if request.indices is not None else at
+                try:
+                    record = await self._create(one, elsewhere)
+                except MemkvError as e:
+                    raise type(e)(f"spec {i} ({one.session_id!r}): {e}") from e
+                durable = durable or record.durable
+                views.append(record.view())
+        finally:
+            await self._durable(durable)
+        return SessionViews(sessions=tuple(views))
+
+    async def _create(self, request: CreateSession,
+                      elsewhere: dict[str, tuple[int, int]]) -> SessionRecord:
+        """Admit and record one session; ``elsewhere``: other shards' use per tenant,
+        filled as asked (a bulk create asks once per tenant)."""
         session_id = request.session_id
         self.peers.check_owned(session_id)
         ack = self._default_ack if request.ack is None else request.ack.value
         if request.quota is not None:
             quota = request.quota.limits()
+            tenant = tenant_of(session_id)
+            if tenant not in elsewhere:
+                elsewhere[tenant] = await self.peers.usage_elsewhere(session_id, quota)
             self.state.check_quota(session_id, max_sessions=quota[0], new_session=True,
-                                   elsewhere=await self.peers.usage_elsewhere(session_id, quota))
-        record = self.state.create(
+                                   elsewhere=elsewhere[tenant])
+        return self.state.create(
             session_id,
             msgspec_asdict(request.layout),
             request.namespace,
@@ -221,68 +262,6 @@ class SessionRouter:
             exact_only=request.exact_only,
             finite_only=request.finite_only,
         )
-        await self._durable(record.durable)
-        return record.view()
-
-    async def create_sessions(
-        self,
-        specs: list[dict[str, Any]],
-        quota: tuple[int | None, int | None] | None = None,
-        indices: list[int] | None = None,
-    ) -> list[dict[str, Any]]:
-        """Many new sessions in one call (bulk work: a fleet starting up, a restore).
-
-        Each spec has ``session_id`` and ``layout``, and optionally ``namespace``,
-        ``priority``, ``ack`` and ``exact_only`` (as :meth:`create_session`). The
-        journal is made durable once, for all of them.
-
-        Args:
-            indices: each spec's index in the caller's whole list (a client that
-                split one list across shards), for the error messages.
-
-        Raises:
-            InvalidInputError, ConflictError, CapacityError: naming the spec's index;
-                the sessions before it are created (retry from that index).
-        """
-        await self._ready()
-        records: list[dict[str, Any]] = []
-        durable = False
-        # Other shards' use, asked once per tenant and call: this shard's own count
-        # grows as the loop creates, theirs is as it was when the call began.
-        elsewhere: dict[str, tuple[int, int]] = {}
-        try:
-            for at, spec in enumerate(specs):
-                i = indices[at] if indices is not None else at
-                ack = spec.get("ack") or self._default_ack
-                if ack not in ACK_MODES:
-                    raise InvalidInputError(
-                        f"spec {i}: ack must be one of {list(ACK_MODES)}, got {ack!r}"
-                    )
-                try:
-                    self.peers.check_owned(spec["session_id"])
-                    if quota is not None:
-                        tenant = tenant_of(spec["session_id"])
-                        if tenant not in elsewhere:
-                            elsewhere[tenant] = await self.peers.usage_elsewhere(
-                                spec["session_id"], quota)
-                        self.state.check_quota(
-                            spec["session_id"], max_sessions=quota[0], new_session=True,
-                            elsewhere=elsewhere[tenant])
-                    record = self.state.create(
-                        spec["session_id"], spec["layout"], spec.get("namespace", "default"),
-                        spec.get("priority", "normal"), durable=ack == "archive",
-                        exact_only=bool(spec.get("exact_only", False)),
-                        finite_only=bool(spec.get("finite_only", False)),
-                    )
-                except KeyError as e:
-                    raise InvalidInputError(f"spec {i}: missing {e}") from e
-                except MemkvError as e:
-                    raise type(e)(f"spec {i} ({spec.get('session_id')!r}): {e}") from e
-                durable = durable or record.durable
-                records.append(record.as_dict())
-        finally:
-            await self._durable(durable)
-        return records
 
     async def session(self, session_id: str) -> SessionView:
         await self._ready()
@@ -345,11 +324,11 @@ class SessionRouter:
                 self.state.touch(session_id)
 
     async def match_prefix(
-        self, layout: dict[str, Any], namespace: str, token_ids: list[int]
-    ) -> dict[str, Any]:
+        self, layout: KVLayout, namespace: str, token_ids: list[int]
+    ) -> PrefixMatch:
         """How many leading tokens are cached by any session of ``namespace``."""
-        tokens, blocks = self.state.match_prefix(parse_layout(layout), namespace, token_ids)
-        return {"tokens": tokens, "blocks": blocks}
+        tokens, blocks = self.state.match_prefix(layout, namespace, token_ids)
+        return PrefixMatch(tokens, tuple(blocks), namespace)
 
     async def locate_blocks(
         self, keys: list[bytes], namespace: str | list[str] | None = None
@@ -448,7 +427,7 @@ class SessionRouter:
             garbage = [k for k in garbage if k not in pinned]
         await self.collector.collect(garbage)
 
-    async def stats(self, members: bool = True) -> dict[str, Any]:
+    async def stats(self, members: bool = True) -> ClusterStats:
         """The table's figures; ``members``: with every device's and archive's stats
         (a client merging shards asks one shard for them)."""
         await self._ready()
@@ -466,18 +445,18 @@ class SessionRouter:
             for n in block_token_count(r.layout, r.tokens)
         )
         priorities = Counter(r.priority.value for r in self.state.sessions)
-        return {
-            "shard": self.shard,
-            "shards": self.shards,
-            "sessions": len(self.state.sessions),
-            "logical_bytes": logical,
-            "session_states": dict(states),
-            "session_priorities": dict(priorities),
-            "tenants": self.state.tenant_usage(),
-            "devices": devices,
-            "archives": archives,
-            "background_prefetched": self.background.prefetched,
-        }
+        return ClusterStats(
+            shard=self.shard,
+            shards=self.shards,
+            sessions=len(self.state.sessions),
+            logical_bytes=logical,
+            session_states=dict(states),
+            session_priorities=dict(priorities),
+            tenants=self.state.tenant_usage(),
+            devices=devices,
+            archives=archives,
+            background_prefetched=self.background.prefetched,
+        )
 
     async def flush_journal(self) -> None:
         """Make every journal record durable now (a planned stop)."""

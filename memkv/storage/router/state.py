@@ -29,6 +29,7 @@ from memkv.protocol.hashing import BlockHash, chain_hashes
 from memkv.protocol.ids import TENANT_SEPARATOR
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ChainUpdate
+from memkv.protocol.stats import TenantUse
 from memkv.storage.journal import Journal
 from memkv.storage.router.records import apply_record, snapshot_records
 from memkv.storage.sessions import SessionRecord, SessionTable, parse_priority
@@ -345,21 +346,21 @@ class RouterState:
             }
         )
 
-    def tenant_usage(self, limit: int = STATS_TENANTS) -> dict[str, dict[str, int]]:
+    def tenant_usage(self, limit: int = STATS_TENANTS) -> dict[str, TenantUse]:
         """Sessions and KV bytes per tenant (``""``: unscoped ids), the ``limit`` largest
         by bytes by name and the rest summed under :data:`OTHER_TENANTS`."""
         tenants = sorted(
             (t for t, n in self.tenant_sessions.items() if n > 0),
             key=lambda t: (-self.tenant_bytes[t], t),
         )
-        out = {t: {"sessions": self.tenant_sessions[t], "bytes": self.tenant_bytes[t]}
+        out = {t: TenantUse(sessions=self.tenant_sessions[t], bytes=self.tenant_bytes[t])
                for t in tenants[:limit]}
         rest = tenants[limit:]
         if rest:
-            out[OTHER_TENANTS] = {
-                "sessions": sum(self.tenant_sessions[t] for t in rest),
-                "bytes": sum(self.tenant_bytes[t] for t in rest),
-            }
+            out[OTHER_TENANTS] = TenantUse(
+                sessions=sum(self.tenant_sessions[t] for t in rest),
+                bytes=sum(self.tenant_bytes[t] for t in rest),
+            )
         return out
 
     def check_quota(

@@ -1,0 +1,136 @@
+"""The cold tier of a cluster: one ArchiveService per node with an NVMe path
+(its actor: :mod:`memkv.actors.archive`).
+
+It stores codec frames (already encoded by the device that demoted the block)
+in a :class:`~memkv.storage.segments.SegmentStore`. Blocks are
+content-addressed, so a frame that is already stored is not written again:
+sessions on different devices that share a prefix share its archived copy.
+Blocks are deleted only when the router says no session anywhere holds them.
+
+On a restart (Ray restarts the actor) the segment store rebuilds its index
+from the files on disk, so everything that was archived is served again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Sequence
+
+from memkv.errors import InvalidInputError
+from memkv.protocol.hashing import HASH_BYTES
+from memkv.protocol.stats import ArchiveStats
+from memkv.storage.codecs import verify_frame
+from memkv.storage.config import ArchiveConfig
+from memkv.storage.segments import CompactionStats, SegmentStore
+
+__all__ = ["ArchiveService"]
+
+logger = logging.getLogger(__name__)
+
+
+class ArchiveService:
+    """Batched frame storage over one segment store.
+
+    Args:
+        config: the segment directory and fsync/compaction settings.
+        compact_interval_s: run compaction in a background thread this often
+            (None: only when :meth:`compact` is called).
+    """
+
+    def __init__(self, config: ArchiveConfig, *, compact_interval_s: float | None = None) -> None:
+        self.incarnation = uuid.uuid4().hex
+        self._segments = SegmentStore(config)
+        self._stop = threading.Event()
+        self._compactor: threading.Thread | None = None
+        if compact_interval_s is not None:
+            self._compactor = threading.Thread(
+                target=self._compact_loop,
+                args=(compact_interval_s,),
+                daemon=True,
+                name="memkv-archive-compactor",
+            )
+            self._compactor.start()
+
+    def ping(self) -> str:
+        """The incarnation id (changes when the actor restarts)."""
+        return self.incarnation
+
+    def put_frames(self, items: Sequence[tuple[bytes, bytes, bytes]], durable: bool = False) -> int:
+        """Store ``(key, frame, fingerprint)`` triples; keys already stored are skipped.
+
+        Args:
+            durable: fsync before answering. Group-committed: concurrent callers
+                share an fsync (the segment store skips one that has nothing
+                left to force), so throughput holds.
+
+        Returns:
+            Frames written.
+
+        Raises:
+            InvalidInputError: a key is not a 16-byte block hash.
+            CorruptDataError: a frame fails its own checksum (never stored).
+        """
+        written = 0
+        for key, frame, fingerprint in items:
+            _check_key(key)
+            if key in self._segments:
+                continue
+            header = verify_frame(frame)  # a frame damaged on the way is never kept
+            self._segments.put(key, frame, fingerprint=fingerprint, codec_id=header.codec_id)
+            written += 1
+        if durable:
+            self._segments.flush()
+        return written
+
+    def keys(self) -> list[bytes]:
+        """Every stored block's key (the router collects those no session holds)."""
+        return list(self._segments.keys())
+
+    def get_frames(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Frames of ``keys``, verified (CorruptDataError, UnknownBlockError otherwise)."""
+        return [self._segments.get(_check_key(k)) for k in keys]
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self._segments for k in keys]
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete blocks no session holds any more. Returns how many existed."""
+        return sum(1 for k in keys if self._segments.delete(_check_key(k)))
+
+    def compact(self, force: bool = False) -> CompactionStats:
+        return self._segments.compact(force=force)
+
+    def flush(self) -> None:
+        self._segments.flush()
+
+    def stats(self) -> ArchiveStats:
+        s = self._segments.stats()
+        return ArchiveStats(
+            blocks=s.live_records, live_bytes=s.live_bytes, dead_bytes=s.dead_bytes,
+            bytes_on_disk=s.bytes_on_disk, segments=s.segments,
+            corrupt_records=s.corrupt_records,
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._compactor is not None:
+            self._compactor.join(timeout=5)
+        self._segments.close()
+
+    def _compact_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            stats = self._segments.compact()
+            if stats.segments_in:
+                logger.info(
+                    "compacted %d segments, %d bytes reclaimed",
+                    stats.segments_in,
+                    stats.bytes_reclaimed,
+                )
+
+
+def _check_key(key: object) -> bytes:
+    if not isinstance(key, bytes) or len(key) != HASH_BYTES:
+        raise InvalidInputError(f"block keys are {HASH_BYTES}-byte hashes, got {key!r:.40}")
+    return key
