@@ -108,6 +108,10 @@ class RemoteColdTier:
         (frame,) = self._call(lambda a: a.get_frames.remote([bytes(key)]))
         return decode_frame(frame)
 
+    def codecs(self, keys: Sequence[bytes]) -> list[str]:
+        found: list[str] = self._call(lambda a: a.codecs.remote([bytes(k) for k in keys]))
+        return found
+
     def remove(self, key: bytes) -> None:
         return None
 

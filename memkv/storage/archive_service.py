@@ -22,6 +22,7 @@ from memkv.errors import InvalidInputError
 from memkv.protocol.hashing import HASH_BYTES
 from memkv.protocol.stats import ArchiveStats
 from memkv.storage.codecs import verify_frame
+from memkv.storage.codecs.frame import CODEC_NAMES
 from memkv.storage.config import ArchiveConfig
 from memkv.storage.segments import CompactionStats, SegmentStore
 
@@ -83,6 +84,10 @@ class ArchiveService:
         if durable:
             self._segments.flush()
         return written
+
+    def codecs(self, keys: Sequence[bytes]) -> list[str]:
+        """The codec of each stored frame (from the index; UnknownBlockError if one is not)."""
+        return [CODEC_NAMES[self._segments.meta(_check_key(k)).codec_id] for k in keys]
 
     def keys(self) -> list[bytes]:
         """Every stored block's key (the router collects those no session holds)."""

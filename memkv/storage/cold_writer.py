@@ -226,6 +226,14 @@ class ColdWriter:
             absent = set(self.backend.missing(asked)) if asked else set()
             return [k for k in unknown if self._deleting[k] or k in absent]
 
+    def codecs(self, keys: Sequence[bytes]) -> list[str]:
+        with self._cv:
+            queued = {bytes(k): self._writes[bytes(k)].codec
+                      for k in keys if bytes(k) in self._writes}
+        rest = [bytes(k) for k in keys if bytes(k) not in queued]
+        found = dict(zip(rest, self.backend.codecs(rest), strict=True)) if rest else {}
+        return [queued.get(bytes(k)) or found[bytes(k)] for k in keys]
+
     def load(self, key: bytes) -> torch.Tensor:
         """The block as the backend will serve it: from the queued copy until it lands."""
         key = bytes(key)

@@ -216,7 +216,13 @@ class TierLadder(PoolCore):
     def _load_stored(self, entry: _Block) -> StoredBlock:
         if entry.tier is not None:
             return self._tier(entry.tier).load(entry.key)
-        return self._cold.load(entry.key)
+        block = self._cold.load(entry.key)
+        if block.dtype == torch.float16 and entry.layout.torch_dtype != torch.float16:
+            # An fp16 copy of a wider block (the warm tier's precision step): known
+            # already unless the entry was made from the archive after a restart.
+            entry.lossy = worse(entry.lossy, "float16")
+            entry.crc32 = None
+        return block
 
     def _materialize(self, entry: _Block) -> torch.Tensor:
         """An owned copy of the block in its layout's dtype, on the CPU."""

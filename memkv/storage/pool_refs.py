@@ -375,7 +375,14 @@ class References(TierLadder):
         owner: str = "",
     ) -> None:
         """One holder's reference to each block of ``chain``; blocks not in memory get
-        cold-only entries (the caller made sure the cold tier has them)."""
+        cold-only entries (the caller made sure the cold tier has them).
+
+        A cold-only entry's exactness comes from its frame's codec: its memory
+        copies went with the process that wrote it, and a block archived by
+        the lossy offline codec, or as int8, must not be served as exact.
+        """
+        fresh = list(dict.fromkeys(k for k in chain if k not in self._blocks))
+        codecs = dict(zip(fresh, self._cold.codecs(fresh), strict=True)) if fresh else {}
         seen: set[BlockHash] = set()
         for i, key in enumerate(chain):
             if key in seen:
@@ -383,6 +390,7 @@ class References(TierLadder):
             seen.add(key)
             entry = self._blocks.get(key)
             if entry is None:
+                codec = codecs[key]
                 entry = _Block(
                     key,
                     chain[i - 1] if i else None,
@@ -391,6 +399,8 @@ class References(TierLadder):
                     priority,
                     last_access=now,
                     in_cold=True,
+                    cold_codec=codec,
+                    lossy=("int8" if codec == "int8" else _codec_step(codec)) or "",
                 )
                 self._blocks[key] = entry
             self._hold(entry, priority, active, now, exact_only, owner)

@@ -27,6 +27,7 @@ from memkv.protocol.enums import EVICTION_ORDER, Priority, Tier
 from memkv.protocol.hashing import HASH_BYTES
 from memkv.storage.arena import Allocation, Arena, ArenaStats
 from memkv.storage.codecs import decode_frame, encode_stored, peek_header
+from memkv.storage.codecs.frame import CODEC_NAMES
 from memkv.storage.config import ArchiveConfig, CodecConfig, EvictionConfig
 from memkv.storage.eviction import EvictionPolicy, make_policy
 from memkv.storage.precision import EncodedBlock, QuantizedBlock
@@ -298,6 +299,11 @@ class ColdBackend(Protocol):
     ) -> list[int]: ...
     def sync(self) -> None: ...
     def load(self, key: bytes) -> torch.Tensor: ...
+    def codecs(self, keys: Sequence[bytes]) -> list[str]:
+        """The codec each stored block's frame was written with (from the index: no
+        read). A store that holds blocks again after a restart learns from it which
+        lossy step their only copy went through."""
+        ...
     def remove(self, key: bytes) -> None: ...
     def block_keys(self) -> Iterator[bytes]: ...
     def put_manifest(self, session_id: str, manifest: dict[str, Any]) -> None: ...
@@ -407,6 +413,9 @@ class ColdTier:
     def load(self, key: bytes) -> torch.Tensor:
         """Read, verify and decode a block (in the dtype it was encoded from)."""
         return decode_frame(self.segments.get(key))
+
+    def codecs(self, keys: Sequence[bytes]) -> list[str]:
+        return [CODEC_NAMES[self.segments.meta(bytes(k)).codec_id] for k in keys]
 
     def stats(self) -> ColdStats:
         seg = self.segments.stats()
