@@ -1,8 +1,9 @@
 """The device's block store against a model, under random appends, reads, leases,
 suspends, deletes and restarts (a hypothesis state machine).
 
-The model is what the owner of sessions knows: each session's tokens, whether
-it is active, and the leases readers hold. From it alone follow which blocks
+The model is what the owners of sessions know (two router shards, each with its
+own references on the device): each session's tokens, whether it is active,
+and the leases readers hold. From it alone follow which blocks
 the store must keep (every live session's chain, and every block a lease still
 pins: a pin outlives a delete) and what their bytes are (a block's content is a
 function of its key, so a deduplicated block reads the same for every holder).
@@ -34,12 +35,15 @@ from memkv.protocol.layout import block_token_count
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.device import DeviceService
 from memkv.storage.layout import KVLayout
-from memkv.storage.sessions import SessionTable
+from memkv.storage.pool_core import Holder
+from memkv.storage.sessions import SessionRecord, SessionTable
 
 LAYOUT = KVLayout("machine", 1, 1, 4, dtype="float32", block_tokens=4)
 UNIT = 4096
 #: Two shared prompts: sessions that start with one share its blocks.
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9])
+#: Two router shards, each with its own references on the device.
+OWNERS = ("shard-0", "shard-1")
 
 
 def block_for(key: bytes, tokens: int) -> torch.Tensor:
@@ -55,11 +59,13 @@ class DeviceMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.owner = SessionTable()
+        self.owners = {name: SessionTable() for name in OWNERS}
+        self.owner_of: dict[str, str] = {}
         self.tokens: dict[str, list[int]] = {}
         self.pinned: dict[str, list[bytes]] = {}  # open lease -> the keys it pins
         self.next_id = 0
         self.device: DeviceService | None = None
+        self._recorded_everything = True
 
     @initialize()
     def start(self) -> None:
@@ -91,31 +97,40 @@ class DeviceMachine(RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------------------
 
-    def _append(self, sid: str, tokens: list[int]) -> None:
+    def record(self, sid: str) -> SessionRecord:
+        return self.owners[self.owner_of[sid]].get(sid)
+
+    def _append(self, sid: str, tokens: list[int], *, recorded: bool = True) -> None:
+        """One append; ``recorded`` False: the owner died before it recorded the append
+        the device applied (its table, the truth, still has the turn before)."""
         assert self.device is not None
+        name = self.owner_of[sid]
+        owner = self.owners[name]
         old = self.chain(sid) if sid in self.tokens else []
         chain = [bytes(k) for k in chain_hashes(tokens, LAYOUT, "t")]
         start = 0
         while start < min(len(old), len(chain)) and old[start] == chain[start]:
             start += 1
         counts = block_token_count(LAYOUT, len(tokens))
-        update = self.owner.plan_append(sid, len(tokens), chain, start)
+        update = owner.plan_append(sid, len(tokens), chain, start)
         payloads = [to_payload(k, block_for(k, n))
                     for k, n in zip(chain[start:], counts[start:], strict=True)]
         try:
-            self.device.put(update, payloads)
+            self.device.put(update, payloads, owner=name)
         except CapacityError:
             # Every tier is full of pinned blocks: refused, and nothing changed
             # (the invariants check that the store still holds what it held).
             return
-        self.owner.commit_append(sid, update)
-        self.tokens[sid] = tokens
+        if recorded:
+            owner.commit_append(sid, update)
+            self.tokens[sid] = tokens
 
-    @rule(prompt=st.sampled_from(PROMPTS), own=st.integers(0, 9))
-    def create(self, prompt: list[int], own: int) -> None:
+    @rule(prompt=st.sampled_from(PROMPTS), own=st.integers(0, 9), owner=st.sampled_from(OWNERS))
+    def create(self, prompt: list[int], own: int, owner: str) -> None:
         sid = f"s{self.next_id}"
         self.next_id += 1
-        self.owner.create(sid, LAYOUT, namespace="t")
+        self.owners[owner].create(sid, LAYOUT, namespace="t")
+        self.owner_of[sid] = owner
         self._append(sid, prompt + [100 + self.next_id * 10 + i for i in range(own)])
 
     @precondition(lambda self: self.tokens)
@@ -124,6 +139,41 @@ class DeviceMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
         tokens = self.tokens[sid]
         self._append(sid, tokens + [200 + len(tokens) + i for i in range(more)])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), more=st.integers(1, 6))
+    def append_then_owner_restarts(self, data: st.DataObject, more: int) -> None:
+        """The device applies an append its owner never recorded; the owner restarts and
+        sets its references from its table (``resync``): the unrecorded ones go."""
+        assert self.device is not None
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens = self.tokens[sid]
+        self._append(sid, tokens + [300 + len(tokens) + i for i in range(more)], recorded=False)
+        self._recorded_everything = False
+        self._resync(self.owner_of[sid])
+        self._recorded_everything = True
+
+    @rule(owner=st.sampled_from(OWNERS))
+    def owner_restarts(self, owner: str) -> None:
+        self._resync(owner)
+
+    def _resync(self, name: str) -> None:
+        assert self.device is not None
+        mine = [s for s in sorted(self.tokens) if self.owner_of[s] == name]
+        holders = [
+            Holder(LAYOUT, self.chain(s), block_token_count(LAYOUT, len(self.tokens[s])),
+                   self.record(s).active, self.record(s).priority)
+            for s in mine
+        ]
+        lost = self.device.resync(holders, name)
+        # Lost: a session whose recorded chain names a block the unrecorded append
+        # replaced (its old partial tail) and that no tier kept; it holds nothing now.
+        if self._recorded_everything:
+            assert lost == []
+        for i in lost:
+            sid = mine[i]
+            self.owners[name].pop(sid)
+            del self.tokens[sid]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -170,27 +220,28 @@ class DeviceMachine(RuleBasedStateMachine):
     def suspend(self, data: st.DataObject, offline: bool) -> None:
         assert self.device is not None
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
-        record = self.owner.get(sid)
-        self.device.deactivate(self.chain(sid), offline=offline, was_active=record.active)
+        record = self.record(sid)
+        self.device.deactivate(self.chain(sid), offline=offline, was_active=record.active,
+                               owner=self.owner_of[sid])
         record.state = SessionState.SUSPENDED
 
-    @precondition(lambda self: any(not self.owner.get(s).active for s in self.tokens))
+    @precondition(lambda self: any(not self.record(s).active for s in self.tokens))
     @rule(data=st.data())
     def resume(self, data: st.DataObject) -> None:
         assert self.device is not None
         sid = data.draw(st.sampled_from(sorted(s for s in self.tokens
-                                               if not self.owner.get(s).active)))
-        tiers = self.device.activate(self.chain(sid))
+                                               if not self.record(s).active)))
+        tiers = self.device.activate(self.chain(sid), self.owner_of[sid])
         assert [k for k, _, _ in tiers] == self.chain(sid)
-        self.owner.get(sid).state = SessionState.ACTIVE
+        self.record(sid).state = SessionState.ACTIVE
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def delete(self, data: st.DataObject) -> None:
         assert self.device is not None
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
-        record = self.owner.pop(sid)
-        self.device.release(self.chain(sid), record.active)
+        record = self.owners[self.owner_of[sid]].pop(sid)
+        self.device.release(self.chain(sid), record.active, self.owner_of[sid])
         del self.tokens[sid]
 
     @rule()
@@ -203,14 +254,14 @@ class DeviceMachine(RuleBasedStateMachine):
         self.device = self._open()
         self.pinned.clear()
         for sid in sorted(self.tokens):
-            record = self.owner.get(sid)
+            record = self.record(sid)
             chain = self.chain(sid)
             counts = block_token_count(LAYOUT, len(self.tokens[sid]))
             try:
                 kept = self.device.adopt(LAYOUT, chain, counts, record.priority.value,
-                                         keep_prefix=True)
+                                         owner=self.owner_of[sid], keep_prefix=True)
             except BlockLostError:
-                self.owner.pop(sid)
+                self.owners[self.owner_of[sid]].pop(sid)
                 del self.tokens[sid]
                 continue
             if kept < len(chain):
