@@ -108,6 +108,11 @@ class RemoteColdTier:
         (frame,) = self._call(lambda a: a.get_frames.remote([bytes(key)]))
         return decode_frame(frame)
 
+    def load_many(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        """One archive call for every frame, decoded here."""
+        frames = self._call(lambda a: a.get_frames.remote([bytes(k) for k in keys]))
+        return [decode_frame(f) for f in frames]
+
     def codecs(self, keys: Sequence[bytes]) -> list[str]:
         found: list[str] = self._call(lambda a: a.codecs.remote([bytes(k) for k in keys]))
         return found

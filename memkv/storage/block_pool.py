@@ -112,6 +112,7 @@ class BlockPool(Reads):
         self.config = config
         self._clock = clock
         self._lock = threading.RLock()
+        self._cold_read_ahead = {}
         unit = config.allocator.min_unit_bytes
         hot_bytes = _whole_units(config.hot_capacity_bytes, unit, "hot")
         # A CPU "device" keeps its hot tier in shared memory too, so that a

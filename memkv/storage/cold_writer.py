@@ -226,6 +226,14 @@ class ColdWriter:
             absent = set(self.backend.missing(asked)) if asked else set()
             return [k for k in unknown if self._deleting[k] or k in absent]
 
+    def load_many(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        """As :meth:`load` each; those not queued come from the backend in one call."""
+        keys = [bytes(k) for k in keys]
+        with self._cv:
+            landed = [k for k in keys if k not in self._writes and not self._deleting[k]]
+        found = dict(zip(landed, self.backend.load_many(landed), strict=True)) if landed else {}
+        return [found[k] if k in found else self.load(k) for k in keys]
+
     def codecs(self, keys: Sequence[bytes]) -> list[str]:
         with self._cv:
             queued = {bytes(k): self._writes[bytes(k)].codec

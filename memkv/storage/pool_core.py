@@ -202,6 +202,8 @@ class PoolCore:
     _codec_policy: CodecPolicy
     _prefetcher: MarkovPrefetcher[BlockHash]
     _blocks: dict[BlockHash, _Block]
+    # Cold copies read ahead of taking the lock, for the reads now holding it.
+    _cold_read_ahead: dict[BlockHash, torch.Tensor]
     # Each owner's share of the references: owner -> block -> [refs, active refs].
     _owner_refs: dict[str, dict[BlockHash, list[int]]]
     _hits: Counter[Tier]

@@ -216,7 +216,9 @@ class TierLadder(PoolCore):
     def _load_stored(self, entry: _Block) -> StoredBlock:
         if entry.tier is not None:
             return self._tier(entry.tier).load(entry.key)
-        block = self._cold.load(entry.key)
+        block = self._cold_read_ahead.pop(entry.key, None)
+        if block is None:
+            block = self._cold.load(entry.key)
         if block.dtype == torch.float16 and entry.layout.torch_dtype != torch.float16:
             # An fp16 copy of a wider block (the warm tier's precision step): known
             # already unless the entry was made from the archive after a restart.

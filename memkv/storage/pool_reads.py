@@ -8,9 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from memkv.errors import (
-    UnknownBlockError,
-)
+from memkv.errors import MemkvError, UnknownBlockError
 from memkv.protocol.enums import Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.messages import PlanEntry
@@ -48,15 +46,50 @@ class Reads(References):
 
     def fetch(self, key: BlockHash, *, stream: str | None = None) -> FetchedBlock:
         """Like :meth:`get`, and also the tier the block was found in."""
+        return self.fetch_many([key], stream=stream)[0]
+
+    def fetch_many(self, keys: Sequence[BlockHash], *, stream: str | None = None
+                   ) -> list[FetchedBlock]:
+        """:meth:`fetch` of each key; the cold ones read in one call, off the lock."""
+        with self._reading_cold(keys):
+            return [self._fetch_one(key, stream) for key in keys]
+
+    @contextlib.contextmanager
+    def _reading_cold(self, keys: Sequence[BlockHash]) -> Iterator[None]:
+        """Hold the pool's lock with the cold copies of ``keys`` read ahead.
+
+        Blocks whose only copy is cold are read from the cold tier in one call
+        (one archive round trip for a batch, not one per block) and decoded
+        before the lock is taken, so appends and other readers go on meanwhile.
+        A block is content-addressed, so its bytes cannot change in between; one
+        that went meanwhile (deleted, or promoted by another reader) is simply
+        not used, and one the batch could not read is read under the lock as before.
+        """
         with self._lock:
-            entry, found, now = self._count_read(key)
-            block = self._materialize(entry)
-            if found is Tier.HOT:
-                self._hot.access(key, now)
-            elif entry.pins == 0 and self._promote(entry, block, now):
-                self._note_materialized(entry, block)
-            self._prefetcher.observe(key, stream)
-            return FetchedBlock(key, block, found, entry.exact, entry.lossy)
+            cold = [k for k in dict.fromkeys(keys)
+                    if (e := self._blocks.get(k)) is not None and e.tier is None]
+        ahead: dict[BlockHash, torch.Tensor] = {}
+        if cold:
+            try:
+                ahead = dict(zip(cold, self._cold.load_many(cold), strict=True))
+            except MemkvError:  # read them one by one under the lock: that one raises
+                ahead = {}
+        with self._lock:
+            outer, self._cold_read_ahead = self._cold_read_ahead, ahead
+            try:
+                yield
+            finally:
+                self._cold_read_ahead = outer
+
+    def _fetch_one(self, key: BlockHash, stream: str | None) -> FetchedBlock:
+        entry, found, now = self._count_read(key)
+        block = self._materialize(entry)
+        if found is Tier.HOT:
+            self._hot.access(key, now)
+        elif entry.pins == 0 and self._promote(entry, block, now):
+            self._note_materialized(entry, block)
+        self._prefetcher.observe(key, stream)
+        return FetchedBlock(key, block, found, entry.exact, entry.lossy)
 
     @contextlib.contextmanager
     def pinned_reads(
@@ -71,7 +104,7 @@ class Reads(References):
         taken: list[_Block] = []
         out: list[FetchedBlock] = []
         try:
-            with self._lock:
+            with self._reading_cold(keys):
                 for key in keys:
                     found = self._access(key, stream)
                     entry = self._blocks[key]
@@ -142,7 +175,7 @@ class Reads(References):
         """
         planned: list[PlanEntry | None] = []
         pinned: list[_Block] = []
-        with self._lock:
+        with self._reading_cold(keys):
             try:
                 for key in keys:
                     found = self._access(key, stream)

@@ -299,6 +299,10 @@ class ColdBackend(Protocol):
     ) -> list[int]: ...
     def sync(self) -> None: ...
     def load(self, key: bytes) -> torch.Tensor: ...
+    def load_many(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        """:meth:`load` of each key, in one call to the backend (a remote archive: one
+        round trip for a reader's whole batch)."""
+        ...
     def codecs(self, keys: Sequence[bytes]) -> list[str]:
         """The codec each stored block's frame was written with (from the index: no
         read). A store that holds blocks again after a restart learns from it which
@@ -413,6 +417,9 @@ class ColdTier:
     def load(self, key: bytes) -> torch.Tensor:
         """Read, verify and decode a block (in the dtype it was encoded from)."""
         return decode_frame(self.segments.get(key))
+
+    def load_many(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        return [self.load(k) for k in keys]
 
     def codecs(self, keys: Sequence[bytes]) -> list[str]:
         return [CODEC_NAMES[self.segments.meta(bytes(k)).codec_id] for k in keys]

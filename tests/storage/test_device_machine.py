@@ -12,6 +12,7 @@ checked after every call too. Tiers are tiny, so appends demote and evict.
 """
 
 import hashlib
+import os
 
 import pytest
 import torch
@@ -80,7 +81,8 @@ class DeviceMachine(RuleBasedStateMachine):
             archive=ArchiveConfig(directory=self.directory, fsync="never"),
             debug_refcounts=True,
         )
-        return DeviceService("dev-machine", cfg)
+        # Named per process: its warm segment's name is the device's (one per node).
+        return DeviceService(f"dev-machine-{os.getpid()}", cfg)
 
     def teardown(self) -> None:
         if self.device is not None:

@@ -296,14 +296,11 @@ class DeviceService:
         return self._streams
 
     def get_blocks(self, keys: Sequence[bytes], stream: str | None = None) -> list[BlockPayload]:
-        """Blocks by key, each promoted to the hot tier (batched: one call, many blocks)."""
-        out = []
-        for k in keys:
-            fetched = self.pool.fetch(BlockHash(bytes(k)), stream=stream)
-            out.append(
-                to_payload(k, fetched.block, fetched.tier.value, fetched.exact, fetched.lossy)
-            )
-        return out
+        """Blocks by key, each promoted to the hot tier (batched: one call, many blocks;
+        the cold ones in one archive call)."""
+        fetched = self.pool.fetch_many([BlockHash(bytes(k)) for k in keys], stream=stream)
+        return [to_payload(bytes(f.key), f.block, f.tier.value, f.exact, f.lossy)
+                for f in fetched]
 
     def fetch_blocks(self, keys: Sequence[bytes], stream: str | None = None) -> object:
         """Blocks by key as one object in the node's object store (the in-cluster path).
