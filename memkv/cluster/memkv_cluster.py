@@ -19,6 +19,7 @@ import ray
 import torch
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt
 
 from memkv.actors.handles import DeviceHandle
 from memkv.actors.payload import (
@@ -280,18 +281,24 @@ class MemkvCluster:
 
     def get_blocks(self, session_id: str, keys: Sequence[bytes]) -> list[torch.Tensor]:
         """Blocks by key from the session's device (retried once if the device restarted)."""
-        attempt = 0
         router = self.routers.of(session_id)
-        while True:
-            device_id, device = ray.get(router.device_of.remote(session_id))
-            try:
+        asked: list[str] = []  # the device of each attempt
+
+        def recover(_: RetryCallState) -> None:
+            ray.get(router.device_failed.remote(asked[-1]))  # the router recovers it
+
+        for attempt in Retrying(
+            retry=retry_if_exception_type(RayActorError),
+            stop=stop_after_attempt(1 + _DEVICE_RETRIES),
+            before_sleep=recover,
+            reraise=True,
+        ):
+            with attempt:
+                device_id, device = ray.get(router.device_of.remote(session_id))
+                asked.append(device_id)
                 payloads = ray.get(device.get_blocks.remote([bytes(k) for k in keys], session_id))
                 return [from_payload(p) for p in payloads]
-            except RayActorError:
-                if attempt >= _DEVICE_RETRIES:
-                    raise
-                attempt += 1
-                ray.get(router.device_failed.remote(device_id))
+        raise AssertionError("unreachable: Retrying reraises")  # pragma: no cover
 
     def match_prefix(
         self, layout: KVLayout, namespace: str, token_ids: Sequence[int]

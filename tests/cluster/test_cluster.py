@@ -154,6 +154,12 @@ def test_a_session_missing_its_tail_serves_the_prefix_that_survived(cluster):
     assert cluster.session(sid).tokens == 16
 
 
+def test_a_sessions_blocks_by_key_in_any_order(cluster):
+    sid, _, blocks = new_session(cluster, 12, seed=470)
+    chain = list(cluster.session(sid).chain)
+    assert same(cluster.get_blocks(sid, chain[::-1]), blocks[::-1])
+
+
 def test_delete_frees_blocks_everywhere(cluster):
     sid, _, _ = new_session(cluster, 16, seed=500, namespace="delete-me")
     device = cluster.device_of(sid)

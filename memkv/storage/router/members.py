@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
+
 from memkv.errors import BlockLostError, MemberGoneError, plain_message
 from memkv.protocol.enums import SessionState
 from memkv.protocol.layout import block_token_count
@@ -109,15 +111,17 @@ class Members:
                 del self._recovering[device_id]
 
     async def wait_for_restart(self, device_id: str) -> DeviceInfo:
+        """The device's answer once Ray has restarted it (MemberGoneError past the timeout)."""
         device = self.devices[device_id]
-        deadline = time.monotonic() + DEVICE_RECOVERY_TIMEOUT_S
-        while True:
-            try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(MemberGoneError),
+            stop=stop_after_delay(DEVICE_RECOVERY_TIMEOUT_S),
+            wait=wait_fixed(_RECOVERY_POLL_S),
+            reraise=True,
+        ):
+            with attempt:
                 return await device.ping()
-            except MemberGoneError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(_RECOVERY_POLL_S)
+        raise AssertionError("unreachable: AsyncRetrying reraises")  # pragma: no cover
 
     async def reattach(self, directory: Directory) -> None:
         """A restarted router: find the journal's devices again by name.
