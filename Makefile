@@ -28,7 +28,7 @@ GPU_STAMP      := $(GPU_VENV)/.memkv-installed
 # PyPI's Linux wheel of torch is the CUDA build (pip resolves it on a GPU host).
 GPU_TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv vllm-venv gpu-venv gpu-check browser test lint typecheck unit demo bench bench-eviction bench-codecs clean soak
+.PHONY: venv vllm-venv gpu-venv gpu-check browser test lint typecheck unit unit-fast demo bench bench-eviction bench-codecs clean soak
 
 venv: $(STAMP)
 
@@ -90,6 +90,10 @@ browser:
 
 unit: $(STAMP) $(VLLM_STAMP) browser
 	$(PY) -m pytest -q
+
+# The dev loop: everything but the tests marked slow (engines, benches, restarts).
+unit-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 test: lint typecheck unit
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from typer.testing import CliRunner
 
 from memkv.cli import app
@@ -20,6 +21,7 @@ def test_help_lists_the_commands():
         assert command in result.output
 
 
+@pytest.mark.slow
 def test_up_embedded_starts_and_stops_cleanly(tmp_path: Path):
     env = {
         **os.environ,

@@ -55,6 +55,7 @@ def test_resume_quick(ctx: BenchContext) -> None:
         assert sum(size["gateway_tiers"].values()) > 0
 
 
+@pytest.mark.slow
 def test_dataplane_quick(ctx: BenchContext) -> None:
     result = run_suite("dataplane", ctx)
     doc = _written(ctx, "dataplane")
@@ -203,6 +204,7 @@ def test_perplexity_is_scored_on_the_transformed_cache() -> None:
         )
 
 
+@pytest.mark.slow
 def test_scale_quick(ctx: BenchContext) -> None:
     result = run_suite("scale", ctx)
     _written(ctx, "scale")
@@ -274,6 +276,7 @@ def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path
     not Path(__file__).resolve().parents[2].joinpath(".venv-vllm/bin/python").exists(),
     reason="no .venv-vllm (make vllm-venv)",
 )
+@pytest.mark.slow
 def test_vllm_quick(ctx: BenchContext) -> None:
     """Five real engines: the warm ones load the prefix and answer the baseline's token (the
     block port and cluster transports are left to tests/integrations/test_vllm.py)."""
@@ -298,6 +301,7 @@ def test_vllm_quick(ctx: BenchContext) -> None:
     not Path(__file__).resolve().parents[2].joinpath(".venv-vllm/bin/python").exists(),
     reason="no .venv-vllm (make vllm-venv)",
 )
+@pytest.mark.slow
 def test_fleet_quick(ctx: BenchContext) -> None:
     """Two real `vllm serve`s driven over the OpenAI API: with memkv the resumed turns load
     what the small KV space lost, recompute less, and reply exactly as vLLM alone."""

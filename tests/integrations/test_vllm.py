@@ -83,6 +83,7 @@ def run_engine(
 
 # Seven engine processes, one after another (~20 s to start each here): 220 s alone on
 # this machine, past the suite's 300 s default inside a loaded full run.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_vllm_loads_prefixes_and_agent_turns_from_memkv_with_identical_output(
     cluster, memkv_deployment, tmp_path

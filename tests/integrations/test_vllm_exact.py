@@ -49,6 +49,7 @@ def _engine(mode: str, out: Path, connector: dict | None = None) -> list:
     return run_engine(ENGINE, mode, _model(), out, connector)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_memkv_load_is_bit_exact_with_vllms_own_prefix_cache_hit(cluster, gateway, tmp_path):
     import ray

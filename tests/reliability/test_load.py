@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import ray
 import torch
 
@@ -149,6 +150,7 @@ def _pid(handle) -> int:
     return int(ray.get(handle.__ray_call__.remote(lambda _self: os.getpid())))
 
 
+@pytest.mark.slow
 def test_load_through_the_gateway_while_actors_are_killed(cluster, gateway, tmp_path):
     tally = Tally()
     progress = threading.Semaphore(0)

@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import ray
 import torch
 from ray.exceptions import RayActorError
@@ -81,6 +82,7 @@ def _up(data_dir: Path, log: Path) -> tuple[subprocess.Popen, dict]:
     })
 
 
+@pytest.mark.slow
 def test_a_killed_memkv_up_serves_acknowledged_sessions_again(tmp_path):
     data = tmp_path / "data"
     log = tmp_path / "up.log"
@@ -222,6 +224,7 @@ def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> str:
     return out or ""
 
 
+@pytest.mark.slow
 def test_restarts_and_router_kills_never_wedge_new_sessions(tmp_path):
     """Items 1 and 2 of [1/5]: start, append, stop (SIGTERM), start again, create and
     append, kill -9 the router, create and append: repeated.
