@@ -127,12 +127,6 @@ class SessionView(_Message, frozen=True, kw_only=True):
     lost_tokens: int = 0
     partial_reason: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        """Plain values: the document the HTTP API and the in-cluster client answer."""
-        out: dict[str, Any] = msgspec.to_builtins(self, builtin_types=(bytes,))
-        out["chain"] = list(self.chain)
-        return out
-
 
 class CreateSessions(_Message, frozen=True, kw_only=True):
     """Many sessions in one call (bulk work: a fleet starting up, a restore).
@@ -203,11 +197,6 @@ class AppendAnswer(_Message, frozen=True, kw_only=True):
     deduplicated_blocks: int
     released_blocks: int
     replayed: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = msgspec.to_builtins(self, builtin_types=(bytes,))
-        out["chain"] = list(self.chain)
-        return out
 
 
 class BlockTier(msgspec.Struct, frozen=True, array_like=True):

@@ -9,7 +9,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -123,16 +123,6 @@ class PoolStats:
     lossy_conversions: int = 0  # demotions whose remaining copy went through a lossy step
     cold_write_batches: int = 0  # backend calls of the cold writer (write-behind)
     cold_blocks_written: int = 0  # blocks it wrote in them
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            k: getattr(self, k) for k in self.__dataclass_fields__ if k != "tiers"
-        }
-        out["tiers"] = {
-            t.value: {k: getattr(s, k) for k in s.__dataclass_fields__ if k != "tier"}
-            for t, s in self.tiers.items()
-        }
-        return out
 
 
 _TORCH_DTYPES = {

@@ -97,29 +97,6 @@ class SessionRecord:
             partial_reason=self.partial_reason,
         )
 
-    def as_dict(self) -> dict[str, Any]:
-        """Plain values: :meth:`view`'s document, built directly (a bulk create answers
-        one per session; a test keeps the two equal)."""
-        return {
-            "session_id": self.session_id,
-            "namespace": self.namespace,
-            "layout": self.layout.to_dict(),
-            "priority": self.priority.value,
-            "device_id": self.device_id,
-            "chain": [bytes(k) for k in self.chain],
-            "tokens": self.tokens,
-            "turn": self.turn,
-            "state": SessionState.LOST.value if self.lost else self.state.value,
-            "ack": (AckMode.ARCHIVE if self.durable else AckMode.MEMORY).value,
-            "exact_only": self.exact_only,
-            "finite_only": self.finite_only,
-            "archived": not self.active,
-            "hotness": self.hotness,
-            "lost_reason": self.lost_reason,
-            "lost_tokens": self.lost_tokens,
-            "partial_reason": self.partial_reason,
-        }
-
     def manifest(self) -> dict[str, Any]:
         """What the cold tier keeps of a suspended session, to serve it again after a restart."""
         return {

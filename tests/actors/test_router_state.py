@@ -293,7 +293,7 @@ def test_a_truncated_session_keeps_its_prefix_and_the_journal_remembers(tmp_path
     )
     assert s.refcount(b"p") == 2 and not s.referenced(b"a1")
     assert s.match_prefix(KVLayout.from_dict(LAYOUT), "t", list(range(10)))[0] <= 4
-    assert a.as_dict()["lost_tokens"] == 6
+    assert a.view().lost_tokens == 6
     s.journal.close()
 
     t = fresh()  # replayed (and compacted into a snapshot)
