@@ -30,7 +30,7 @@ from hypothesis.stateful import (
 
 from memkv.actors.payload import from_payload, to_payload
 from memkv.errors import BlockLostError, CapacityError
-from memkv.protocol.enums import SessionState
+from memkv.protocol.enums import Priority, SessionState
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.layout import block_token_count
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
@@ -118,7 +118,7 @@ class DeviceMachine(RuleBasedStateMachine):
         payloads = [to_payload(k, block_for(k, n))
                     for k, n in zip(chain[start:], counts[start:], strict=True)]
         try:
-            self.device.put(update, payloads, owner=name)
+            self.device.put(update, payloads, owner=name, durable=owner.get(sid).durable)
         except CapacityError:
             # Every tier is full of pinned blocks: refused, and nothing changed
             # (the invariants check that the store still holds what it held).
@@ -127,11 +127,20 @@ class DeviceMachine(RuleBasedStateMachine):
             owner.commit_append(sid, update)
             self.tokens[sid] = tokens
 
-    @rule(prompt=st.sampled_from(PROMPTS), own=st.integers(0, 9), owner=st.sampled_from(OWNERS))
-    def create(self, prompt: list[int], own: int, owner: str) -> None:
+    @rule(prompt=st.sampled_from(PROMPTS), own=st.integers(0, 9), owner=st.sampled_from(OWNERS),
+          mode=st.sampled_from(["plain", "exact_only", "durable"]),
+          priority=st.sampled_from(list(Priority)))
+    def create(self, prompt: list[int], own: int, owner: str, mode: str,
+               priority: Priority) -> None:
+        """A new session; ``exact_only`` ones start with a prompt of their own (their blocks
+        are shared with no session that may take a lossy step), ``durable`` ones are
+        acknowledged only once every block is in the archive."""
         sid = f"s{self.next_id}"
         self.next_id += 1
-        self.owners[owner].create(sid, LAYOUT, namespace="t")
+        if mode == "exact_only":
+            prompt = [1000 + self.next_id]
+        self.owners[owner].create(sid, LAYOUT, namespace="t", priority=priority,
+                                  exact_only=mode == "exact_only", durable=mode == "durable")
         self.owner_of[sid] = owner
         self._append(sid, prompt + [100 + self.next_id * 10 + i for i in range(own)])
 
@@ -191,7 +200,24 @@ class DeviceMachine(RuleBasedStateMachine):
             if payload.exact:
                 assert torch.equal(block, block_for(key, n)), key.hex()
             else:  # an offline suspend's lossy codec, or a lower precision: said so
+                assert not self.record(sid).exact_only, f"{sid} is exact_only: {payload.lossy}"
                 assert payload.lossy and block.shape == block_for(key, n).shape
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), priority=st.sampled_from(list(Priority)))
+    def set_priority(self, data: st.DataObject, priority: Priority) -> None:
+        assert self.device is not None
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.device.set_priority(self.chain(sid), priority.value, sid)
+        self.record(sid).priority = priority
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def prefetch(self, data: st.DataObject) -> None:
+        """Prefetch brings blocks into free hot space only: it never changes what is held."""
+        assert self.device is not None
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        assert 0 <= self.device.prefetch(self.chain(sid)) <= len(set(self.chain(sid)))
 
     @precondition(lambda self: self.tokens)
     @rule(target=leases, data=st.data(), planned=st.booleans())
@@ -261,12 +287,15 @@ class DeviceMachine(RuleBasedStateMachine):
             counts = block_token_count(LAYOUT, len(self.tokens[sid]))
             try:
                 kept = self.device.adopt(LAYOUT, chain, counts, record.priority.value,
+                                         exact_only=record.exact_only,
                                          owner=self.owner_of[sid], keep_prefix=True)
             except BlockLostError:
+                assert not record.durable, f"{sid} was acknowledged in archive mode"
                 self.owners[self.owner_of[sid]].pop(sid)
                 del self.tokens[sid]
                 continue
             if kept < len(chain):
+                assert not record.durable, f"{sid} lost blocks {kept}.. of an archive-mode session"
                 self.tokens[sid] = self.tokens[sid][: sum(counts[:kept])]
                 record.chain = [k for k in record.chain[:kept]]
                 record.tokens = len(self.tokens[sid])
