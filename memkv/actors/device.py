@@ -187,6 +187,7 @@ class DeviceCache(DeviceService):
         checksums: Sequence[int] | None = None,
         durable: bool = False,
         owner: str = "",
+        since: tuple[str, int] | None = None,
     ) -> StoredBlocks:
         """:meth:`DeviceService.put`, with blocks sent by reference fetched first."""
         refs = [i for i, b in enumerate(blocks) if isinstance(b, ray.ObjectRef)]
@@ -195,7 +196,7 @@ class DeviceCache(DeviceService):
             pending: list[Any] = [blocks[i] for i in refs]
             for i, value in zip(refs, ray.get(pending), strict=True):
                 resolved[i] = value
-        return super().put(update, resolved, checksums, durable, owner)
+        return super().put(update, resolved, checksums, durable, owner, since)
 
 
 #: The actor. A few concurrent calls (the store has its own lock) let a prefetch

@@ -15,6 +15,7 @@ from ray.exceptions import RayActorError
 
 from memkv.errors import MemberGoneError
 from memkv.protocol.enums import Priority
+from memkv.protocol.events import BlockEvents
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.members import DeviceInfo, StoredBlocks, TierOf
 from memkv.protocol.messages import ChainUpdate
@@ -160,9 +161,13 @@ class DeviceHandle:
         return MemberPending(self.actor.ping.remote(), _same)
 
     def put(self, update: ChainUpdate, blocks: list[Any], checksums: Sequence[int] | None,
-            durable: bool, owner: str) -> MemberPending[StoredBlocks]:
+            durable: bool, owner: str,
+            since: tuple[str, int] | None = None) -> MemberPending[StoredBlocks]:
         return MemberPending(
-            self.actor.put.remote(update, blocks, checksums, durable, owner), _same)
+            self.actor.put.remote(update, blocks, checksums, durable, owner, since), _same)
+
+    def block_events(self, since: tuple[str, int]) -> MemberPending[BlockEvents]:
+        return MemberPending(self.actor.block_events.remote(since), _same)
 
     def adopt(self, layout: KVLayout, chain: Sequence[bytes], tokens: Sequence[int],
               priority: str, exact_only: bool, owner: str,

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from memkv.protocol.events import BlockEvents
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.messages import ChainUpdate
 from memkv.protocol.stats import ArchiveStats, DeviceStats
@@ -54,6 +55,8 @@ class StoredBlocks:
     new_blocks: int
     deduplicated_blocks: int
     released_blocks: int  # references dropped (e.g. a replaced partial tail)
+    #: The device's block changes since the cursor the put was sent with (None: none asked).
+    events: BlockEvents | None = None
 
 
 class BlockStore(Protocol):
@@ -68,7 +71,12 @@ class BlockStore(Protocol):
     def ping(self) -> Awaitable[DeviceInfo]: ...
 
     def put(self, update: ChainUpdate, blocks: list[Any], checksums: Sequence[int] | None,
-            durable: bool, owner: str) -> Awaitable[StoredBlocks]: ...
+            durable: bool, owner: str,
+            since: tuple[str, int] | None = None) -> Awaitable[StoredBlocks]: ...
+
+    def block_events(self, since: tuple[str, int]) -> Awaitable[BlockEvents]:
+        """The device's block changes since ``since`` (an epoch and a position)."""
+        ...
 
     def adopt(self, layout: KVLayout, chain: Sequence[bytes], tokens: Sequence[int],
               priority: str, exact_only: bool, owner: str, keep_prefix: bool) -> Awaitable[int]:

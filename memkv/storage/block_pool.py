@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,7 @@ from memkv.errors import (
 from memkv.protocol.enums import Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.members import StoredBlocks
+from memkv.storage.block_events import BlockEventLog
 from memkv.storage.codecs import CodecPolicy
 from memkv.storage.cold_writer import ColdWriter, WriterStats
 from memkv.storage.config import StoreConfig
@@ -113,6 +115,7 @@ class BlockPool(Reads):
         self._clock = clock
         self._lock = threading.RLock()
         self._cold_read_ahead = {}
+        self._events = BlockEventLog(uuid.uuid4().hex)
         unit = config.allocator.min_unit_bytes
         hot_bytes = _whole_units(config.hot_capacity_bytes, unit, "hot")
         # A CPU "device" keeps its hot tier in shared memory too, so that a

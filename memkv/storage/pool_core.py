@@ -20,6 +20,7 @@ from memkv.errors import (
 from memkv.protocol.checksum import crc32
 from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.hashing import BlockHash
+from memkv.storage.block_events import BlockEventLog
 from memkv.storage.codecs import CODECS, CodecPolicy
 from memkv.storage.config import StoreConfig
 from memkv.storage.layout import KVLayout
@@ -192,6 +193,8 @@ class PoolCore:
     _codec_policy: CodecPolicy
     _prefetcher: MarkovPrefetcher[BlockHash]
     _blocks: dict[BlockHash, _Block]
+    # Every change of _blocks, numbered: readers follow the table by it.
+    _events: BlockEventLog
     # Cold copies read ahead of taking the lock, for the reads now holding it.
     _cold_read_ahead: dict[BlockHash, torch.Tensor]
     # Each owner's share of the references: owner -> block -> [refs, active refs].

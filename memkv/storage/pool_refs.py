@@ -16,6 +16,7 @@ from memkv.errors import (
     UnknownBlockError,
 )
 from memkv.protocol.enums import PRIORITY_RANK, Priority
+from memkv.protocol.events import BlockEvents
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.members import StoredBlocks
 from memkv.protocol.messages import ChainUpdate
@@ -348,7 +349,7 @@ class References(TierLadder):
                     crc32=None if checksums is None else checksums[i - start_block],
                     turn_created=update.turn,
                 )
-                self._blocks[key] = entry
+                self._add_block(entry)
                 created.append(key)
                 self._admit(entry, blocks[i - start_block], now)
         except BaseException:
@@ -359,7 +360,7 @@ class References(TierLadder):
                 if entry.tier is not None or entry.in_cold:
                     self._free(entry)
                 else:
-                    del self._blocks[key]
+                    self._drop_block(key)
             raise
         return set(created)
 
@@ -402,7 +403,7 @@ class References(TierLadder):
                     cold_codec=codec,
                     lossy=("int8" if codec == "int8" else _codec_step(codec)) or "",
                 )
-                self._blocks[key] = entry
+                self._add_block(entry)
             self._hold(entry, priority, active, now, exact_only, owner)
 
     def _hold(
@@ -438,7 +439,7 @@ class References(TierLadder):
         for key in created:  # cold-only entries it made: the cold copy stays
             made = self._blocks.get(key)
             if made is not None and made.refcount == 0 and made.pins == 0:
-                del self._blocks[key]
+                self._drop_block(key)
 
     def _count(self, owner: str, key: BlockHash, refs: int, active: int) -> None:
         """Move ``owner``'s share of ``key``'s references (kept beside the totals)."""
@@ -473,13 +474,27 @@ class References(TierLadder):
             self._tier(entry.tier).remove(entry.key)
         if entry.in_cold:
             self._cold.remove(entry.key)
-        del self._blocks[entry.key]
+        self._drop_block(entry.key)
         # No references are left, but an owner's active count may be: a release
         # that said "active" for a holder the pool had as idle (its suspend failed
         # after the pool applied it). The entry took that miscount with it; its
         # shares go too, or a block stored again under the key would inherit it.
         for shares in self._owner_refs.values():
             shares.pop(entry.key, None)
+
+    def _add_block(self, entry: _Block) -> None:
+        self._blocks[entry.key] = entry
+        self._events.stored(entry.key)
+
+    def _drop_block(self, key: BlockHash) -> None:
+        del self._blocks[key]
+        self._events.removed(key)
+
+    def block_events(self, cursor: int = 0, epoch: str = "") -> BlockEvents:
+        """The blocks stored into and removed from this pool's table after ``cursor``
+        (of ``epoch``; another epoch, or one too far back: a snapshot of the table)."""
+        with self._lock:
+            return self._events.since(cursor, epoch, self._blocks.keys)
 
     def refcounts(self) -> dict[BlockHash, tuple[int, int]]:
         """(refcount, pins) per block, for an owner's invariant and leak checks."""

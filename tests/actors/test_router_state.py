@@ -2,6 +2,7 @@ import pytest
 
 from memkv.errors import BlockLostError, InvalidInputError, MemkvError, UnknownSessionError
 from memkv.protocol.enums import SessionState
+from memkv.protocol.events import BlockEvents
 from memkv.protocol.layout import KVLayout
 from memkv.storage.router.state import RouterState
 
@@ -9,8 +10,13 @@ LAYOUT = KVLayout("m", 2, 2, 8, block_tokens=4).to_dict()
 
 
 def append(s, sid, chain, tokens):
-    """Place and record an append the way the router does around its device call."""
-    s.place(sid, chain)
+    """Place and record an append the way the router does around its device call; the
+    device's answer says it now holds the chain (its block events)."""
+    device = s.place(sid, chain)
+    epoch, end = s.blocks.cursor(device)  # ("", 0) at first contact: a snapshot answers
+    s.blocks.apply(device, BlockEvents(epoch=f"epoch-{device}", start=end,
+                                       end=end + len(chain), stored=tuple(chain),
+                                       snapshot=not epoch))
     return s.record_put(sid, s.sessions.plan_append(sid, tokens, chain))
 
 
@@ -55,6 +61,25 @@ def test_prefix_affinity_places_sharers_together():
     append(no_affinity, "a", [b"p1"], 4)
     d = no_affinity.get("a").device_id
     assert no_affinity.place("b", [b"p1"]) != d
+
+
+def test_placement_follows_what_a_device_holds_whoever_stored_it():
+    """A prefix stored through another shard (this shard has no session on that device)
+    still draws a session that shares it: the device's own block events say it is there."""
+    s = state()
+    for sid in ("a0", "a1"):  # one session of this shard on each device
+        s.create(sid, LAYOUT, "t", "normal")
+        append(s, sid, [sid.encode()], 4)
+    # d1 is busier, so the least-loaded choice is d0; but d1's pool holds the prefix
+    # (stored there by another shard's session).
+    s.update_load("d1", 0.9)
+    s.blocks.apply("d1", BlockEvents(epoch="epoch-d1", start=1, end=3,
+                                     stored=(b"sys1", b"sys2")))
+    assert s.blocks.depth("d1", [b"sys1", b"sys2"]) == 2
+    s.create("b", LAYOUT, "t", "normal")
+    s.create("c", LAYOUT, "t", "normal")
+    assert s.place("b", [b"sys1", b"sys2", b"b3"]) == "d1"
+    assert s.place("c", [b"unshared"]) == "d0"  # the least loaded, with nothing to share
 
 
 def test_cluster_refcounts_report_garbage_only_when_nobody_holds_a_block():

@@ -37,6 +37,7 @@ from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.device import DeviceService
 from memkv.storage.layout import KVLayout
 from memkv.storage.pool_core import Holder
+from memkv.storage.router.block_index import BlockIndex
 from memkv.storage.sessions import SessionRecord, SessionTable
 
 LAYOUT = KVLayout("machine", 1, 1, 4, dtype="float32", block_tokens=4)
@@ -67,6 +68,7 @@ class DeviceMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.device: DeviceService | None = None
         self._recorded_everything = True
+        self.index = BlockIndex()
 
     @initialize()
     def start(self) -> None:
@@ -310,6 +312,10 @@ class DeviceMachine(RuleBasedStateMachine):
         expected = self.expected_keys()
         assert self.device.stats().blocks == len(expected)
         assert set(self.device.still_held(sorted(expected))) == expected
+        # A reader following the device's block events (a router shard's index) sees
+        # the same table, across restarts (a new epoch answers a snapshot).
+        self.index.apply("dev", self.device.block_events(self.index.cursor("dev")))
+        assert self.index.held("dev") == expected
 
 
 _tmp_factory: pytest.TempPathFactory

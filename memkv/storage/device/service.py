@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -23,6 +24,7 @@ from memkv.gpu_kernels import backend as kernel_backend
 from memkv.gpu_kernels.unified import PriorityStreams
 from memkv.protocol.dtypes import numpy_view_dtype
 from memkv.protocol.enums import Priority, Tier
+from memkv.protocol.events import BlockEvents
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.members import DeviceInfo, StoredBlocks
@@ -181,6 +183,7 @@ class DeviceService:
         checksums: Sequence[int] | None = None,
         durable: bool = False,
         owner: str = "",
+        since: tuple[str, int] | None = None,
     ) -> StoredBlocks:
         """Apply one append: its new blocks (payloads, refs to them, or staged) and references.
 
@@ -195,11 +198,22 @@ class DeviceService:
                 the archive (an ``archive``-mode session).
             owner: the router shard whose session this is (each shard's
                 references are its own: see :meth:`resync`).
+            since: the caller's cursor of this device's block changes: the answer
+                carries the changes after it (this append's among them).
         """
         self.leases.sweep()
         tensors = [from_payload(self._unstage(p) if isinstance(p, StagedBlock) else p)
                    for p in blocks]
-        return self.pool.put(update, tensors, checksums=checksums, durable=durable, owner=owner)
+        stored = self.pool.put(update, tensors, checksums=checksums, durable=durable, owner=owner)
+        if since is None:
+            return stored
+        return replace(stored, events=self.block_events(since))
+
+    def block_events(self, since: tuple[str, int] = ("", 0)) -> BlockEvents:
+        """Blocks stored into and removed from this device's table after ``since``
+        (``(epoch, position)``; another epoch or a position too far back: a snapshot)."""
+        epoch, position = since
+        return self.pool.block_events(position, epoch)
 
     def _unstage(self, staged: StagedBlock) -> BlockPayload:
         """A view of a staged block in its sender's segment (the pool copies it)."""

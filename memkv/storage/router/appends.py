@@ -148,7 +148,8 @@ class Appends:
         try:
             stored = await self._members.call(
                 device_id, session_id,
-                lambda d: d.put(update, blocks, checksums, durable, self._owner),
+                lambda d: d.put(update, blocks, checksums, durable, self._owner,
+                                self._state.blocks.cursor(device_id)),
             )
         except InvalidInputError:
             # Blocks the append builds on missing: the device may have restarted
@@ -164,7 +165,10 @@ class Appends:
             )
             stored = await self._members.call(
                 device_id, session_id,
-                lambda d: d.put(replanned, blocks, checksums, durable, self._owner),
+                lambda d: d.put(replanned, blocks, checksums, durable, self._owner,
+                                self._state.blocks.cursor(device_id)),
             )
             update = replanned
+        if stored.events is not None:
+            self._state.blocks.apply(device_id, stored.events)
         return stored, update

@@ -54,6 +54,9 @@ class BackgroundPrefetch:
             try:
                 stats = await device.stats()
                 self.state.update_load(device_id, stats.hot_usage)
+                # What the device holds, stored through any shard (placement reads it).
+                self.state.blocks.apply(
+                    device_id, await device.block_events(self.state.blocks.cursor(device_id)))
                 if stats.incarnation != self.state.devices[device_id].incarnation:
                     await self.members.check(device_id, force=True)
                     continue

@@ -31,6 +31,7 @@ from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ChainUpdate
 from memkv.protocol.stats import TenantUse
 from memkv.storage.journal import Journal
+from memkv.storage.router.block_index import BlockIndex
 from memkv.storage.router.records import apply_record, snapshot_records
 from memkv.storage.sessions import SessionRecord, SessionTable, parse_priority
 
@@ -88,6 +89,8 @@ class RouterState:
         self.sessions = SessionTable(clock)
         self.devices: dict[str, DeviceLoad] = {}
         self._refcounts: Counter[bytes] = Counter()
+        # What each device's pool holds, from its own change log (placement).
+        self.blocks = BlockIndex()
         # block -> devices whose sessions hold it (how many sessions on each)
         self._block_devices: dict[bytes, Counter[str]] = {}
         # block -> the namespace its hash was salted with (by-key reads are
@@ -133,6 +136,7 @@ class RouterState:
     def forget_device(self, device_id: str) -> None:
         """A journaled device that no longer exists (a machine restarted: new names)."""
         self.devices.pop(device_id, None)
+        self.blocks.forget(device_id)
         if device_id in self.known_devices:
             self.known_devices.remove(device_id)
             self._log({"op": "forget_device", "name": device_id})
@@ -187,9 +191,10 @@ class RouterState:
     def place(self, session_id: str, chain_hint: Sequence[bytes] = ()) -> str:
         """The device of a session, choosing one on first use.
 
-        Prefix affinity first (the device whose sessions hold the longest
-        prefix of ``chain_hint``, so a shared prefix stays stored once), then
-        the device with the fewest sessions and the emptiest hot tier.
+        Prefix affinity first (the device that holds the longest prefix of
+        ``chain_hint``, as its block pool says (:attr:`blocks`): a prefix stored
+        through any shard stays stored once), then the device with the fewest
+        sessions and the emptiest hot tier.
         """
         record = self.get(session_id)
         if record.device_id is not None:
@@ -205,11 +210,7 @@ class RouterState:
         if self._prefix_affinity:
             best = 0
             for device_id in live:
-                depth = 0
-                for key in chain_hint:
-                    if self._block_devices.get(key, Counter())[device_id] == 0:
-                        break
-                    depth += 1
+                depth = self.blocks.depth(device_id, chain_hint)
                 if depth > best:
                     best, choice = depth, device_id
         if choice is None:
