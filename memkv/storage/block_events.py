@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from itertools import islice
 
 from memkv.protocol.events import BlockEvents
 
@@ -49,11 +50,14 @@ class BlockEventLog:
             return BlockEvents(epoch=self.epoch, start=cursor, end=self._end,
                                stored=tuple(bytes(k) for k in table()), snapshot=True)
         # Net per key: only a key's last change in the window counts.
+        # The newest first, from the right end: a reader that keeps up costs its own
+        # changes, not the log's length.
         last: dict[bytes, bool] = {}
-        for key, present in list(self._changes)[cursor - first:]:
-            last[key] = present
+        for key, present in islice(reversed(self._changes), self._end - cursor):
+            last.setdefault(key, present)
+        changes = list(last.items())[::-1]  # in the order of each key's last change
         return BlockEvents(
             epoch=self.epoch, start=cursor, end=self._end,
-            stored=tuple(k for k, present in last.items() if present),
-            removed=tuple(k for k, present in last.items() if not present),
+            stored=tuple(k for k, present in changes if present),
+            removed=tuple(k for k, present in changes if not present),
         )
