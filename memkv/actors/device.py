@@ -178,6 +178,8 @@ class DeviceCache(DeviceService):
             same_node_reads=same_node_reads, devices_on_node=devices_on_node,
             put_object=put_object,
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local",
+            # Device names repeat across deployments (namespaces) on one node.
+            segment_scope=ray.get_runtime_context().namespace if ray.is_initialized() else "",
         )
 
     def put(  # also takes blocks by object reference

@@ -64,3 +64,29 @@ def test_a_restarted_device_takes_its_own_name_over():
         assert not _exists(base)
     finally:
         owner.release()
+
+
+def test_devices_of_two_deployments_on_one_node_have_segments_of_their_own(tmp_path):
+    """Device names repeat across deployments (Ray namespaces) on a node; the scope keeps
+    their shared memory apart, and one deployment's device is still one of a kind."""
+    import pytest
+
+    from memkv.errors import ConflictError
+    from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
+    from memkv.storage.device import DeviceService
+
+    def config(name: str) -> StoreConfig:
+        return StoreConfig(hot_capacity_bytes=4096, warm_capacity_bytes=4096,
+                           allocator=AllocatorConfig(min_unit_bytes=4096),
+                           archive=ArchiveConfig(directory=tmp_path / name, fsync="never"))
+
+    name = f"memkv-device-test-{uuid.uuid4().hex[:8]}-0"
+    first = DeviceService(name, config("a"), segment_scope="tenant-a")
+    second = DeviceService(name, config("b"), segment_scope="tenant-b")
+    try:
+        assert first.warm_segment != second.warm_segment
+        with pytest.raises(ConflictError, match="already holds the segments"):
+            DeviceService(name, config("c"), segment_scope="tenant-a")
+    finally:
+        first.close()
+        second.close()

@@ -102,6 +102,9 @@ class DeviceService:
         put_object: how :meth:`fetch_blocks` hands blocks over (the actor: ``ray.put``;
             as they are by default).
         node_id: the node this device runs on (readers compare it with theirs).
+        segment_scope: the deployment the device belongs to (its Ray namespace): part
+            of its shared-memory names, so two deployments on one node, whose
+            devices have the same names, do not claim the same segments.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class DeviceService:
         devices_on_node: int = 1,
         put_object: Callable[[list[BlockPayload]], object] = _as_is,
         node_id: str = "local",
+        segment_scope: str = "",
     ) -> None:
         self.device_id = device_id
         # How fetch_blocks hands its blocks over: into the node's object store
@@ -143,7 +147,8 @@ class DeviceService:
         cold = cold_tier(store_config.codecs) if cold_tier is not None else None
         # A fixed segment name per device, so a restart after a crash (which
         # could not unlink it) reclaims the old warm pool instead of leaking it.
-        self.warm_segment = warm_segment_name(device_id)
+        self.warm_segment = warm_segment_name(
+            f"{segment_scope}.{device_id}" if segment_scope else device_id)
         # Segments of devices that died without unlinking them (their lock is
         # free) hold populated memory: reclaim them, then take this one's name.
         reclaim_orphans()
