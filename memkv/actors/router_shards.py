@@ -128,12 +128,9 @@ class RouterShards:
 
 def merge_created(indices: list[list[int]], answers: list[SessionViews]) -> list[SessionView]:
     """The sessions of a split bulk create, in the order of the requests."""
-    out: list[SessionView | None] = [None] * sum(len(at) for at in indices)
-    for at, answer in zip(indices, answers, strict=True):
-        for i, view in zip(at, answer.sessions, strict=True):
-            out[i] = view
-    assert all(v is not None for v in out)  # every index is some shard's
-    return [v for v in out if v is not None]
+    placed = {i: view for at, answer in zip(indices, answers, strict=True)
+              for i, view in zip(at, answer.sessions, strict=True)}
+    return [placed[i] for i in range(len(placed))]
 
 
 def merge_prefix(answers: list[PrefixMatch]) -> PrefixMatch:

@@ -10,6 +10,7 @@ travel as hex, as everywhere in the HTTP API.
 
 from __future__ import annotations
 
+import msgspec
 from pydantic import BaseModel
 
 from memkv.protocol.enums import AckMode, Priority, SessionState, Tier
@@ -29,6 +30,13 @@ __all__ = [
     "ResumeOut",
     "SessionOut",
 ]
+
+
+def _fields(message: SessionView | AppendAnswer, **given: object) -> dict[str, object]:
+    """A message's fields by name as JSON values, its chain's keys as hex (the HTTP
+    API's form of a key), with ``given`` in place of the message's own."""
+    fields: dict[str, object] = msgspec.to_builtins(message, builtin_types=(bytes,))
+    return {**fields, "chain": [bytes(k).hex() for k in message.chain], **given}
 
 
 class LayoutOut(BaseModel):
@@ -63,21 +71,7 @@ class SessionOut(BaseModel):
 
     @classmethod
     def of(cls, view: SessionView, session_id: str) -> SessionOut:
-        layout = view.layout
-        return cls(
-            session_id=session_id, namespace=view.namespace,
-            layout=LayoutOut(
-                model_id=layout.model_id, num_layers=layout.num_layers,
-                num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                dtype=layout.dtype, block_tokens=layout.block_tokens,
-            ),
-            priority=view.priority, device_id=view.device_id,
-            chain=[k.hex() for k in view.chain], tokens=view.tokens, turn=view.turn,
-            state=view.state, ack=view.ack, exact_only=view.exact_only,
-            finite_only=view.finite_only, archived=view.archived, hotness=view.hotness,
-            lost_reason=view.lost_reason, lost_tokens=view.lost_tokens,
-            partial_reason=view.partial_reason,
-        )
+        return cls.model_validate(_fields(view, session_id=session_id))
 
 
 class AppendOut(BaseModel):
@@ -92,11 +86,7 @@ class AppendOut(BaseModel):
 
     @classmethod
     def of(cls, answer: AppendAnswer) -> AppendOut:
-        return cls(
-            chain=[k.hex() for k in answer.chain], turn=answer.turn,
-            new_blocks=answer.new_blocks, deduplicated_blocks=answer.deduplicated_blocks,
-            released_blocks=answer.released_blocks, replayed=answer.replayed,
-        )
+        return cls.model_validate(_fields(answer))
 
 
 class BlockTierOut(BaseModel):

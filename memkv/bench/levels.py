@@ -45,33 +45,19 @@ def from_runs(target: str, op: str, rounds: list[list[ClientRun]], nbytes: int) 
     latency is the throughput of a stall-free round.
     """
     latencies = [lat for runs in rounds for r in runs for lat in r.latencies]
-    c = len(rounds[0])
-    p50 = percentile(latencies, P50)
-    return LevelResult(
-        target,
-        op,
-        c,
-        len(latencies),
-        nbytes,
-        c * nbytes / p50 / GB,
-        p50 * MS,
-        percentile(latencies, P99) * MS,
-    )
+    return _at_median(target, op, len(rounds[0]), latencies, nbytes)
 
 
 def from_latencies(target: str, op: str, latencies: list[float], nbytes: int) -> LevelResult:
     """A sequential single-client figure: bytes over the median operation."""
+    return _at_median(target, op, 1, latencies, nbytes)
+
+
+def _at_median(target: str, op: str, clients: int, latencies: list[float],
+               nbytes: int) -> LevelResult:
     p50 = percentile(latencies, P50)
-    return LevelResult(
-        target,
-        op,
-        1,
-        len(latencies),
-        nbytes,
-        nbytes / p50 / GB,
-        p50 * MS,
-        percentile(latencies, P99) * MS,
-    )
+    return LevelResult(target, op, clients, len(latencies), nbytes,
+                       clients * nbytes / p50 / GB, p50 * MS, percentile(latencies, P99) * MS)
 
 
 def memcpy_level(block_bytes: int, reps: int, blocks: int = 1) -> LevelResult:
