@@ -40,20 +40,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 UNIT = 4096
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    """Two device actors, one archive actor and the router on one local Ray."""
-    from memkv.cluster import connect
+#: The resources of the fault tests' deployment (advertised by the suite's embedded Ray).
+FAULT_DEVICE, FAULT_NVME = "memkv_fault_device", "memkv_fault_nvme"
+
+
+def _suite_config(archive_dir, cluster):
     from memkv.config import load_config
 
-    archive_dir = tmp_path_factory.mktemp("archive")
-    config = load_config(
+    return load_config(
         overrides={
             "cluster": {
-                "namespace": "memkv-test",
                 "embedded_devices": 2,
                 "embedded_object_store_bytes": 200 * 1024 * 1024,
                 "embedded_num_cpus": 2,
+                **cluster,
             },
             # Small tiers (8 blocks of 512 bytes per unit) so pressure is cheap to create.
             "device": {
@@ -74,7 +74,46 @@ def cluster(tmp_path_factory):
         },
         environ={},
     )
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """Two device actors, one archive actor and the router on one local Ray.
+
+    The Ray also advertises room for :func:`fault_cluster`'s deployment."""
+    from memkv.cluster import connect
+
+    config = _suite_config(
+        tmp_path_factory.mktemp("archive"),
+        {
+            "namespace": "memkv-test",
+            "embedded_resources": {FAULT_DEVICE: 2, FAULT_NVME: 1},
+        },
+    )
     with connect(config=config) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def fault_cluster(cluster, tmp_path_factory):
+    """A deployment of its own for the tests that kill members (SIGKILL of a device,
+    the archive, the router): another namespace on the same Ray, on resources of
+    its own, so a kill cannot disturb the tests that share :func:`cluster`.
+    Stopped with the session (its actors are not detached)."""
+    import ray
+
+    from memkv.cluster import connect
+
+    config = _suite_config(
+        tmp_path_factory.mktemp("fault-archive"),
+        {
+            "namespace": "memkv-test-faults",
+            "device_resource": FAULT_DEVICE,
+            "nvme_resource": FAULT_NVME,
+        },
+    )
+    address = ray.get_runtime_context().gcs_address
+    with connect(address, config=config, detached=False) as c:
         yield c
 
 
@@ -84,4 +123,13 @@ def gateway(cluster):
     from memkv.api.server import GatewayServer
 
     with GatewayServer.start(cluster, host="127.0.0.1", port=0, max_body_bytes=8 << 20) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="session")
+def fault_gateway(fault_cluster):
+    """A gateway over :func:`fault_cluster` (the load-under-kills test's)."""
+    from memkv.api.server import GatewayServer
+
+    with GatewayServer.start(fault_cluster, host="127.0.0.1", port=0, max_body_bytes=8 << 20) as gw:
         yield gw

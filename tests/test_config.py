@@ -316,6 +316,9 @@ def test_unknown_keys_in_overrides() -> None:
         ({"cluster": {"nvme_resource": "memkv_device"}}, r"must differ"),
         ({"cluster": {"device_resource": "my device"}}, r"cluster\.device_resource"),
         ({"cluster": {"namespace": ""}}, r"cluster\.namespace"),
+        ({"cluster": {"embedded_resources": {"a b": 1}}}, r"embedded_resources name"),
+        ({"cluster": {"embedded_resources": {"extra": 0}}}, r"embedded_resources\['extra'\]"),
+        ({"cluster": {"embedded_resources": {"memkv_nvme": 2}}}, r"own resources"),
     ],
 )
 def test_bounds_enforced(overrides: dict[str, Any], pattern: str) -> None:

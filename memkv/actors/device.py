@@ -150,8 +150,12 @@ class DeviceCache(DeviceService):
     """A :class:`DeviceService` in a Ray actor (see :class:`DeviceService` for the rest).
 
     Args:
-        archive: the node's ArchiveService actor, or its name in this actor's
-            namespace; None keeps a local cold tier (single-process use).
+        archive: the node's ArchiveService actor, or its name in ``namespace``;
+            None keeps a local cold tier (single-process use).
+        namespace: the deployment's Ray namespace (None: the caller's job's).
+            Passed, not read from the runtime context: an actor runs in the
+            namespace of the job that created it, which need not be the one
+            its deployment's names live in.
         put_object: how read batches are handed over (``ray.put``: the object store).
     """
 
@@ -164,11 +168,14 @@ class DeviceCache(DeviceService):
         same_node_reads: bool | None = None,
         devices_on_node: int = 1,
         put_object: Callable[[list[BlockPayload]], object] = ray.put,
+        namespace: str | None = None,
     ) -> None:
+        if namespace is None and ray.is_initialized():
+            namespace = ray.get_runtime_context().namespace
         if isinstance(archive, str):
             # By name: a handle passed as a constructor argument lives in the
             # object store, and a restart after its owner exits would fail.
-            archive = ray.get_actor(archive, namespace=ray.get_runtime_context().namespace)
+            archive = ray.get_actor(archive, namespace=namespace)
 
         def cold_tier(codecs: CodecConfig) -> RemoteColdTier:
             return RemoteColdTier(archive, codecs)
@@ -179,7 +186,7 @@ class DeviceCache(DeviceService):
             put_object=put_object,
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local",
             # Device names repeat across deployments (namespaces) on one node.
-            segment_scope=ray.get_runtime_context().namespace if ray.is_initialized() else "",
+            segment_scope=namespace or "",
         )
 
     def put(  # also takes blocks by object reference

@@ -24,8 +24,10 @@ class SessionRouterShell(SessionRouter):
     """What Ray callers reach (:class:`memkv.actors.handles.SessionServiceHandle`
     is the other end of the ``*_wire`` methods)."""
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__(directory=RayDirectory(), **options)
+    def __init__(self, namespace: str | None = None, **options: Any) -> None:
+        # The deployment's namespace, passed: the actor's runtime context names
+        # the namespace of the job that created it, which may be another.
+        super().__init__(directory=RayDirectory(namespace), **options)
 
     async def register_device(self, device_id: str, device: Any) -> None:
         await super().register_device(device_id, DeviceHandle(device))

@@ -75,6 +75,7 @@ def connect(
     config: MemkvConfig | str | Path | None = None,
     *,
     profile: str | None = None,
+    detached: bool | None = None,
 ) -> MemkvCluster:
     """Start the embedded default (``address=None``) or join a Ray cluster.
 
@@ -83,6 +84,11 @@ def connect(
             or None for an embedded local Ray on 127.0.0.1.
         config: a :class:`MemkvConfig`, a YAML path, or None for the defaults.
         profile: a named profile of the config (``a100``, ``h100``, ``edge``).
+        detached: whether the actors outlive this process. None: only when
+            joining a cluster (a deployment others share; ``shutdown()`` only
+            disconnects). False: they live as long as this process and
+            ``shutdown()`` stops them (a deployment of its own, e.g. a second
+            namespace on a Ray this process already uses).
 
     Returns:
         A :class:`MemkvCluster`; call ``shutdown()`` (or use ``with``) when done.
@@ -101,6 +107,7 @@ def connect(
             namespace=settings.namespace,
             num_cpus=settings.embedded_num_cpus,
             resources={
+                **settings.embedded_resources,
                 settings.device_resource: settings.embedded_devices,
                 settings.nvme_resource: 1,
             },
@@ -116,16 +123,18 @@ def connect(
             keep_ray_on_loopback()
         ray.init(address=address, namespace=settings.namespace)
     try:
-        return _bring_up(cfg, embedded=started, started_ray=started)
+        return _bring_up(
+            cfg, detached=(not started) if detached is None else detached, started_ray=started
+        )
     except BaseException:
         if started:
             ray.shutdown()
         raise
 
 
-def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCluster:
+def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCluster:
     settings = cfg.cluster
-    lifetime = None if embedded else "detached"
+    lifetime = "detached" if detached else None
     owned: list[ActorHandle] = []
     # num_cpus=0: these are long-lived services placed by memkv's own resources;
     # Ray's default of one CPU each would leave a second device unscheduled on a
@@ -183,6 +192,7 @@ def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCl
                 cfg.device,
                 archive_by_node.get(node_id, fallback_archive),
                 devices_on_node=count,
+                namespace=settings.namespace,
             )
             devices[name] = handle
     if not devices:
@@ -208,6 +218,7 @@ def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCl
             shard=i,
             shards=shards,
             router_name=settings.router_name,
+            namespace=settings.namespace,
         )
         for i in range(shards)
     ]
@@ -224,7 +235,7 @@ def _bring_up(cfg: MemkvConfig, *, embedded: bool, started_ray: bool) -> MemkvCl
     # Every shard knows every archive and device (each places its own sessions).
     ray.get([r.register_archive.remote(n, h) for r in routers for n, h in archives.items()])
     ray.get([r.register_device.remote(n, h) for r in routers for n, h in devices.items()])
-    if embedded:
+    if not detached:
         owned = [*routers, *devices.values(), *archives.values()]
     return MemkvCluster(cfg, routers, devices, archives, owned=owned, started_ray=started_ray)
 

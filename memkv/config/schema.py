@@ -387,6 +387,12 @@ class ClusterSettings(_Frozen):
     embedded_num_cpus: int | None = Field(
         default=None, ge=1, description="CPUs the embedded Ray may use; None = all."
     )
+    embedded_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="More custom resources the embedded local Ray advertises: room for a "
+        "second deployment (another namespace, its own device_resource and nvme_resource "
+        "names) joining it by address.",
+    )
     stop_drain_timeout_s: float = Field(
         default=120.0,
         ge=0,
@@ -400,11 +406,26 @@ class ClusterSettings(_Frozen):
     def _plain_name(cls, v: str) -> str:
         return _check_name(v, "a Ray namespace, actor or resource name")
 
+    @field_validator("embedded_resources")
+    @classmethod
+    def _plain_resources(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, amount in v.items():
+            _check_name(name, "an embedded_resources name")
+            if amount <= 0:
+                raise ValueError(f"embedded_resources[{name!r}] must be > 0; got {amount}")
+        return v
+
     @model_validator(mode="after")
     def _distinct_resources(self) -> ClusterSettings:
         if self.device_resource == self.nvme_resource:
             raise ValueError(
                 f"device_resource and nvme_resource must differ; both are {self.device_resource!r}"
+            )
+        own = {self.device_resource, self.nvme_resource} & set(self.embedded_resources)
+        if own:
+            raise ValueError(
+                f"embedded_resources may not name this deployment's own resources {sorted(own)} "
+                f"(embedded_devices sizes them)"
             )
         return self
 

@@ -92,66 +92,86 @@ def test_high_priority_stays_hot_while_background_is_demoted(cluster):
     assert same(read(cluster, bg)[1:], bg_blocks[1:])
 
 
-def test_killed_device_serves_archived_sessions_again(cluster):
-    archived, _, blocks = new_session(cluster, 24, seed=400)
-    device_id = cluster.device_of(archived)
-    cluster.suspend(archived)
+def test_killed_device_serves_archived_sessions_again(fault_cluster):
+    archived, _, blocks = new_session(fault_cluster, 24, seed=400)
+    device_id = fault_cluster.device_of(archived)
+    fault_cluster.suspend(archived)
     # An active session on the same device whose blocks never left memory.
     active = None
     for seed in range(401, 420):
-        sid, _, _ = new_session(cluster, 4, seed=seed)
-        if cluster.device_of(sid) == device_id:
+        sid, _, _ = new_session(fault_cluster, 4, seed=seed)
+        if fault_cluster.device_of(sid) == device_id:
             active = sid
             break
     assert active is not None
     # An active archive-mode session there too: acknowledged means on disk.
     durable = None
     for seed in range(420, 440):
-        sid, _, durable_blocks = new_session(cluster, 8, seed=seed, ack="archive")
-        if cluster.device_of(sid) == device_id:
+        sid, _, durable_blocks = new_session(fault_cluster, 8, seed=seed, ack="archive")
+        if fault_cluster.device_of(sid) == device_id:
             durable = sid
             break
     assert durable is not None
-    before = ray.get(cluster.devices[device_id].ping.remote()).incarnation
-    ray.kill(cluster.devices[device_id], no_restart=False)
+    before = ray.get(fault_cluster.devices[device_id].ping.remote()).incarnation
+    ray.kill(fault_cluster.devices[device_id], no_restart=False)
 
-    assert same(read(cluster, archived), blocks)  # the router noticed and re-adopted it
-    assert same(read(cluster, durable), durable_blocks)
-    after = ray.get(cluster.devices[device_id].ping.remote()).incarnation
+    assert same(read(fault_cluster, archived), blocks)  # the router noticed and re-adopted it
+    assert same(read(fault_cluster, durable), durable_blocks)
+    after = ray.get(fault_cluster.devices[device_id].ping.remote()).incarnation
     assert after != before
     with pytest.raises(BlockLostError, match="restarted"):
-        cluster.session(active)
-    cluster.delete_session(active)  # a lost session can still be deleted
+        fault_cluster.session(active)
+    fault_cluster.delete_session(active)  # a lost session can still be deleted
     with pytest.raises(UnknownSessionError):
-        cluster.session(active)
+        fault_cluster.session(active)
 
 
-def test_a_session_missing_its_tail_serves_the_prefix_that_survived(cluster):
+def test_a_session_missing_its_tail_serves_the_prefix_that_survived(fault_cluster):
     # Turn 1 reaches the archive (suspend); turn 2's blocks live only in device
     # memory (memory mode) when the device is killed.
-    sid, tokens, _ = new_session(cluster, 8, seed=450)
-    cluster.suspend(sid)
-    cluster.resume(sid)
+    sid, tokens, _ = new_session(fault_cluster, 8, seed=450)
+    fault_cluster.suspend(sid)
+    fault_cluster.resume(sid)
     keys, values = kv(16, 451)
     first = kv(8, 450)
     keys = [torch.cat([a, b[:, 8:]], dim=1) for a, b in zip(first[0], keys, strict=True)]
     values = [torch.cat([a, b[:, 8:]], dim=1) for a, b in zip(first[1], values, strict=True)]
     all_tokens = tokens + [90_000 + i for i in range(8)]
-    cluster.put_kv(sid, all_tokens, keys, values)
+    fault_cluster.put_kv(sid, all_tokens, keys, values)
     blocks = split_kv(LAYOUT, keys, values)
-    assert cluster.session(sid).tokens == 16
-    ray.kill(cluster.devices[cluster.device_of(sid)], no_restart=False)
+    assert fault_cluster.session(sid).tokens == 16
+    ray.kill(fault_cluster.devices[fault_cluster.device_of(sid)], no_restart=False)
 
-    got = read(cluster, sid)  # before: BlockLostError, all 16 tokens lost for 8
+    got = read(fault_cluster, sid)  # before: BlockLostError, all 16 tokens lost for 8
     assert same(got, blocks[:2])
-    info = cluster.session(sid)
+    info = fault_cluster.session(sid)
     assert (info.tokens, info.lost_tokens) == (8, 8)
     assert "restarted" in info.partial_reason and "blocks 2..3 of 4" in info.partial_reason
-    assert cluster.match_prefix(LAYOUT, "tenant", all_tokens)[0] == 8
+    assert fault_cluster.match_prefix(LAYOUT, "tenant", all_tokens)[0] == 8
     # The next turn sends the lost blocks again (hashed from the same tokens).
-    cluster.put_kv(sid, all_tokens, keys, values)
-    assert same(read(cluster, sid), blocks)
-    assert cluster.session(sid).tokens == 16
+    fault_cluster.put_kv(sid, all_tokens, keys, values)
+    assert same(read(fault_cluster, sid), blocks)
+    assert fault_cluster.session(sid).tokens == 16
+
+
+def test_a_second_deployment_on_the_same_ray_is_a_world_of_its_own(cluster, fault_cluster):
+    """The fault tests' deployment shares the Ray, the node and the device names,
+    and nothing else: its devices write to its own archive (found in its own
+    namespace, not the creating job's) and its sessions are unknown here."""
+
+    def archived_blocks(c):
+        return sum(ray.get(a.stats.remote()).blocks for a in c.archives.values())
+
+    ours_before, theirs_before = archived_blocks(cluster), archived_blocks(fault_cluster)
+    sid, _, blocks = new_session(fault_cluster, 12, seed=700, namespace="apart")
+    fault_cluster.suspend(sid)
+    assert archived_blocks(fault_cluster) == theirs_before + 3
+    assert archived_blocks(cluster) == ours_before
+    with pytest.raises(UnknownSessionError):
+        cluster.session(sid)
+    assert sorted(cluster.devices) == sorted(fault_cluster.devices)  # same names, apart
+    assert same(read(fault_cluster, sid), blocks)
+    fault_cluster.delete_session(sid)
 
 
 def test_a_sessions_blocks_by_key_in_any_order(cluster):
@@ -173,14 +193,14 @@ def test_delete_frees_blocks_everywhere(cluster):
     assert ray.get(archive.contains.remote(chain)) == [False] * 4
 
 
-def test_restarted_archive_rebuilds_its_index_and_serves_again(cluster):
-    sid, _, blocks = new_session(cluster, 20, seed=600, namespace="archive-restart")
-    cluster.suspend(sid)
-    (name, archive), *_ = cluster.archives.items()
+def test_restarted_archive_rebuilds_its_index_and_serves_again(fault_cluster):
+    sid, _, blocks = new_session(fault_cluster, 20, seed=600, namespace="archive-restart")
+    fault_cluster.suspend(sid)
+    (name, archive), *_ = fault_cluster.archives.items()
     before = ray.get(archive.ping.remote())
     ray.kill(archive, no_restart=False)
     # The device's reads wait out the restart; the archive reopened its segments.
-    assert same(read(cluster, sid), blocks)
+    assert same(read(fault_cluster, sid), blocks)
     assert ray.get(archive.ping.remote()) != before
     assert ray.get(archive.stats.remote()).blocks >= 5
 
@@ -264,6 +284,7 @@ def test_in_cluster_reads_say_which_blocks_are_exact(cluster):
     read = list(cluster.read_session_payloads(sid))
     assert [p.key for p in read] == list(cluster.session(sid).chain)
     assert all(not p.exact and p.lossy == "delta_rl" for p in read), [
-        (p.exact, p.lossy) for p in read]
+        (p.exact, p.lossy) for p in read
+    ]
     exact, _, _ = new_session(cluster, 8, seed=461)
     assert all(p.exact and p.lossy == "" for p in cluster.read_session_payloads(exact))

@@ -4,7 +4,8 @@ Several clients (threads, each with its own connections: half of them send KV
 over the block port, half over HTTP) run agent sessions turn by turn through
 the real gateway; after every acknowledged turn
 they read the whole session back and compare every byte. Meanwhile a fault
-thread kills a device actor, the archive actor and the router by pid. Clients
+thread kills a device actor, the archive actor and the router of a deployment
+of the fault tests' own (``fault_cluster``) by pid. Clients
 retry what the gateway answers 503 to (a service restarting) with the same
 turn index (appends are idempotent by turn).
 
@@ -122,8 +123,8 @@ def _client_loop(url: str, index: int, tally: Tally, progress: threading.Semapho
                     stop = time.monotonic() + RETRY_FOR_S  # per request: outlast one restart
                     _retry(
                         tally,
-                        lambda sid=sid, t=tokens, k=sent_k, v=sent_v, turn=turn: (
-                            client.append_turn(sid, t, k, v, turn=turn)
+                        lambda sid=sid, t=tokens, k=sent_k, v=sent_v, turn=turn: client.append_turn(
+                            sid, t, k, v, turn=turn
                         ),
                         stop,
                     )
@@ -151,22 +152,24 @@ def _pid(handle) -> int:
 
 
 @pytest.mark.slow
-def test_load_through_the_gateway_while_actors_are_killed(cluster, gateway, tmp_path):
+def test_load_through_the_gateway_while_actors_are_killed(fault_cluster, fault_gateway, tmp_path):
     tally = Tally()
     progress = threading.Semaphore(0)
     start = time.monotonic()
     clients = [
-        threading.Thread(target=_client_loop, args=(gateway.url, i, tally, progress), daemon=True)
+        threading.Thread(
+            target=_client_loop, args=(fault_gateway.url, i, tally, progress), daemon=True
+        )
         for i in range(CLIENTS)
     ]
     for t in clients:
         t.start()
-    device_id = sorted(cluster.devices)[0]
-    archive = next(iter(cluster.archives.values()))
+    device_id = sorted(fault_cluster.devices)[0]
+    archive = next(iter(fault_cluster.archives.values()))
     targets = [
-        ("device", cluster.devices[device_id]),
+        ("device", fault_cluster.devices[device_id]),
         ("archive", archive),
-        ("router", cluster.router),
+        ("router", fault_cluster.router),
     ]
     faults: list[str] = []
     per_fault = max(1, CLIENTS * SESSIONS_PER_CLIENT * TURNS // (len(targets) + 1))
@@ -181,7 +184,7 @@ def test_load_through_the_gateway_while_actors_are_killed(cluster, gateway, tmp_
         assert not t.is_alive(), "a client hung"
     # Everything acknowledged for an archive-mode session is served, byte for byte.
     lost_blocks = 0
-    with Client(gateway.url) as client:
+    with Client(fault_gateway.url) as client:
         for sid, (turn, expected, mode) in tally.acknowledged.items():
             try:
                 got = _retry(
@@ -198,7 +201,7 @@ def test_load_through_the_gateway_while_actors_are_killed(cluster, gateway, tmp_
                 )
         for sid in tally.acknowledged:
             _retry(tally, lambda sid=sid: client.delete_session(sid), time.monotonic() + 30)
-    stats = ray.get(cluster.router.stats.remote())
+    stats = ray.get(fault_cluster.router.stats.remote())
     for dev in stats.devices.values():
         for tier in ("hot", "warm"):
             t = dev.tiers[tier]

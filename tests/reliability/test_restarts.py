@@ -1,7 +1,8 @@
 """kill -9 of the router, and of the whole embedded ``memkv up``: what was acknowledged survives.
 
-The router test kills the shared cluster's router by pid (Ray restarts it; it
-rebuilds its table from the journal and reattaches to the devices). The
+The router test kills the router of the fault tests' own deployment
+(``fault_cluster``) by pid (Ray restarts it; it rebuilds its table from the
+journal and reattaches to the devices). The
 whole-process test runs ``memkv up`` in a session of its own, writes through
 its gateway, kills the entire process group with SIGKILL and starts it again on
 the same data directory.
@@ -43,43 +44,47 @@ def _wait_for(router, timeout_s=60.0):
             time.sleep(0.2)
 
 
-def test_a_killed_router_comes_back_with_every_session(cluster):
+def test_a_killed_router_comes_back_with_every_session(fault_cluster):
     sessions = {}
     for sid, ack, seed in (("r-mem", "memory", 1), ("r-arch", "archive", 2), ("r-susp", None, 3)):
-        cluster.create_session(sid, LAYOUT, namespace="restart", ack=ack)
+        fault_cluster.create_session(sid, LAYOUT, namespace="restart", ack=ack)
         keys, values = kv(8, seed)
-        cluster.put_kv(sid, list(range(seed * 100, seed * 100 + 8)), keys, values)
+        fault_cluster.put_kv(sid, list(range(seed * 100, seed * 100 + 8)), keys, values)
         sessions[sid] = split_kv(LAYOUT, keys, values)
-    cluster.suspend("r-susp")
-    router = cluster.router
+    fault_cluster.suspend("r-susp")
+    router = fault_cluster.router
     pid = ray.get(router.__ray_call__.remote(lambda _self: os.getpid()))
     os.kill(pid, signal.SIGKILL)
     _wait_for(router)
     assert ray.get(router.__ray_call__.remote(lambda _self: os.getpid())) != pid
     for sid, blocks in sessions.items():
-        got = [b.clone() for _, b in cluster.read_session(sid)]
+        got = [b.clone() for _, b in fault_cluster.read_session(sid)]
         assert len(got) == len(blocks) and all(
             torch.equal(a, b) for a, b in zip(got, blocks, strict=True)
         ), sid
-    assert cluster.session("r-arch").ack == "archive"
-    assert cluster.session("r-susp").state in ("suspended", "archived")
+    assert fault_cluster.session("r-arch").ack == "archive"
+    assert fault_cluster.session("r-susp").state in ("suspended", "archived")
     # It keeps working: another turn, a delete.
     keys, values = kv(12, 9)
-    cluster.put_kv("r-mem", list(range(100, 112)), keys, values)
-    assert cluster.session("r-mem").turn == 2
+    fault_cluster.put_kv("r-mem", list(range(100, 112)), keys, values)
+    assert fault_cluster.session("r-mem").turn == 2
     for sid in sessions:
-        cluster.delete_session(sid)
+        fault_cluster.delete_session(sid)
 
 
 def _up(data_dir: Path, log: Path) -> tuple[subprocess.Popen, dict]:
-    return start_memkv_up(data_dir, log, {
-        "MEMKV_CLUSTER__NAMESPACE": "memkv-restart-test",
-        "MEMKV_CLUSTER__EMBEDDED_OBJECT_STORE_BYTES": str(100 * 1024 * 1024),
-        "MEMKV_DEVICE__HOT_CAPACITY_BYTES": str(1 << 20),
-        "MEMKV_DEVICE__WARM_CAPACITY_BYTES": str(1 << 20),
-        "MEMKV_DEVICE__ALLOCATOR__MIN_UNIT_BYTES": str(1 << 20),
-        "MEMKV_DEVICE__PREFAULT": "false",
-    })
+    return start_memkv_up(
+        data_dir,
+        log,
+        {
+            "MEMKV_CLUSTER__NAMESPACE": "memkv-restart-test",
+            "MEMKV_CLUSTER__EMBEDDED_OBJECT_STORE_BYTES": str(100 * 1024 * 1024),
+            "MEMKV_DEVICE__HOT_CAPACITY_BYTES": str(1 << 20),
+            "MEMKV_DEVICE__WARM_CAPACITY_BYTES": str(1 << 20),
+            "MEMKV_DEVICE__ALLOCATOR__MIN_UNIT_BYTES": str(1 << 20),
+            "MEMKV_DEVICE__PREFAULT": "false",
+        },
+    )
 
 
 @pytest.mark.slow
@@ -170,7 +175,7 @@ def _descendants_named(root: int, needle: str) -> list[int]:
             )
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
         children.setdefault(ppid, []).append(int(entry.name))
     found, todo = [], [root]
     while todo:
@@ -208,8 +213,9 @@ def _create_and_append(c: Client, sid: str, seed: int) -> list[bytes]:
 
     _retried(create)
     keys, values = kv(8, seed)
-    _retried(lambda: c.append_turn(
-        sid, list(range(seed * 10, seed * 10 + 8)), keys, values, turn=1))
+    _retried(
+        lambda: c.append_turn(sid, list(range(seed * 10, seed * 10 + 8)), keys, values, turn=1)
+    )
     return [b.numpy().tobytes() for b in split_kv(LAYOUT, keys, values)]
 
 
