@@ -123,18 +123,6 @@ class RemoteColdTier:
     def block_keys(self) -> Iterator[bytes]:
         return iter(())
 
-    # Session manifests are the single-process store's (SessionRecord.manifest(), a
-    # document it writes and reads back); in a cluster the router's journal keeps
-    # sessions, so these are no-ops that take the ColdBackend's signature.
-    def put_manifest(self, session_id: str, manifest: dict[str, Any]) -> None:
-        return None
-
-    def remove_manifest(self, session_id: str) -> None:
-        return None
-
-    def manifests(self) -> Iterator[dict[str, Any]]:
-        return iter(())
-
     def stats(self) -> ColdStats:
         s: ArchiveStats = self._call(lambda a: a.stats.remote())
         return ColdStats(s.blocks, s.live_bytes, s.dead_bytes)

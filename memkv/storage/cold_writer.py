@@ -37,7 +37,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -236,8 +235,9 @@ class ColdWriter:
 
     def codecs(self, keys: Sequence[bytes]) -> list[str]:
         with self._cv:
-            queued = {bytes(k): self._writes[bytes(k)].codec
-                      for k in keys if bytes(k) in self._writes}
+            queued = {
+                bytes(k): self._writes[bytes(k)].codec for k in keys if bytes(k) in self._writes
+            }
         rest = [bytes(k) for k in keys if bytes(k) not in queued]
         found = dict(zip(rest, self.backend.codecs(rest), strict=True)) if rest else {}
         return [queued.get(bytes(k)) or found[bytes(k)] for k in keys]
@@ -259,19 +259,6 @@ class ColdWriter:
     def block_keys(self) -> Iterator[bytes]:
         self.flush()
         return iter(list(self.backend.block_keys()))
-
-    # ------------------------------------------------------------------ manifests
-
-    def put_manifest(self, session_id: str, manifest: dict[str, Any]) -> None:
-        with self._io:
-            self.backend.put_manifest(session_id, manifest)
-
-    def remove_manifest(self, session_id: str) -> None:
-        with self._io:
-            self.backend.remove_manifest(session_id)
-
-    def manifests(self) -> Iterator[dict[str, Any]]:
-        return self.backend.manifests()
 
     # ------------------------------------------------------------------ state
 

@@ -1,8 +1,9 @@
 """A crash-safe journal of records: append, group-committed fsync, snapshot, replay.
 
-The router keeps its session table in one (``journal.log`` beside a
-``snapshot.bin`` in its directory), so the table survives a restart of the
-router, or of the whole machine. Each record is framed as::
+The router keeps its session table in one, the single-process store its
+suspended sessions (:mod:`memkv.storage.suspended`): ``journal.log`` beside a
+``snapshot.bin`` in its directory, so the table survives a restart of the
+process, or of the whole machine. Each record is framed as::
 
     | length u32 | crc32 u32 | msgpack payload (length bytes) |
 
@@ -133,7 +134,7 @@ class Journal:
             records, end = _decode(data)
             if end != len(data):
                 raise CorruptDataError(
-                    f"router snapshot {self._snapshot_path} is damaged at byte {end}"
+                    f"journal snapshot {self._snapshot_path} is damaged at byte {end}"
                 )
             yield from records
         with self._lock:

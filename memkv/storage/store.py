@@ -12,8 +12,9 @@ committed by the table, under the pool's lock, so each call is one step.
 * ``suspend`` writes a session's blocks to the cold tier and frees the memory
   copies no active session needs; ``resume`` answers at once and blocks come
   back lazily as they are read (``read_session``), with read-ahead.
-* A suspended session's manifest is kept in the cold tier, so a store reopened
-  on the same directory serves it again.
+* A suspended session's record is kept in a journal beside the cold tier's
+  segment files (:mod:`memkv.storage.suspended`), so a store reopened on the
+  same directory serves it again.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from memkv.storage.block_pool import (
 from memkv.storage.config import StoreConfig
 from memkv.storage.layout import KVLayout, block_token_count, split_kv
 from memkv.storage.sessions import SessionInfo, SessionRecord, SessionTable, parse_priority
-from memkv.storage.tiers import ColdBackend
+from memkv.storage.suspended import SESSIONS_DIR, SuspendedSessions
+from memkv.storage.tiers import ColdBackend, ColdTier
 
 __all__ = [
     "BlockLocation",
@@ -99,7 +101,8 @@ class TieredStore:
     Args:
         config: capacities and component settings.
         cold: the cold tier, when it is not the store's own segment files
-            (``config.archive``).
+            (``config.archive``); its owner keeps the sessions (they are not
+            kept across a restart here).
         warm_name: name of the warm pool's shared-memory segment (another
             process on the node maps it by that name); None picks a unique one.
         clock: seconds, monotonic (injectable for tests of idle-time policies).
@@ -126,10 +129,16 @@ class TieredStore:
         self._lock = self.pool.lock
         self._check = config.debug_refcounts
         self.lost_sessions: dict[str, str] = {}
+        self._suspended: SuspendedSessions | None = None
         try:
-            self._recover_from_manifests()
+            if cold is None and config.archive is not None:
+                self._suspended = SuspendedSessions(
+                    config.archive.directory / SESSIONS_DIR,
+                    fsync=config.archive.fsync != "never",
+                )
+                self._recover_suspended(self._suspended)
         except BaseException:
-            self.pool.close()
+            self.close()
             raise
 
     # ------------------------------------------------------------------ lifecycle
@@ -142,6 +151,8 @@ class TieredStore:
     def close(self) -> None:
         """Flush the cold tier and release the arenas. Idempotent."""
         self.pool.close()
+        if self._suspended is not None:
+            self._suspended.close()
 
     def __enter__(self) -> TieredStore:
         return self
@@ -153,29 +164,34 @@ class TieredStore:
     def closed(self) -> bool:
         return self.pool.closed
 
-    def _recover_from_manifests(self) -> None:
-        """Serve again the suspended sessions whose manifests are in the cold tier.
+    def _recover_suspended(self, suspended: SuspendedSessions) -> None:
+        """Serve again the sessions that were suspended when the store last closed.
 
-        A manifest whose blocks are not all readable marks that session lost
-        (reads raise BlockLostError, never a partial cache); cold blocks that
-        no manifest references are garbage from sessions that were active at
-        a crash, and are deleted.
+        A session whose blocks are not all readable is marked lost (reads raise
+        BlockLostError, never a partial cache); cold blocks that no session
+        references are garbage from sessions that were active at a crash, and
+        are deleted.
         """
-        cold = self.pool.cold
-        if not cold.owns_sessions:
-            return  # a shared cold tier (cluster archive): the router owns recovery
-        for manifest in cold.manifests():
+        backend = getattr(self.pool.cold, "backend", self.pool.cold)  # under a ColdWriter
+        if isinstance(backend, ColdTier):
+            # A directory of an earlier version: its manifests move to the journal.
+            legacy = backend.legacy_manifests()
+            for manifest in legacy:
+                suspended.suspended(manifest)
+            if legacy:
+                backend.drop_legacy_manifests()
+        for manifest in suspended.manifests():
             try:
                 record = self.sessions_table.restore(manifest, state=SessionState.ARCHIVED)
             except (KeyError, TypeError, ValueError) as e:
-                raise CorruptDataError(f"unreadable session manifest in the cold tier: {e}") from e
+                raise CorruptDataError(f"unreadable record in the session journal: {e}") from e
             try:
                 self.pool.adopt(record.layout, record.chain, self._counts(record), record.priority)
             except BlockLostError as e:
                 self.sessions_table.pop(record.session_id)
                 self.lost_sessions[record.session_id] = str(e)
         for key in self.pool.cold_orphans():
-            cold.remove(key)
+            self.pool.cold.remove(key)
 
     # ------------------------------------------------------------------ sessions
 
@@ -217,6 +233,8 @@ class TieredStore:
             except BlockLostError as e:
                 self.sessions_table.pop(session_id)
                 raise BlockLostError(f"session {session_id!r}: {e}") from e
+            if self._suspended is not None:
+                self._suspended.suspended(record.manifest())  # archived: kept across a restart
             self._debug_check()
             return SessionInfo.of(record)
 
@@ -266,8 +284,7 @@ class TieredStore:
             record = self._session(session_id)
             self.pool.release(record.chain, active=record.active)
             self.sessions_table.pop(session_id)
-            if not record.active:
-                self.pool.cold.remove_manifest(session_id)
+            self._forget_suspended(session_id, durable=True)
             self._debug_check()
 
     # ------------------------------------------------------------------ writes
@@ -326,9 +343,8 @@ class TieredStore:
                 session_id, int(tokens.size), [bytes(k) for k in chain], start_block
             )
             outcome = self.pool.put(update, blocks, checksums=checksums)
-            if not record.active:
-                # The manifest described the session as suspended; it changed.
-                self.pool.cold.remove_manifest(session_id)
+            # A suspended session's record described it before this write.
+            self._forget_suspended(session_id)
             self.sessions_table.commit_append(session_id, update)
             self._debug_check()
             return PutResult(
@@ -427,7 +443,8 @@ class TieredStore:
                 record.chain, offline=offline, was_active=record.active
             )
             record.state = SessionState.SUSPENDED if in_memory else SessionState.ARCHIVED
-            self.pool.cold.put_manifest(session_id, record.manifest())
+            if self._suspended is not None:
+                self._suspended.suspended(record.manifest())
             self._debug_check()
             return SessionInfo.of(record)
 
@@ -442,9 +459,8 @@ class TieredStore:
         with self._lock:
             record = self._session(session_id)
             if not record.active:
-                # The manifest describes the session as suspended; it goes before
-                # the session changes again (an active session lives in memory).
-                self.pool.cold.remove_manifest(session_id)
+                # An active session lives in memory: its record goes before it changes.
+                self._forget_suspended(session_id)
                 self.pool.activate(record.chain)
                 record.state = SessionState.ACTIVE
             record.last_access = self._clock()
@@ -482,6 +498,10 @@ class TieredStore:
             self.pool.check_invariants(self._chains())
 
     # ------------------------------------------------------------------ internals
+
+    def _forget_suspended(self, session_id: str, *, durable: bool = False) -> None:
+        if self._suspended is not None:
+            self._suspended.forget(session_id, durable=durable)
 
     def _debug_check(self) -> None:
         if self._check:

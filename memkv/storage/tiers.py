@@ -14,7 +14,6 @@ refcounts: :class:`~memkv.storage.store.TieredStore` owns that bookkeeping.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -282,9 +281,10 @@ class ColdBackend(Protocol):
     """What the store needs of a cold tier: local segment files, or a remote archive.
 
     ``owns_sessions`` says whether the backend belongs to this store alone: then
-    the store keeps session manifests there and deletes blocks it frees; a
-    shared archive (a cluster's) leaves both to the router, which sees every
-    session.
+    the store deletes the blocks it frees; a shared archive (a cluster's)
+    leaves that to the router, which sees every session. Sessions themselves
+    are never kept here (a journal keeps them: the router's, or the
+    single-process store's :mod:`memkv.storage.suspended`).
     """
 
     tier: Tier
@@ -303,16 +303,15 @@ class ColdBackend(Protocol):
         """:meth:`load` of each key, in one call to the backend (a remote archive: one
         round trip for a reader's whole batch)."""
         ...
+
     def codecs(self, keys: Sequence[bytes]) -> list[str]:
         """The codec each stored block's frame was written with (from the index: no
         read). A store that holds blocks again after a restart learns from it which
         lossy step their only copy went through."""
         ...
+
     def remove(self, key: bytes) -> None: ...
     def block_keys(self) -> Iterator[bytes]: ...
-    def put_manifest(self, session_id: str, manifest: dict[str, Any]) -> None: ...
-    def remove_manifest(self, session_id: str) -> None: ...
-    def manifests(self) -> Iterator[dict[str, Any]]: ...
     def stats(self) -> ColdStats: ...
     def live_bytes(self) -> int: ...
     def close(self) -> None: ...
@@ -353,19 +352,12 @@ class ColdTier:
         """Keys of the blocks on disk (manifests excluded)."""
         return (k for k in self.segments.keys() if len(k) == HASH_BYTES)
 
-    # -- session manifests: small msgpack records beside the blocks, so a
-    # suspended session survives a restart of the process that owns it.
+    # -- session manifests of earlier versions, kept here beside the blocks: read
+    # once, into the store's session journal, then deleted.
 
-    def put_manifest(self, session_id: str, manifest: dict[str, Any]) -> None:
-        payload = msgpack.packb(manifest, use_bin_type=True)
-        self.segments.put(
-            _manifest_key(session_id), payload, fingerprint=bytes(HASH_BYTES), codec_id=0
-        )
-
-    def remove_manifest(self, session_id: str) -> None:
-        self.segments.delete(_manifest_key(session_id))
-
-    def manifests(self) -> Iterator[dict[str, Any]]:
+    def legacy_manifests(self) -> list[dict[str, Any]]:
+        """The session manifests an earlier version wrote into the segments."""
+        found = []
         for key in list(self.segments.keys()):
             if key.startswith(_MANIFEST_PREFIX) and len(key) == len(_MANIFEST_PREFIX) + HASH_BYTES:
                 try:
@@ -374,7 +366,14 @@ class ColdTier:
                     raise CorruptDataError(f"undecodable session manifest: {e}") from e
                 if not isinstance(manifest, dict):
                     raise CorruptDataError("a session manifest is not a map")
-                yield manifest
+                found.append(manifest)
+        return found
+
+    def drop_legacy_manifests(self) -> None:
+        for key in list(self.segments.keys()):
+            if key.startswith(_MANIFEST_PREFIX):
+                self.segments.delete(key)
+        self.segments.flush()
 
     def put(self, key: bytes, block: StoredBlock, *, fingerprint: bytes, codec: str) -> int:
         """Encode ``block`` with ``codec`` (int8 blocks as they are) and append it.
@@ -439,13 +438,9 @@ class ColdTier:
         self.segments.close()
 
 
-# Manifest keys are longer than block keys, so the two can never collide.
+# Keys of earlier versions' session manifests (prefix + blake2b of the id):
+# longer than block keys, so the two never collide.
 _MANIFEST_PREFIX = b"session-manifest"
-
-
-def _manifest_key(session_id: str) -> bytes:
-    digest = hashlib.blake2b(session_id.encode("utf-8"), digest_size=HASH_BYTES).digest()
-    return _MANIFEST_PREFIX + digest
 
 
 def _short(key: object) -> str:

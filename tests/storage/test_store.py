@@ -1,3 +1,6 @@
+import hashlib
+
+import msgpack
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ from memkv.errors import (
     UnknownSessionError,
 )
 from memkv.protocol.enums import SessionState, Tier
+from memkv.protocol.hashing import HASH_BYTES
 from memkv.storage.config import (
     AllocatorConfig,
     ArchiveConfig,
@@ -20,6 +24,7 @@ from memkv.storage.config import (
     StoreConfig,
 )
 from memkv.storage.layout import KVLayout, join_blocks, split_kv
+from memkv.storage.segments import SegmentStore
 from memkv.storage.store import TieredStore
 
 from ..kvdata import random_kv
@@ -281,6 +286,70 @@ def test_reopen_recovers_suspended_sessions_and_drops_orphans(tmp_path):
     # stats() does not, so it may still count them for an instant).
     assert sorted(s2.pool.cold.block_keys()) == sorted(bytes(k) for k in s2.session("kept").chain)
     s2.close()
+
+
+def test_the_session_journal_follows_suspends_writes_and_deletes_across_reopens(tmp_path):
+    s = make_store(tmp_path)
+    keys, values = kv(12)
+    for sid in ("kept", "written", "deleted"):
+        s.create_session(sid, LAYOUT, namespace="t")
+        s.put_kv(sid, list(range(12)), keys, values)
+        s.suspend(sid)
+    s.put_kv("written", list(range(16)), *kv(16, seed=4))  # active again, as a write makes it
+    s.delete_session("deleted")
+    s.close()
+    assert (tmp_path / "cold" / "sessions" / "journal.log").exists()
+
+    s2 = make_store(tmp_path)
+    assert s2.sessions() == ["kept"]
+    s2.set_priority("kept", "high")
+    s2.close()
+    s3 = make_store(tmp_path)  # a second reopen: the journal was not consumed by the first
+    assert s3.sessions() == ["kept"]
+    assert_same_kv(LAYOUT, read_all(s3, "kept"), keys, values)
+    s3.close()
+
+
+def test_manifests_of_an_earlier_version_move_into_the_session_journal(tmp_path):
+    s = make_store(tmp_path)
+    keys, values = kv(12)
+    s.create_session("old", LAYOUT, namespace="t")
+    s.put_kv("old", list(range(12)), keys, values)
+    s.suspend("old")
+    manifest = s.sessions_table.get("old").manifest()
+    s.close()
+    # What the last version wrote: the manifest as a segment record, no journal.
+    (tmp_path / "cold" / "sessions" / "journal.log").unlink()
+    digest = hashlib.blake2b(b"old", digest_size=HASH_BYTES).digest()
+    segments = SegmentStore(ArchiveConfig(directory=tmp_path / "cold", fsync="never"))
+    segments.put(
+        b"session-manifest" + digest,
+        msgpack.packb(manifest, use_bin_type=True),
+        fingerprint=bytes(HASH_BYTES),
+        codec_id=0,
+    )
+    segments.close()
+
+    s2 = make_store(tmp_path)
+    assert s2.sessions() == ["old"]
+    assert_same_kv(LAYOUT, read_all(s2, "old"), keys, values)
+    assert s2.pool.cold.backend.legacy_manifests() == []  # moved, not copied
+    s2.close()
+    s3 = make_store(tmp_path)
+    assert s3.sessions() == ["old"]
+    s3.close()
+
+
+def test_an_unreadable_session_journal_is_refused_not_ignored(tmp_path):
+    s = make_store(tmp_path)
+    s.create_session("s", LAYOUT)
+    s.put_kv("s", list(range(8)), *kv(8))
+    s.suspend("s")
+    s.close()
+    snapshot = tmp_path / "cold" / "sessions" / "snapshot.bin"
+    snapshot.write_bytes(b"\x05\x00\x00\x00garbage!")
+    with pytest.raises(CorruptDataError, match="snapshot"):
+        make_store(tmp_path)
 
 
 def test_corrupt_cold_block_is_never_served(tmp_path):
