@@ -31,6 +31,7 @@ import msgpack
 
 from memkv.errors import CorruptDataError
 from memkv.protocol.checksum import crc32
+from memkv.storage.owned_dir import resolve_on_node
 from memkv.storage.segments import fsync_dir
 
 __all__ = ["Journal"]
@@ -53,7 +54,7 @@ class Journal:
     """
 
     def __init__(self, directory: Path, *, fsync: bool = True) -> None:
-        self._dir = directory.expanduser()
+        self._dir = resolve_on_node(directory)
         self._dir.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         self._lock = threading.Lock()  # appends and truncation

@@ -63,6 +63,7 @@ from types import TracebackType
 from memkv.errors import ClosedError, CorruptDataError, InvalidInputError, UnknownBlockError
 from memkv.protocol.checksum import crc32
 from memkv.storage.config import ArchiveConfig
+from memkv.storage.owned_dir import DirectoryLock, resolve_on_node
 
 __all__ = [
     "CODEC_ID_MAX",
@@ -505,7 +506,7 @@ class SegmentStore:
         if not isinstance(config, ArchiveConfig):
             raise InvalidInputError(f"expected an ArchiveConfig, got {type(config).__name__}")
         self._config = config
-        self._dir = Path(config.directory)
+        self._dir = resolve_on_node(config.directory)
         self._sync_every = _SYNC_EVERY[FsyncPolicy(config.fsync)](config)
         self._verify_on_open = config.verify_on_open if verify_on_open is None else verify_on_open
         self._lock = threading.Lock()
@@ -522,6 +523,9 @@ class SegmentStore:
         self._dir_dirty = False
         self._state = _State.OPEN
         self._dir.mkdir(parents=True, exist_ok=True)
+        # One store per directory: two writers would both append to the newest
+        # segment and both name the next one.
+        self._dir_lock = DirectoryLock(self._dir, "segment store")
         try:
             self._recover()
         except BaseException:
@@ -1109,6 +1113,7 @@ class SegmentStore:
             os.close(seg.fd)
         self._segments.clear()
         self._active = None
+        self._dir_lock.release()
 
     def close(self) -> None:
         """Sync (per the fsync policy) and close every file. Idempotent."""
