@@ -151,6 +151,11 @@ class MemberGoneError(ClosedError):
     its process died. Ray may be restarting it; the caller retries or recovers."""
 
 
+class MemberLostError(MemberGoneError):
+    """A member that will not come back: its node is gone and Ray cannot place it
+    anywhere else (it is pinned to that node). Its callers stop waiting for it."""
+
+
 def plain_message(exc: BaseException) -> str:
     """What a client may read of ``exc``: the message of the cause, one plain line.
 

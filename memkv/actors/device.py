@@ -160,6 +160,7 @@ class DeviceCache(DeviceService):
     ) -> None:
         if namespace is None and ray.is_initialized():
             namespace = ray.get_runtime_context().namespace
+        archive_name = archive if isinstance(archive, str) else ""
         if isinstance(archive, str):
             # By name: a handle passed as a constructor argument lives in the
             # object store, and a restart after its owner exits would fail.
@@ -175,6 +176,7 @@ class DeviceCache(DeviceService):
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local",
             # Device names repeat across deployments (namespaces) on one node.
             segment_scope=namespace or "",
+            archive_name=archive_name,
         )
 
     def put(  # also takes blocks by object reference

@@ -11,9 +11,9 @@ from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnschedulableError, RayActorError
 
-from memkv.errors import MemberGoneError
+from memkv.errors import MemberGoneError, MemberLostError
 from memkv.protocol.enums import Priority
 from memkv.protocol.events import BlockEvents
 from memkv.protocol.layout import KVLayout
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from memkv.storage.segments import CompactionStats
 
 __all__ = [
+    "MEMBER_GONE_ERRORS",
     "ArchiveHandle",
     "DeviceHandle",
     "MemberPending",
@@ -72,15 +73,24 @@ class Pending(Generic[_T]):
         return self._read(ray.get(self._ref, timeout=timeout))
 
 
+#: What a call to a member raises when its process is gone: it died (Ray may
+#: restart it), or its node died and Ray cannot place it again (it is pinned to
+#: that node: ``ActorUnschedulableError``, which is not a ``RayActorError``).
+MEMBER_GONE_ERRORS = (RayActorError, ActorUnschedulableError)
+
+
 class MemberPending(Pending[_T]):
-    """A member's answer: an actor that died surfaces as :class:`MemberGoneError`
-    (the router's logic knows no Ray errors)."""
+    """A member's answer: an actor that died surfaces as :class:`MemberGoneError`,
+    one whose node is gone as :class:`MemberLostError` (the router's logic knows
+    no Ray errors)."""
 
     __slots__ = ()
 
     def __await__(self) -> Generator[Any, None, _T]:
         try:
             raw = yield from self._ref.__await__()
+        except ActorUnschedulableError as e:
+            raise MemberLostError(str(e)) from e
         except RayActorError as e:
             raise MemberGoneError(str(e)) from e
         return self._read(raw)

@@ -42,10 +42,13 @@ TierOf = tuple[bytes, str, int]
 @dataclass(frozen=True, slots=True)
 class DeviceInfo:
     """Who answered a ping: the device and its process's incarnation (a restarted
-    device answers a new one, and comes back empty)."""
+    device answers a new one, and comes back empty), and the archive its cold
+    tier is (its sessions can be adopted from there by another device that uses
+    it; "" when its cold tier is local)."""
 
     device_id: str
     incarnation: str
+    archive: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,6 +105,8 @@ class DeviceService:
         segment_scope: the deployment the device belongs to (its Ray namespace): part
             of its shared-memory names, so two deployments on one node, whose
             devices have the same names, do not claim the same segments.
+        archive_name: the archive actor that is this device's cold tier ("": a
+            local one), what its pings tell the router.
     """
 
     def __init__(
@@ -118,8 +120,10 @@ class DeviceService:
         put_object: Callable[[list[BlockPayload]], object] = _as_is,
         node_id: str = "local",
         segment_scope: str = "",
+        archive_name: str = "",
     ) -> None:
         self.device_id = device_id
+        self.archive_name = archive_name
         # How fetch_blocks hands its blocks over: into the node's object store
         # (a process without Ray, the gateway's fakes, passes an in-memory ref).
         self._put_object = put_object
@@ -165,7 +169,7 @@ class DeviceService:
 
     def ping(self) -> DeviceInfo:
         """Who answers: the device id and this process's incarnation."""
-        return DeviceInfo(self.device_id, self.incarnation)
+        return DeviceInfo(self.device_id, self.incarnation, self.archive_name)
 
     def node(self) -> str:
         """The Ray node this device runs on."""

@@ -1,4 +1,4 @@
-"""The devices a router directs, and what it does when one restarts.
+"""The devices a router directs, and what it does when one restarts or is lost.
 
 A device that restarts comes back empty (a new incarnation): each of its
 sessions is adopted again from what some tier still holds (the archive), or
@@ -6,6 +6,13 @@ truncated to the prefix that survives, or marked lost. :class:`Members` notices
 a restart by the changed incarnation in a ping (at most once a second per
 device) or by :class:`~memkv.errors.MemberGoneError` on a call, and recovers
 once however many callers notice it together.
+
+A device whose node died is lost for good (Ray cannot place it elsewhere:
+:class:`~memkv.errors.MemberLostError`). The router forgets it and moves its
+sessions to the devices left, each adopted from the archive the lost device
+wrote to (another device that uses that archive is preferred): ``archive``-mode
+sessions come back whole, ``memory``-mode ones keep what reached the archive
+or answer 410 with the reason.
 """
 
 from __future__ import annotations
@@ -16,9 +23,21 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    retry_if_not_exception_type,
+    stop_after_delay,
+    wait_fixed,
+)
 
-from memkv.errors import BlockLostError, MemberGoneError, plain_message
+from memkv.errors import (
+    BlockLostError,
+    ClosedError,
+    MemberGoneError,
+    MemberLostError,
+    plain_message,
+)
 from memkv.protocol.enums import SessionState
 from memkv.protocol.layout import block_token_count
 from memkv.protocol.members import BlockStore, DeviceInfo, Directory
@@ -56,6 +75,10 @@ class Members:
         self.owner = owner
         self._collect = collect
         self.devices: dict[str, BlockStore] = {}
+        # device -> the archive it writes to, from its pings (not journaled: a
+        # restarted router pings every device again).
+        self.archive_of: dict[str, str] = {}
+        self.lost: dict[str, str] = {}  # device -> why it is gone, for errors and stats
         self._checked: dict[str, float] = {}  # device -> when it last answered a ping
         self._recovering: dict[str, asyncio.Future[None]] = {}
 
@@ -69,13 +92,35 @@ class Members:
         again so the caller gets BlockLostError rather than an unknown session.
         """
         await self.check(device_id)
+        device_id = self._serving(device_id, session_id)
         try:
             return await call(self.devices[device_id])
         except MemberGoneError:
             await self.check(device_id, force=True)
-            if session_id is not None:
-                self.state.get(session_id)
+            device_id = self._serving(device_id, session_id)
             return await call(self.devices[device_id])
+
+    def add(self, device_id: str, device: BlockStore, info: DeviceInfo) -> None:
+        """A device that answered ``info`` joins (or joins again)."""
+        self.devices[device_id] = device
+        self.archive_of[device_id] = info.archive
+        self.lost.pop(device_id, None)
+        self.state.add_device(device_id, info.incarnation)
+        self._checked[device_id] = time.monotonic()
+
+    def _serving(self, device_id: str, session_id: str | None) -> str:
+        """The device that serves the session now: ``device_id``, unless that one was
+        lost meanwhile and the session moved (BlockLostError when it could not)."""
+        record = self.state.get(session_id) if session_id is not None else None
+        if device_id in self.devices:
+            return device_id
+        if record is not None and record.device_id in self.devices:
+            assert record.device_id is not None
+            return record.device_id
+        raise ClosedError(
+            f"device {device_id} is gone ({self.lost.get(device_id, 'no longer known')}) "
+            f"and no device is left to take its sessions; retry once one joins"
+        )
 
     async def check(self, device_id: str, *, force: bool = False) -> None:
         """Recover the device's sessions if its process was restarted since we last looked.
@@ -89,32 +134,47 @@ class Members:
         if pending is not None:
             await pending
             return
+        if device_id not in self.devices:
+            return  # lost meanwhile: its sessions moved (callers look again)
         if not force and time.monotonic() - self._checked.get(device_id, -1e9) < (
             DEVICE_CHECK_INTERVAL_S
         ):
             return
         try:
-            info = await self.devices[device_id].ping()
-        except MemberGoneError:
-            info = await self.wait_for_restart(device_id)
-        self._checked[device_id] = time.monotonic()
-        if info.incarnation != self.state.devices[device_id].incarnation:
-            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._recovering[device_id] = future
             try:
-                await self._recover(device_id, info.incarnation)
-                future.set_result(None)
-            except BaseException as e:
-                future.set_exception(e)
+                info = await self.devices[device_id].ping()
+            except MemberLostError:
                 raise
-            finally:
-                del self._recovering[device_id]
+            except MemberGoneError:
+                info = await self.wait_for_restart(device_id)
+        except MemberLostError as e:
+            await self._once(device_id, self._lose(device_id, plain_message(e)))
+            return
+        self._checked[device_id] = time.monotonic()
+        self.archive_of[device_id] = info.archive
+        if info.incarnation != self.state.devices[device_id].incarnation:
+            await self._once(device_id, self._recover(device_id, info.incarnation))
+
+    async def _once(self, device_id: str, recovery: Awaitable[None]) -> None:
+        """Run ``recovery`` while other callers who notice the same device wait for it."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._recovering[device_id] = future
+        try:
+            await recovery
+            future.set_result(None)
+        except BaseException as e:
+            future.set_exception(e)
+            raise
+        finally:
+            del self._recovering[device_id]
 
     async def wait_for_restart(self, device_id: str) -> DeviceInfo:
         """The device's answer once Ray has restarted it (MemberGoneError past the timeout)."""
         device = self.devices[device_id]
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(MemberGoneError),
+            # A lost device (its node is gone) will not answer: stop at once.
+            retry=retry_if_exception_type(MemberGoneError)
+            & retry_if_not_exception_type(MemberLostError),
             stop=stop_after_delay(DEVICE_RECOVERY_TIMEOUT_S),
             wait=wait_fixed(_RECOVERY_POLL_S),
             reraise=True,
@@ -139,11 +199,19 @@ class Members:
                 continue
             self.devices[name] = device
             try:
-                info = await device.ping()
-            except MemberGoneError:
-                info = await self.wait_for_restart(name)  # it exists, and is restarting
-            self.state.add_device(name, info.incarnation)
-            self._checked[name] = time.monotonic()
+                try:
+                    info = await device.ping()
+                except MemberLostError:
+                    raise
+                except MemberGoneError:
+                    info = await self.wait_for_restart(name)  # it exists, and is restarting
+            except MemberLostError as e:
+                # Its node died with the router's: its sessions go to the others.
+                del self.devices[name]
+                self.lost[name] = plain_message(e)
+                self.state.forget_device(name)
+                continue
+            self.add(name, device, info)
             await self.resync(name)
 
     async def resync(self, device_id: str) -> None:
@@ -162,22 +230,48 @@ class Members:
             if await self.serve_what_survives(device, records[i], reason):
                 self.state.record_state(records[i].session_id, SessionState.ARCHIVED)
 
-    async def rehome_orphans(self) -> None:
-        """Sessions whose device is gone for good go to a live one, from the archive."""
+    async def rehome_orphans(self, archive: str | None = None) -> None:
+        """Sessions whose device is gone for good go to a live one, from the archive.
+
+        Args:
+            archive: the archive the gone device wrote to: a device that reads the
+                same one is preferred (it can adopt the blocks from there).
+        """
         if not self.devices:
             return
         for record in list(self.state.sessions):
             if record.device_id is None or record.device_id in self.devices or record.lost:
                 continue
-            target = min(self.devices, key=lambda d: (self.state.devices[d].sessions, d))
+            target = min(self.devices, key=lambda d: (
+                self.archive_of.get(d) != archive, self.state.devices[d].sessions, d))
             if not record.chain:
                 self.state.move(record.session_id, target)
                 continue
-            reason = "its device is gone and the archive lacks some of its blocks"
+            reason = (
+                f"its device {record.device_id} is gone and the archive lacks some of its "
+                f"blocks"
+            )
             if not await self.serve_what_survives(self.devices[target], record, reason):
                 continue
             self.state.move(record.session_id, target)
             self.state.record_state(record.session_id, SessionState.ARCHIVED)
+
+    async def _lose(self, device_id: str, why: str) -> None:
+        """A device whose node died: forget it; its sessions move to the devices left."""
+        logger.error(
+            "device %s is lost (%s); its sessions move to the other devices, from the archive",
+            device_id, why,
+        )
+        archive = self.archive_of.pop(device_id, None)
+        del self.devices[device_id]
+        self._checked.pop(device_id, None)
+        self.lost[device_id] = why
+        self.state.forget_device(device_id)
+        started = time.monotonic()
+        await self.rehome_orphans(archive)
+        logger.warning(
+            "sessions of device %s re-placed in %.2f s", device_id, time.monotonic() - started
+        )
 
     async def _recover(self, device_id: str, incarnation: str) -> None:
         """A device restarted empty: re-adopt its sessions from the archive, or mark them lost."""

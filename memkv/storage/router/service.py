@@ -25,6 +25,7 @@ from memkv.errors import (
     ClosedError,
     ConflictError,
     InvalidInputError,
+    MemberGoneError,
     MemkvError,
     UnknownSessionError,
 )
@@ -44,7 +45,7 @@ from memkv.protocol.services import (
     SessionViews,
 )
 from memkv.protocol.shards import shard_owner
-from memkv.protocol.stats import ClusterStats
+from memkv.protocol.stats import ClusterStats, DeviceStats
 from memkv.storage.journal import Journal
 from memkv.storage.router.appends import Appends
 from memkv.storage.router.background import BackgroundPrefetch
@@ -148,8 +149,7 @@ class SessionRouter:
             await self.members.check(device_id, force=True)
             return
         info = await device.ping()
-        self.members.devices[device_id] = device
-        self.state.add_device(device_id, info.incarnation)
+        self.members.add(device_id, device, info)
         await self.members.rehome_orphans()
         await self._durable(True)
         self.background.ensure_running()
@@ -366,13 +366,17 @@ class SessionRouter:
         device_id = await self._device_id_of(session_id)
         record = self.state.get(session_id)
         chain = list(record.chain)
-        if record.active:
-            blocks = await self.members.call(device_id, session_id, lambda d: d.tiers_of(chain))
-        else:
-            blocks = await self.members.call(
-                device_id, session_id, lambda d: d.activate(chain, self._owner))
+        # Whether to activate is read when the call goes out: a device lost meanwhile
+        # moves the session (archived) to another, and the call is made again there.
+        blocks = await self.members.call(
+            device_id, session_id,
+            lambda d: d.tiers_of(chain) if record.active else d.activate(chain, self._owner),
+        )
+        if not record.active:
             self.state.record_state(session_id, SessionState.ACTIVE)
         self.state.touch(session_id)
+        # The device that answered: the session moved if its own was lost meanwhile.
+        device_id = record.device_id or device_id
         # Fire and forget: the call is on its way; its answer is not waited for.
         self.members.devices[device_id].prefetch(chain[: self._head_blocks])
         return ResumeAnswer(
@@ -417,9 +421,10 @@ class SessionRouter:
             chain, active = list(record.chain), record.active
             await self.members.call(
                 device_id, None, lambda d: d.release(chain, active, self._owner))
+        device_id = record.device_id or ""  # (moved, if its device was lost meanwhile)
         garbage = self.state.delete(session_id)
         await self._durable(True)
-        if released and garbage:
+        if released and garbage and device_id in self.members.devices:
             # Blocks a read still pins stay on the device, which deletes their cold
             # copies itself when the read lets go (a read that got its 200 sends
             # every block it announced).
@@ -431,9 +436,7 @@ class SessionRouter:
         """The table's figures; ``members``: with every device's and archive's stats
         (a client merging shards asks one shard for them)."""
         await self._ready()
-        devices = (
-            {d: await dev.stats() for d, dev in self.members.devices.items()} if members else {}
-        )
+        devices = await self._device_stats() if members else {}
         archives = (
             {a: await arc.stats() for a, arc in self.collector.archives.items()}
             if members else {}
@@ -465,6 +468,8 @@ class SessionRouter:
 
     async def device_failed(self, device_id: str) -> None:
         """A client saw ``device_id`` fail: wait for its restart and recover its sessions."""
+        if device_id in self.members.lost:
+            return  # lost already: its sessions moved (the caller asks for the route again)
         if device_id not in self.members.devices:
             raise InvalidInputError(f"unknown device {device_id!r}")
         await self.members.check(device_id, force=True)
@@ -476,6 +481,19 @@ class SessionRouter:
         return {d: self.state.devices[d].incarnation or "" for d in self.members.devices}
 
     # -- internals ---------------------------------------------------------------------
+
+    async def _device_stats(self) -> dict[str, DeviceStats]:
+        """Every live device's stats; one that is gone is recovered (or forgotten) and
+        left out, so the cluster's figures do not fail with one node."""
+        out: dict[str, DeviceStats] = {}
+        for device_id in list(self.members.devices):
+            try:
+                out[device_id] = await self.members.devices[device_id].stats()
+            except MemberGoneError:
+                await self.members.check(device_id, force=True)
+                if device_id in self.members.devices:
+                    out[device_id] = await self.members.devices[device_id].stats()
+        return out
 
     async def _ready(self) -> None:
         """Once per start: find the journal's devices and archives again by name."""
