@@ -1,6 +1,12 @@
 import pytest
 
-from memkv.errors import BlockLostError, InvalidInputError, MemkvError, UnknownSessionError
+from memkv.errors import (
+    BlockLostError,
+    InvalidInputError,
+    MemkvError,
+    UnknownBlockError,
+    UnknownSessionError,
+)
 from memkv.protocol.enums import SessionState
 from memkv.protocol.events import BlockEvents
 from memkv.protocol.layout import KVLayout
@@ -191,7 +197,17 @@ def test_the_journal_rebuilds_the_table_refcounts_and_namespaces(tmp_path):
     assert a.lost_reason == "disk on fire" and a.priority.value == "background"
     assert a.chain == [b"p", b"a2"] and a.turn == 2 and a.device_id == "d0"
     assert t.refcount(b"p") == 2 and not t.referenced(b"a1") and t.referenced(b"a2")
-    assert t.locate([b"b1"], "t") == {"d0": [b"b1"]}
+    # Where a block sits is the devices' word, not the journal's: a restarted router
+    # places it once it has read the device's log.
+    assert t.locate([b"b1"], "t") == ({}, [b"b1"])
+    t.add_device("d0", "inc0")
+    t.blocks.apply("d0", BlockEvents(epoch="e", start=0, end=2, stored=(b"p", b"b1"),
+                                     snapshot=True))
+    assert t.locate([b"b1"], "t") == ({"d0": [b"b1"]}, [])
+    with pytest.raises(UnknownBlockError):
+        t.locate([b"b1"], "another-tenant")
+    with pytest.raises(UnknownBlockError):
+        t.locate([b"a1"], "t")  # no session holds it any more
     # The restart compacted the history into a snapshot; a third start reads the same.
     assert t.journal.records_since_snapshot == 0
     t.forget_device("d0")
@@ -200,7 +216,10 @@ def test_the_journal_rebuilds_the_table_refcounts_and_namespaces(tmp_path):
     t.journal.close()
     u = fresh()
     assert u.get("b").device_id == "d1" and u.known_devices == ["d1"]
-    assert u.locate([b"b1"]) == {"d1": [b"b1"]}
+    u.add_device("d1", "inc1")
+    u.blocks.apply("d1", BlockEvents(epoch="e1", start=0, end=1, stored=(b"b1",),
+                                     snapshot=True))
+    assert u.locate([b"b1"]) == ({"d1": [b"b1"]}, [])
 
 
 def test_a_layout_is_parsed_once_and_a_look_alike_value_still_refused():

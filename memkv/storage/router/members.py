@@ -100,6 +100,16 @@ class Members:
             device_id = self._serving(device_id, session_id)
             return await call(self.devices[device_id])
 
+    async def follow_block_events(self) -> None:
+        """Read every live device's block changes since the index's cursor (a device
+        gone meanwhile is skipped: its recovery re-places what it held)."""
+        for device_id, device in list(self.devices.items()):
+            try:
+                events = await device.block_events(self.state.blocks.cursor(device_id))
+            except MemberGoneError:
+                continue
+            self.state.blocks.apply(device_id, events)
+
     def add(self, device_id: str, device: BlockStore, info: DeviceInfo) -> None:
         """A device that answered ``info`` joins (or joins again)."""
         self.devices[device_id] = device

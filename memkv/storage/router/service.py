@@ -27,6 +27,7 @@ from memkv.errors import (
     InvalidInputError,
     MemberGoneError,
     MemkvError,
+    UnknownBlockError,
     UnknownSessionError,
 )
 from memkv.protocol.enums import AckMode, Priority, SessionState, Tier
@@ -339,8 +340,18 @@ class SessionRouter:
         found (None: any).
         """
         await self._ready()
+        by_device, unplaced = self.state.locate(keys, namespace)
+        if unplaced:
+            # Stored (or adopted) since this shard last read the devices' logs.
+            await self.members.follow_block_events()
+            by_device, unplaced = self.state.locate(keys, namespace)
+        if unplaced:
+            raise UnknownBlockError(
+                f"no device holds block {unplaced[0].hex()} (a session does: its device "
+                f"lost it; the session's read says what survives)"
+            )
         out = []
-        for device_id, group in self.state.locate(keys, namespace).items():
+        for device_id, group in by_device.items():
             await self.members.check(device_id)
             out.append((device_id, self.members.devices[device_id].endpoint, group))
         return out

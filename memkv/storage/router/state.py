@@ -1,11 +1,14 @@
-"""The router's plain logic: sessions, placement, hotness and cluster-wide refcounts.
+"""The router's plain logic: sessions, placement, hotness and the blocks sessions hold.
 
 :class:`RouterState` holds the session table
 (:class:`~memkv.storage.sessions.SessionTable`, the one owner of sessions),
 places sessions on devices (prefix affinity, then least loaded), keeps each
 session's hotness (an exponentially decayed access rate) and counts, per
-block, the sessions anywhere that hold it, so the archive deletes a block only
-when no session holds it. Tested without Ray;
+block, the sessions of this shard that hold it (a view of its own chains: the
+archive deletes a block only when no session of any shard holds it). Where a
+block sits is not counted here: the devices' pools own their blocks, and the
+:class:`~memkv.storage.router.block_index.BlockIndex` follows what they say.
+Tested without Ray;
 :class:`~memkv.storage.router.service.SessionRouter` is the service around it.
 """
 
@@ -88,11 +91,10 @@ class RouterState:
         self._clock = clock
         self.sessions = SessionTable(clock)
         self.devices: dict[str, DeviceLoad] = {}
+        # block -> how many sessions of this shard hold it (derived from their chains)
         self._refcounts: Counter[bytes] = Counter()
-        # What each device's pool holds, from its own change log (placement).
+        # What each device's pool holds, from its own change log (placement, reads by key).
         self.blocks = BlockIndex()
-        # block -> devices whose sessions hold it (how many sessions on each)
-        self._block_devices: dict[bytes, Counter[str]] = {}
         # block -> the namespace its hash was salted with (by-key reads are
         # served only within the namespaces the caller may read)
         self._block_namespace: dict[bytes, str] = {}
@@ -246,9 +248,9 @@ class RouterState:
         """The session's device applied ``update``. Returns blocks no session holds any more."""
         record = self.get(session_id)
         for key in update.hold:
-            self._ref(key, record.device_id)
+            self._ref(key)
             self._block_namespace.setdefault(bytes(key), record.namespace)
-        garbage = [key for key in update.drop if self._unref(key, record.device_id)]
+        garbage = [key for key in update.drop if self._unref(key)]
         before = chain_bytes(record)
         self.sessions.commit_append(session_id, update)
         self.tenant_bytes[tenant_of(session_id)] += chain_bytes(record) - before
@@ -282,9 +284,6 @@ class RouterState:
         if record is None:
             return
         old = record.device_id
-        for key in dict.fromkeys(record.chain):
-            self._unref(key, old, keep=True)
-            self._ref(key, device_id, count=False)
         if old in self.devices:
             self.devices[old].sessions -= 1
         record.device_id = device_id
@@ -301,7 +300,7 @@ class RouterState:
         self.tenant_sessions[tenant] -= 1
         self.tenant_bytes[tenant] -= chain_bytes(record)
         self._log({"op": "delete", "id": session_id})
-        return [k for k in dict.fromkeys(record.chain) if self._unref(k, record.device_id)]
+        return [k for k in dict.fromkeys(record.chain) if self._unref(k)]
 
     def mark_lost(self, session_id: str, reason: str) -> None:
         self.sessions.mark_lost(session_id, reason)
@@ -334,7 +333,7 @@ class RouterState:
         record.tokens = surviving
         self.tenant_bytes[tenant_of(session_id)] += chain_bytes(record) - before
         self._log_truncation(record)
-        return [k for k in dropped if self._unref(k, record.device_id)]
+        return [k for k in dropped if self._unref(k)]
 
     def _log_truncation(self, record: SessionRecord) -> None:
         self._log(
@@ -435,11 +434,11 @@ class RouterState:
             self.devices.setdefault(device_id, DeviceLoad()).sessions += 1
         for key in new:
             if key not in old:
-                self._ref(key, record.device_id)
+                self._ref(key)
                 self._block_namespace.setdefault(bytes(key), record.namespace)
         for key in old:
             if key not in new:
-                self._unref(key, record.device_id)
+                self._unref(key)
         before = chain_bytes(record)
         record.chain = list(new)
         record.tokens = tokens
@@ -476,51 +475,50 @@ class RouterState:
 
     def locate(
         self, keys: Sequence[bytes], namespace: str | Sequence[str] | None = None
-    ) -> dict[str, list[bytes]]:
-        """Group ``keys`` by a device whose sessions hold them.
+    ) -> tuple[dict[str, list[bytes]], list[bytes]]:
+        """Group ``keys`` by a live device whose pool holds them (the block index).
 
         Args:
             namespace: only blocks hashed in this namespace (or these) are found
                 (None: any).
+
+        Returns:
+            ``(by_device, unplaced)``: the keys grouped by device, and those a
+            session holds that the index places on no live device yet (its
+            reading of the devices' logs is behind: read them, then ask again).
 
         Raises:
             UnknownBlockError: a key no session holds (or one of another namespace:
                 the same answer, so keys of other tenants cannot be probed).
         """
         by_device: dict[str, list[bytes]] = {}
+        unplaced: list[bytes] = []
         wanted = {namespace} if isinstance(namespace, str) else (
             None if namespace is None else set(namespace)
         )
+        live = sorted(d for d, load in self.devices.items() if load.live)
         for key in keys:
-            holders = self._block_devices.get(bytes(key))
-            if not holders or (
-                wanted is not None and self._block_namespace.get(bytes(key)) not in wanted
+            key = bytes(key)
+            if self._refcounts[key] <= 0 or (
+                wanted is not None and self._block_namespace.get(key) not in wanted
             ):
-                raise UnknownBlockError(f"no session holds block {bytes(key).hex()}")
-            device_id = max(holders, key=lambda d: holders[d])
-            by_device.setdefault(device_id, []).append(bytes(key))
-        return by_device
+                raise UnknownBlockError(f"no session holds block {key.hex()}")
+            holder = next((d for d in live if self.blocks.holds(d, key)), None)
+            if holder is None:
+                unplaced.append(key)
+            else:
+                by_device.setdefault(holder, []).append(key)
+        return by_device, unplaced
 
     # -- internals -----------------------------------------------------------------------
 
-    def _ref(self, key: bytes, device_id: str | None, *, count: bool = True) -> None:
-        key = bytes(key)
-        if count:
-            self._refcounts[key] += 1
-        if device_id is not None:
-            self._block_devices.setdefault(key, Counter())[device_id] += 1
+    def _ref(self, key: bytes) -> None:
+        self._refcounts[bytes(key)] += 1
 
-    def _unref(self, key: bytes, device_id: str | None, *, keep: bool = False) -> bool:
+    def _unref(self, key: bytes) -> bool:
+        """One session less holds ``key``; True when none does any more."""
         key = bytes(key)
-        if not keep:
-            self._refcounts[key] -= 1
-        if device_id is not None and key in self._block_devices:
-            counts = self._block_devices[key]
-            counts[device_id] -= 1
-            if counts[device_id] <= 0:
-                del counts[device_id]
-            if not counts:
-                del self._block_devices[key]
+        self._refcounts[key] -= 1
         if self._refcounts[key] <= 0:
             del self._refcounts[key]
             self._block_namespace.pop(key, None)
