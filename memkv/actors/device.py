@@ -182,7 +182,7 @@ class DeviceCache(DeviceService):
     def put(  # also takes blocks by object reference
         self,
         update: ChainUpdate,
-        blocks: Sequence[BlockPayload | StagedBlock | ray.ObjectRef],
+        blocks: Sequence[BlockPayload | StagedBlock | torch.Tensor | ray.ObjectRef],
         checksums: Sequence[int] | None = None,
         durable: bool = False,
         owner: str = "",

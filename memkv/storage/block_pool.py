@@ -1,8 +1,8 @@
 """BlockPool: one device's KV blocks across hot, warm and cold tiers.
 
 The block store under every DeviceCacheActor, in the manner of vLLM's block
-pool: it knows blocks, not sessions. Its owner (the router, or a
-single-process :class:`~memkv.storage.store.TieredStore`) tells it which
+pool: it knows blocks, not sessions. Its owner (the router, in a cluster or
+in a single-process :class:`~memkv.storage.store.TieredStore`) tells it which
 blocks are held and by how many sessions, which of those are active, and at
 what priority; the pool keeps where each block lives, pins of blocks being
 read, and the movement between tiers:

@@ -1,9 +1,9 @@
 """The session table: the one owner of session state.
 
 A session's chain, tokens, turn, state, priority, placement and manifest live
-here and nowhere else. The router holds one table for the cluster; a
-single-process :class:`~memkv.storage.store.TieredStore` holds one over its own
-block pool. Block stores never see sessions: an append becomes a
+here and nowhere else. The router holds one table for the cluster (and for a
+single-process :class:`~memkv.storage.store.TieredStore`, a shell over the
+router and one device). Block stores never see sessions: an append becomes a
 :class:`~memkv.protocol.messages.ChainUpdate` (which blocks the session holds,
 drops and keeps), computed here and applied by the block store.
 

@@ -1,40 +1,42 @@
-"""TieredStore: sessions over one block pool, in one process.
+"""TieredStore: memkv in one process — the session service over one device.
 
-The single-process form of memkv (tests, the local demo, benchmarks of the
-engine): a :class:`~memkv.storage.sessions.SessionTable` owns the sessions and
-a :class:`~memkv.storage.block_pool.BlockPool` their blocks, the same two
-pieces a cluster splits between the router (sessions) and a device actor
-(blocks). An append is planned by the table, applied by the pool and then
-committed by the table, under the pool's lock, so each call is one step.
+The single-process form of memkv (tests, benchmarks of the engine): the same
+:class:`~memkv.storage.router.service.SessionRouter` a cluster runs as an
+actor owns the sessions, and a :class:`~memkv.storage.device.service.DeviceService`
+in this process keeps their blocks (:mod:`memkv.storage.device.local`). This
+class only makes the service's calls synchronous and reads blocks from the
+device's pool directly, as a same-node reader does.
 
 * ``put_blocks`` / ``put_kv`` store a turn's KV; blocks already stored (an
   earlier turn, a prefix shared with another session) are deduplicated.
 * ``suspend`` writes a session's blocks to the cold tier and frees the memory
   copies no active session needs; ``resume`` answers at once and blocks come
   back lazily as they are read (``read_session``), with read-ahead.
-* A suspended session's record is kept in a journal beside the cold tier's
-  segment files (:mod:`memkv.storage.suspended`), so a store reopened on the
-  same directory serves it again.
+* The session table is the router's journal beside the cold tier's segment
+  files (``<archive.directory>/router``): a store reopened on the same
+  directory serves each session again as far as the cold tier holds it (the
+  router's recovery of a restarted device), archived.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import shutil
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+import uuid
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from memkv.errors import (
-    BlockLostError,
-    CorruptDataError,
-    InvalidInputError,
-    UnknownSessionError,
-)
+from memkv.errors import BlockLostError, CorruptDataError, MemkvError, UnknownSessionError
 from memkv.protocol.enums import Priority, SessionState, Tier
-from memkv.protocol.hashing import BlockHash, chain_hashes, token_array
+from memkv.protocol.hashing import BlockHash, token_array
+from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec
 from memkv.storage.block_pool import (
     BlockLocation,
     BlockPool,
@@ -43,8 +45,12 @@ from memkv.storage.block_pool import (
     TierStats,
 )
 from memkv.storage.config import StoreConfig
+from memkv.storage.device.local import LocalBlockStore, LocalDirectory
+from memkv.storage.device.service import DeviceService
 from memkv.storage.layout import KVLayout, block_token_count, split_kv
-from memkv.storage.sessions import SessionInfo, SessionRecord, SessionTable, parse_priority
+from memkv.storage.owned_dir import resolve_on_node
+from memkv.storage.router.service import SessionRouter
+from memkv.storage.sessions import SessionInfo, parse_priority
 from memkv.storage.suspended import SESSIONS_DIR, SuspendedSessions
 from memkv.storage.tiers import ColdBackend, ColdTier
 
@@ -60,6 +66,14 @@ __all__ = [
     "TierStats",
     "TieredStore",
 ]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+#: The one device's name (in the journal: a reopened store reattaches to it).
+DEVICE_ID = "local"
+#: The session service's journal, beside the segment files.
+ROUTER_DIR = "router"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +115,7 @@ class TieredStore:
     Args:
         config: capacities and component settings.
         cold: the cold tier, when it is not the store's own segment files
-            (``config.archive``); its owner keeps the sessions (they are not
-            kept across a restart here).
-        warm_name: name of the warm pool's shared-memory segment (another
-            process on the node maps it by that name); None picks a unique one.
+            (``config.archive``); sessions are then not kept across a restart.
         clock: seconds, monotonic (injectable for tests of idle-time policies).
 
     Example:
@@ -119,27 +130,55 @@ class TieredStore:
         config: StoreConfig,
         *,
         cold: ColdBackend | None = None,
-        warm_name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self._clock = clock
-        self.pool = BlockPool(config, cold=cold, warm_name=warm_name, clock=clock)
-        self.sessions_table = SessionTable(clock)
-        self._lock = self.pool.lock
         self._check = config.debug_refcounts
+        #: Sessions an earlier version kept that could not be served again, and why.
         self.lost_sessions: dict[str, str] = {}
-        self._suspended: SuspendedSessions | None = None
+        # The service's calls run on this loop, one caller at a time.
+        self._loop = asyncio.new_event_loop()
+        self._calls = threading.Lock()
+        self._router: SessionRouter | None = None
+        journal_dir = None
+        if cold is None and config.archive is not None:
+            journal_dir = resolve_on_node(config.archive.directory) / ROUTER_DIR
+        # A scope of its own: stores of one process must not claim each other's segments.
+        self.device = DeviceService(
+            DEVICE_ID, config, cold_tier=(lambda _codecs: cold) if cold is not None else None,
+            segment_scope=f"store-{uuid.uuid4().hex[:12]}", clock=clock,
+        )
+        self.pool: BlockPool = self.device.pool
         try:
-            if cold is None and config.archive is not None:
-                self._suspended = SuspendedSessions(
-                    config.archive.directory / SESSIONS_DIR,
-                    fsync=config.archive.fsync != "never",
-                )
-                self._recover_suspended(self._suspended)
+            local = LocalBlockStore(self.device)
+            self._router = SessionRouter(
+                journal_dir=str(journal_dir) if journal_dir is not None else None,
+                journal_fsync=config.archive is not None and config.archive.fsync != "never",
+                head_blocks=config.prefetch.max_prefetch_blocks,
+                directory=LocalDirectory(DEVICE_ID, local),
+                background_prefetch_interval_s=float("inf"),
+                clock=clock,
+            )
+            self._call(self._router.register_device(DEVICE_ID, local))
+            if journal_dir is not None:
+                self._migrate_sessions()
+                # Cold blocks no session holds: left by sessions that were lost.
+                for key in self.pool.cold_orphans():
+                    self.pool.cold.remove(key)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def service(self) -> SessionRouter:
+        """The session service this store is a shell over."""
+        assert self._router is not None
+        return self._router
+
+    def _call(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        self.pool.ensure_open()
+        with self._calls:
+            return self._loop.run_until_complete(coroutine)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -150,9 +189,15 @@ class TieredStore:
 
     def close(self) -> None:
         """Flush the cold tier and release the arenas. Idempotent."""
-        self.pool.close()
-        if self._suspended is not None:
-            self._suspended.close()
+        if self._loop.is_closed():
+            return
+        if self._router is not None:
+            self._router.background.cancel()
+            self._loop.run_until_complete(asyncio.sleep(0))  # let the task end
+            if self._router.state.journal is not None:
+                self._router.state.journal.close()
+        self._loop.close()
+        self.device.close()
 
     def __enter__(self) -> TieredStore:
         return self
@@ -164,34 +209,38 @@ class TieredStore:
     def closed(self) -> bool:
         return self.pool.closed
 
-    def _recover_suspended(self, suspended: SuspendedSessions) -> None:
-        """Serve again the sessions that were suspended when the store last closed.
-
-        A session whose blocks are not all readable is marked lost (reads raise
-        BlockLostError, never a partial cache); cold blocks that no session
-        references are garbage from sessions that were active at a crash, and
-        are deleted.
-        """
+    def _migrate_sessions(self) -> None:
+        """Sessions an earlier version kept (a journal of suspended sessions, or
+        manifests in the segment files) move into the service's journal, archived."""
+        assert self.config.archive is not None
+        manifests: list[dict[str, Any]] = []
         backend = getattr(self.pool.cold, "backend", self.pool.cold)  # under a ColdWriter
         if isinstance(backend, ColdTier):
-            # A directory of an earlier version: its manifests move to the journal.
-            legacy = backend.legacy_manifests()
-            for manifest in legacy:
-                suspended.suspended(manifest)
-            if legacy:
-                backend.drop_legacy_manifests()
-        for manifest in suspended.manifests():
+            manifests += backend.legacy_manifests()
+        old_journal = resolve_on_node(self.config.archive.directory) / SESSIONS_DIR
+        if old_journal.exists():
+            suspended = SuspendedSessions(old_journal, fsync=False)
             try:
-                record = self.sessions_table.restore(manifest, state=SessionState.ARCHIVED)
+                manifests += suspended.manifests()
+            finally:
+                suspended.close()
+        for m in manifests:
+            try:
+                session_id, chain = str(m["session_id"]), [BlockHash(bytes(k)) for k in m["chain"]]
+                layout = KVLayout.from_dict(m["layout"])
             except (KeyError, TypeError, ValueError) as e:
-                raise CorruptDataError(f"unreadable record in the session journal: {e}") from e
+                raise CorruptDataError(
+                    f"unreadable session record of an earlier version: {e}") from e
             try:
-                self.pool.adopt(record.layout, record.chain, self._counts(record), record.priority)
-            except BlockLostError as e:
-                self.sessions_table.pop(record.session_id)
-                self.lost_sessions[record.session_id] = str(e)
-        for key in self.pool.cold_orphans():
-            self.pool.cold.remove(key)
+                self.adopt_session(session_id, layout, namespace=m["namespace"],
+                                   priority=m.get("priority", "normal"), tokens=m["tokens"],
+                                   turn=m["turn"], chain=chain)
+            except MemkvError as e:  # lost, or taken: the others still move
+                logger.warning("session %s of an earlier version is lost: %s", session_id, e)
+                self.lost_sessions[session_id] = str(e)
+        if isinstance(backend, ColdTier) and manifests:
+            backend.drop_legacy_manifests()
+        shutil.rmtree(old_journal, ignore_errors=True)
 
     # ------------------------------------------------------------------ sessions
 
@@ -213,30 +262,11 @@ class TieredStore:
                 (the session is not registered).
             InvalidInputError: bad arguments; ConflictError: the id exists.
         """
-        manifest = {
-            "session_id": session_id,
-            "namespace": namespace,
-            "layout": layout.to_dict(),
-            "priority": parse_priority(priority).value,
-            "tokens": tokens,
-            "turn": turn,
-            "chain": [bytes(k) for k in chain],
-        }
-        with self._lock:
-            self.pool.ensure_open()
-            try:
-                record = self.sessions_table.restore(manifest, state=SessionState.ARCHIVED)
-            except ValueError as e:
-                raise InvalidInputError(str(e)) from e
-            try:
-                self.pool.adopt(record.layout, record.chain, self._counts(record), record.priority)
-            except BlockLostError as e:
-                self.sessions_table.pop(session_id)
-                raise BlockLostError(f"session {session_id!r}: {e}") from e
-            if self._suspended is not None:
-                self._suspended.suspended(record.manifest())  # archived: kept across a restart
-            self._debug_check()
-            return SessionInfo.of(record)
+        request = CreateSession(session_id=session_id, layout=LayoutSpec.of(layout),
+                                namespace=namespace, priority=parse_priority(priority))
+        self._call(self.service.adopt_session(request, [bytes(k) for k in chain], tokens, turn))
+        self._debug_check()
+        return self.session(session_id)
 
     def create_session(
         self,
@@ -255,37 +285,35 @@ class TieredStore:
         Raises:
             InvalidInputError: bad id, namespace or priority; ConflictError: the id exists.
         """
-        with self._lock:
-            self.pool.ensure_open()
-            record = self.sessions_table.create(
-                session_id, layout, namespace=namespace, priority=priority, exact_only=exact_only
-            )
-            return SessionInfo.of(record)
+        request = CreateSession(session_id=session_id, layout=LayoutSpec.of(layout),
+                                namespace=namespace, priority=parse_priority(priority),
+                                exact_only=exact_only)
+        self._call(self.service.create_session(request))
+        return self.session(session_id)
 
     def session(self, session_id: str) -> SessionInfo:
-        with self._lock:
-            return SessionInfo.of(self._session(session_id))
+        self.pool.ensure_open()
+        try:
+            return SessionInfo.of(self.service.state.get(session_id))
+        except UnknownSessionError:
+            if isinstance(session_id, str) and session_id in self.lost_sessions:
+                raise BlockLostError(
+                    f"session {session_id!r} is lost: {self.lost_sessions[session_id]}"
+                ) from None
+            raise
 
     def sessions(self) -> list[str]:
-        with self._lock:
-            return self.sessions_table.ids()
+        return [r.session_id for r in self.service.state.sessions if not r.lost]
 
     def set_priority(self, session_id: str, priority: Priority | str) -> SessionInfo:
         """Change a session's class; its blocks move to that class's eviction queue."""
-        with self._lock:
-            record = self._session(session_id)
-            record.priority = parse_priority(priority)
-            self.pool.set_priority(record.chain, record.priority)
-            return SessionInfo.of(record)
+        self._call(self.service.set_priority(session_id, parse_priority(priority)))
+        return self.session(session_id)
 
     def delete_session(self, session_id: str) -> None:
         """Forget a session; blocks no other session holds are freed from every tier."""
-        with self._lock:
-            record = self._session(session_id)
-            self.pool.release(record.chain, active=record.active)
-            self.sessions_table.pop(session_id)
-            self._forget_suspended(session_id, durable=True)
-            self._debug_check()
+        self._call(self.service.delete_session(session_id))
+        self._debug_check()
 
     # ------------------------------------------------------------------ writes
 
@@ -301,9 +329,8 @@ class TieredStore:
         Blocks that are already stored (this session's earlier turns, or a
         prefix shared with another session) are not written again.
         """
-        with self._lock:
-            blocks = split_kv(self._session(session_id).layout, keys, values)
-            return self.put_blocks(session_id, token_ids, blocks)
+        blocks = split_kv(self.session(session_id).layout, keys, values)
+        return self.put_blocks(session_id, token_ids, blocks)
 
     def put_blocks(
         self,
@@ -334,25 +361,17 @@ class TieredStore:
                 or with the token count of its position.
             InvalidInputError: missing blocks, bad token ids. Nothing is changed.
         """
-        with self._lock:
-            record = self._session(session_id)
-            tokens = token_array(token_ids)
-            if chain is None:
-                chain = chain_hashes(tokens, record.layout, record.namespace)
-            update = self.sessions_table.plan_append(
-                session_id, int(tokens.size), [bytes(k) for k in chain], start_block
-            )
-            outcome = self.pool.put(update, blocks, checksums=checksums)
-            # A suspended session's record described it before this write.
-            self._forget_suspended(session_id)
-            self.sessions_table.commit_append(session_id, update)
-            self._debug_check()
-            return PutResult(
-                tuple(BlockHash(k) for k in update.chain),
-                outcome.new_blocks,
-                outcome.deduplicated_blocks,
-                outcome.released_blocks,
-            )
+        request = AppendTurn(
+            session_id=session_id,
+            token_ids=AppendTurn.pack_tokens(token_array(token_ids)),
+            start_block=start_block,
+            chain=tuple(bytes(k) for k in chain) if chain is not None else None,
+            checksums=tuple(checksums) if checksums is not None else None,
+        )
+        answer = self._call(self.service.put_blocks(request, list(blocks)))
+        self._debug_check()
+        return PutResult(tuple(BlockHash(k) for k in answer.chain), answer.new_blocks,
+                         answer.deduplicated_blocks, answer.released_blocks)
 
     # ------------------------------------------------------------------ reads
 
@@ -411,21 +430,21 @@ class TieredStore:
         self, session_id: str, start: int = 0, end: int | None = None
     ) -> Iterator[FetchedBlock]:
         """:meth:`read_session`, with the tier each block was found in."""
-        with self._lock:
-            chain = list(self._session(session_id).chain)
-        stop = len(chain) if end is None else min(end, len(chain))
+        route = self._call(self.service.read_route(session_id, start, end))
+        keys = [BlockHash(k) for k in route.keys]
         window = self.config.prefetch.lookahead_window
-        for i in range(max(start, 0), stop):
-            fetched = self.pool.fetch(chain[i], stream=session_id)
-            self.pool.prefetch(chain[i + 1 : min(i + 1 + window, stop)])
+        for i, key in enumerate(keys):
+            fetched = self.pool.fetch(key, stream=session_id)
+            self.pool.prefetch(keys[i + 1 : i + 1 + window])
             yield fetched
 
     def match_prefix(
         self, layout: KVLayout, namespace: str, token_ids: Sequence[int] | np.ndarray
     ) -> PrefixMatch:
         """How many leading tokens of ``token_ids`` are cached (any session, same namespace)."""
-        tokens, matched = self.pool.stored_prefix(chain_hashes(token_ids, layout, namespace))
-        return PrefixMatch(tokens, tuple(matched))
+        match = self._call(
+            self.service.match_prefix(layout, namespace, [int(t) for t in token_array(token_ids)]))
+        return PrefixMatch(match.tokens, tuple(BlockHash(k) for k in match.blocks))
 
     # ------------------------------------------------------------------ suspend / resume
 
@@ -436,91 +455,51 @@ class TieredStore:
             offline: the user went away for long: unshared blocks may use the
                 lossy cold codec (Delta+RL).
         """
-        with self._lock:
-            self.pool.ensure_open()
-            record = self._session(session_id)
-            in_memory = self.pool.deactivate(
-                record.chain, offline=offline, was_active=record.active
-            )
-            record.state = SessionState.SUSPENDED if in_memory else SessionState.ARCHIVED
-            if self._suspended is not None:
-                self._suspended.suspended(record.manifest())
-            self._debug_check()
-            return SessionInfo.of(record)
+        self._call(self.service.suspend(session_id, offline))
+        self._debug_check()
+        return self.session(session_id)
 
-    def resume(self, session_id: str, *, prefetch: bool = True) -> ResumeHandle:
+    def resume(self, session_id: str) -> ResumeHandle:
         """Mark a session active and answer at once with its chain and block locations.
 
-        Args:
-            prefetch: bring the first ``max_prefetch_blocks`` blocks into free
-                hot-tier space before answering. The rest come as
-                ``read_session``/``get`` ask for them.
+        The service's resume brings the first ``max_prefetch_blocks`` blocks into
+        free hot-tier space; the rest come as ``read_session``/``get`` ask for them.
         """
-        with self._lock:
-            record = self._session(session_id)
-            if not record.active:
-                # An active session lives in memory: its record goes before it changes.
-                self._forget_suspended(session_id)
-                self.pool.activate(record.chain)
-                record.state = SessionState.ACTIVE
-            record.last_access = self._clock()
-            chain = list(record.chain)
-        if prefetch:
-            self.pool.prefetch(chain[: self.config.prefetch.max_prefetch_blocks])
-        with self._lock:
-            locations = tuple(
-                BlockLocation(k, self.pool.locate(k) or Tier.COLD, self.pool.tokens_of(k))
-                for k in chain
-            )
-            return ResumeHandle(session_id, record.tokens, locations)
+        answer = self._call(self.service.resume(session_id))
+        # Where each block is now the head's prefetch ran (the answer says where it was).
+        return ResumeHandle(session_id, answer.tokens, tuple(
+            BlockLocation(BlockHash(b.key), self.pool.locate(BlockHash(b.key)) or Tier.COLD,
+                          b.tokens)
+            for b in answer.blocks))
 
     # ------------------------------------------------------------------ stats and checks
 
     def stats(self) -> StoreStats:
-        with self._lock:
-            pool = self.pool.stats()
-            logical = sum(
-                r.layout.block_nbytes(n) for r in self.sessions_table for n in self._counts(r)
-            )
-            values = {f.name: getattr(pool, f.name) for f in fields(PoolStats)}
-            return StoreStats(**values, sessions=len(self.sessions_table), logical_bytes=logical)
+        self.pool.ensure_open()
+        pool = self.pool.stats()
+        records = list(self.service.state.sessions)
+        logical = sum(
+            r.layout.block_nbytes(n) for r in records
+            for n in block_token_count(r.layout, r.tokens))
+        values = {f.name: getattr(pool, f.name) for f in fields(PoolStats)}
+        return StoreStats(**values, sessions=len(records), logical_bytes=logical)
 
     def refcount_snapshot(
         self,
     ) -> tuple[dict[BlockHash, tuple[int, int]], dict[str, list[BlockHash]]]:
         """(refcount, pins) per block and the chain per session, for the invariant checker."""
-        with self._lock:
-            return self.pool.refcounts(), self._chains()
+        return self.pool.refcounts(), self._chains()
 
     def check_invariants(self) -> None:
         """Raise :class:`~memkv.errors.InvariantViolationError` if the bookkeeping is broken."""
-        with self._lock:
-            self.pool.check_invariants(self._chains())
+        self.pool.check_invariants(self._chains())
 
     # ------------------------------------------------------------------ internals
-
-    def _forget_suspended(self, session_id: str, *, durable: bool = False) -> None:
-        if self._suspended is not None:
-            self._suspended.forget(session_id, durable=durable)
 
     def _debug_check(self) -> None:
         if self._check:
             self.check_invariants()
 
     def _chains(self) -> dict[str, list[BlockHash]]:
-        return {r.session_id: list(r.chain) for r in self.sessions_table}
-
-    def _session(self, session_id: str) -> SessionRecord:
-        self.pool.ensure_open()
-        try:
-            return self.sessions_table.get(session_id)
-        except UnknownSessionError:
-            if isinstance(session_id, str) and session_id in self.lost_sessions:
-                raise BlockLostError(
-                    f"session {session_id!r} is lost: {self.lost_sessions[session_id]}"
-                ) from None
-            raise
-
-    @staticmethod
-    def _counts(record: SessionRecord) -> list[int]:
-        return block_token_count(record.layout, record.tokens)
+        return {r.session_id: [BlockHash(k) for k in r.chain]
+                for r in self.service.state.sessions if not r.lost}

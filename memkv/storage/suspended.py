@@ -1,4 +1,8 @@
-"""The single-process store's suspended sessions, kept in a journal.
+"""The suspended-session journal of the last version's single-process store.
+
+Read only to move its sessions into the session service's journal
+(:meth:`memkv.storage.store.TieredStore._migrate_sessions`); a store now keeps
+the router's journal. What it was:
 
 A suspended (or archived) session of a :class:`~memkv.storage.store.TieredStore`
 outlives its process: its record (:meth:`SessionRecord.manifest`: chain,

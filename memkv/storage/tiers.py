@@ -9,7 +9,7 @@
 
 Each tier offers ``contains / load / put / remove / close``; memory tiers add
 ``pin / unpin / access / pop_victim``. The tiers know nothing of sessions or
-refcounts: :class:`~memkv.storage.store.TieredStore` owns that bookkeeping.
+refcounts: the :class:`~memkv.storage.block_pool.BlockPool` owns that bookkeeping.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 import hashlib
+import shutil
 
 import msgpack
 import pytest
@@ -14,7 +15,7 @@ from memkv.errors import (
     UnknownBlockError,
     UnknownSessionError,
 )
-from memkv.protocol.enums import SessionState, Tier
+from memkv.protocol.enums import Priority, SessionState, Tier
 from memkv.protocol.hashing import HASH_BYTES
 from memkv.storage.config import (
     AllocatorConfig,
@@ -26,6 +27,7 @@ from memkv.storage.config import (
 from memkv.storage.layout import KVLayout, join_blocks, split_kv
 from memkv.storage.segments import SegmentStore
 from memkv.storage.store import TieredStore
+from memkv.storage.suspended import SuspendedSessions
 
 from ..kvdata import random_kv
 
@@ -264,41 +266,53 @@ def test_offline_suspend_uses_the_lossy_codec_for_unshared_blocks(tmp_path):
     s.close()
 
 
-def test_reopen_recovers_suspended_sessions_and_drops_orphans(tmp_path):
+def test_reopen_serves_each_session_as_far_as_the_cold_tier_holds_it(tmp_path):
+    """A reopened store is a restarted device under the same session service: what
+    reached the cold tier is served again (archived), the rest is lost, and says so."""
     s = make_store(tmp_path)
     keys, values = kv(12)
     s.create_session("kept", LAYOUT, namespace="t")
     s.put_kv("kept", list(range(12)), keys, values)
     s.suspend("kept")
-    s.create_session("active", LAYOUT, namespace="u")
-    s.put_kv("active", list(range(12)), *kv(12, seed=9))
-    s.suspend("active")
-    s.resume("active")  # active again: its manifest goes, its cold blocks become orphans
+    s.create_session("grown", LAYOUT, namespace="u")
+    g_keys, g_values = kv(16, seed=9)
+    s.put_kv("grown", list(range(12)), [k[:, :12] for k in g_keys], [v[:, :12] for v in g_values])
+    s.suspend("grown")
+    s.resume("grown")
+    s.put_kv("grown", list(range(16)), g_keys, g_values)  # its 4th block only in memory
+    s.create_session("fresh", LAYOUT, namespace="u")
+    s.put_kv("fresh", list(range(100, 108)), *kv(8, seed=3))  # never left memory
     s.close()
     with pytest.raises(ClosedError):
         s.stats()
 
     s2 = make_store(tmp_path)
-    assert s2.sessions() == ["kept"]
+    assert s2.sessions() == ["kept", "grown"]
     assert s2.session("kept").state is SessionState.ARCHIVED
     assert_same_kv(LAYOUT, read_all(s2, "kept"), keys, values)
-    # The orphans were deleted (block_keys waits for the cold writer's queued deletes;
-    # stats() does not, so it may still count them for an instant).
-    assert sorted(s2.pool.cold.block_keys()) == sorted(bytes(k) for k in s2.session("kept").chain)
+    grown = s2.service.state.get("grown")
+    assert (grown.tokens, grown.lost_tokens) == (12, 4)  # the longest prefix that survived
+    assert_same_kv(LAYOUT, read_all(s2, "grown"), [k[:, :12] for k in g_keys],
+                   [v[:, :12] for v in g_values])
+    with pytest.raises(BlockLostError, match="in no tier"):
+        s2.session("fresh")
+    # No cold block is left that no session holds (block_keys waits for the cold
+    # writer's queued deletes; stats() does not, so it may still count them).
+    held = {bytes(k) for sid in ("kept", "grown") for k in s2.session(sid).chain}
+    assert set(s2.pool.cold.block_keys()) == held
     s2.close()
 
 
-def test_the_session_journal_follows_suspends_writes_and_deletes_across_reopens(tmp_path):
+def test_the_session_journal_follows_writes_suspends_and_deletes_across_reopens(tmp_path):
     s = make_store(tmp_path)
     keys, values = kv(12)
-    for sid in ("kept", "written", "deleted"):
+    for sid in ("kept", "deleted"):
         s.create_session(sid, LAYOUT, namespace="t")
         s.put_kv(sid, list(range(12)), keys, values)
         s.suspend(sid)
-    s.put_kv("written", list(range(16)), *kv(16, seed=4))  # active again, as a write makes it
     s.delete_session("deleted")
     s.close()
-    assert (tmp_path / "cold" / "sessions" / "journal.log").exists()
+    assert (tmp_path / "cold" / "router" / "journal.log").exists()
 
     s2 = make_store(tmp_path)
     assert s2.sessions() == ["kept"]
@@ -306,6 +320,7 @@ def test_the_session_journal_follows_suspends_writes_and_deletes_across_reopens(
     s2.close()
     s3 = make_store(tmp_path)  # a second reopen: the journal was not consumed by the first
     assert s3.sessions() == ["kept"]
+    assert s3.session("kept").priority is Priority.HIGH
     assert_same_kv(LAYOUT, read_all(s3, "kept"), keys, values)
     s3.close()
 
@@ -316,10 +331,10 @@ def test_manifests_of_an_earlier_version_move_into_the_session_journal(tmp_path)
     s.create_session("old", LAYOUT, namespace="t")
     s.put_kv("old", list(range(12)), keys, values)
     s.suspend("old")
-    manifest = s.sessions_table.get("old").manifest()
+    manifest = s.service.state.get("old").manifest()
     s.close()
-    # What the last version wrote: the manifest as a segment record, no journal.
-    (tmp_path / "cold" / "sessions" / "journal.log").unlink()
+    # What an earlier version wrote: the manifest as a segment record, no journal.
+    shutil.rmtree(tmp_path / "cold" / "router")
     digest = hashlib.blake2b(b"old", digest_size=HASH_BYTES).digest()
     segments = SegmentStore(ArchiveConfig(directory=tmp_path / "cold", fsync="never"))
     segments.put(
@@ -340,13 +355,37 @@ def test_manifests_of_an_earlier_version_move_into_the_session_journal(tmp_path)
     s3.close()
 
 
+def test_the_suspended_sessions_journal_of_the_last_version_moves_into_the_service(tmp_path):
+    s = make_store(tmp_path)
+    keys, values = kv(12)
+    s.create_session("old", LAYOUT, namespace="t")
+    s.put_kv("old", list(range(12)), keys, values)
+    s.suspend("old")
+    manifest = s.service.state.get("old").manifest()
+    s.close()
+    shutil.rmtree(tmp_path / "cold" / "router")
+    previous = SuspendedSessions(tmp_path / "cold" / "sessions", fsync=False)
+    previous.suspended(manifest)
+    previous.suspended({**manifest, "session_id": "ghost", "chain": [b"\x01" * 16],
+                        "tokens": 4})
+    previous.close()
+
+    s2 = make_store(tmp_path)
+    assert s2.sessions() == ["old"]
+    assert_same_kv(LAYOUT, read_all(s2, "old"), keys, values)
+    with pytest.raises(BlockLostError, match="in no tier"):
+        s2.session("ghost")
+    assert not (tmp_path / "cold" / "sessions").exists()  # moved, not copied
+    s2.close()
+
+
 def test_an_unreadable_session_journal_is_refused_not_ignored(tmp_path):
     s = make_store(tmp_path)
     s.create_session("s", LAYOUT)
     s.put_kv("s", list(range(8)), *kv(8))
     s.suspend("s")
     s.close()
-    snapshot = tmp_path / "cold" / "sessions" / "snapshot.bin"
+    snapshot = tmp_path / "cold" / "router" / "snapshot.bin"
     snapshot.write_bytes(b"\x05\x00\x00\x00garbage!")
     with pytest.raises(CorruptDataError, match="snapshot"):
         make_store(tmp_path)
@@ -357,7 +396,7 @@ def test_corrupt_cold_block_is_never_served(tmp_path):
     s.create_session("s", LAYOUT)
     s.put_kv("s", list(range(8)), *kv(8))
     s.suspend("s")
-    key = s.session("s").chain[1]
+    first, key = s.session("s").chain[:2]
     meta = s.pool.cold.backend.segments.meta(key)
     s.close()
     seg = sorted((tmp_path / "cold").glob("seg-*"))[meta.segment - 1 if meta.segment else 0]
@@ -365,14 +404,16 @@ def test_corrupt_cold_block_is_never_served(tmp_path):
     data[meta.offset + 40 + 100] ^= 0xFF  # inside that record
     seg.write_bytes(bytes(data))
     s2 = make_store(tmp_path)
-    # Either the damaged record was dropped at reopen (session lost, said so) or it is
-    # detected at read time; it is never returned.
-    if "s" in s2.sessions():
+    # The damaged record is dropped at reopen (the session keeps the prefix before
+    # it, and says what it lost) or detected at read time; it is never returned.
+    assert "s" in s2.sessions()
+    record = s2.service.state.get("s")
+    if key in record.chain:
         with pytest.raises(CorruptDataError):
             read_all(s2, "s")
     else:
-        with pytest.raises(BlockLostError):
-            s2.session("s")
+        assert (record.tokens, record.lost_tokens) == (4, 4)
+        assert [k for k, _ in s2.read_session("s")] == [first]
     s2.close()
 
 

@@ -11,6 +11,7 @@ handed in by its actor shell, :class:`memkv.actors.device.DeviceCache`.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -107,6 +108,7 @@ class DeviceService:
             devices have the same names, do not claim the same segments.
         archive_name: the archive actor that is this device's cold tier ("": a
             local one), what its pings tell the router.
+        clock: seconds, monotonic (injectable for tests of idle-time policies).
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class DeviceService:
         node_id: str = "local",
         segment_scope: str = "",
         archive_name: str = "",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.device_id = device_id
         self.archive_name = archive_name
@@ -158,7 +161,8 @@ class DeviceService:
         reclaim_orphans()
         self._ownership = SegmentOwnership(self.warm_segment)
         try:
-            self.pool = BlockPool(store_config, cold=cold, warm_name=self.warm_segment)
+            self.pool = BlockPool(store_config, cold=cold, warm_name=self.warm_segment,
+                                  clock=clock)
         except BaseException:
             self._ownership.release()
             raise
@@ -188,7 +192,7 @@ class DeviceService:
     def put(
         self,
         update: ChainUpdate,
-        blocks: Sequence[BlockPayload | StagedBlock],
+        blocks: Sequence[BlockPayload | StagedBlock | torch.Tensor],
         checksums: Sequence[int] | None = None,
         durable: bool = False,
         owner: str = "",
@@ -211,7 +215,8 @@ class DeviceService:
                 carries the changes after it (this append's among them).
         """
         self.leases.sweep()
-        tensors = [from_payload(self._unstage(p) if isinstance(p, StagedBlock) else p)
+        tensors = [p if isinstance(p, torch.Tensor)  # a caller in this process
+                   else from_payload(self._unstage(p) if isinstance(p, StagedBlock) else p)
                    for p in blocks]
         stored = self.pool.put(update, tensors, checksums=checksums, durable=durable, owner=owner)
         if since is None:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +94,7 @@ class SessionRouter:
         router_name: the name of shard 0 (the others' names follow from it).
         directory: finds members by name: the journal's devices and archives
             after a restart, and the other shards (None: none can be found).
+        clock: seconds, monotonic (hotness; injectable for tests).
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class SessionRouter:
         shards: int = 1,
         router_name: str = "memkv-router",
         directory: Directory | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if default_ack not in ACK_MODES:
             raise InvalidInputError(f"default_ack must be one of {list(ACK_MODES)}")
@@ -122,6 +126,7 @@ class SessionRouter:
             hotness_half_life_s=hotness_half_life_s,
             prefix_affinity=prefix_affinity,
             journal=journal,
+            clock=clock,
         )
         self.collector = Collector(self.state, self.peers)
         self.members = Members(self.state, self._owner, self.collector.collect)
@@ -263,6 +268,39 @@ class SessionRouter:
             exact_only=request.exact_only,
             finite_only=request.finite_only,
         )
+
+    async def adopt_session(self, request: CreateSession, chain: list[bytes], tokens: int,
+                            turn: int) -> SessionView:
+        """A session whose blocks are all in the cold tier already (an earlier
+        version's records, another store's): registered archived, its chain held
+        whole by a device.
+
+        Raises:
+            BlockLostError: a block is in no tier (nothing is registered).
+            InvalidInputError: the chain does not cover ``tokens``.
+        """
+        await self._ready()
+        layout = request.layout.layout()
+        need = len(block_token_count(layout, tokens))
+        if len(chain) != need:
+            raise InvalidInputError(
+                f"the chain has {len(chain)} blocks; {tokens} tokens take {need}")
+        record = await self._create(request, {})
+        session_id = request.session_id
+        try:
+            update = self.state.sessions.plan_append(session_id, tokens, chain, 0)
+            device_id = self.state.place(session_id, chain)
+            await self.members.call(device_id, session_id, lambda d: d.adopt(
+                layout, chain, block_token_count(layout, tokens), record.priority.value,
+                record.exact_only, self._owner, False))
+        except BaseException:
+            self.state.delete(session_id)
+            raise
+        record.turn = max(turn, 1) - 1  # the put below is its turn
+        self.state.record_put(session_id, update)
+        self.state.record_state(session_id, SessionState.ARCHIVED)
+        await self._durable(True)
+        return record.view()
 
     async def session(self, session_id: str) -> SessionView:
         await self._ready()
