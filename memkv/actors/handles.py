@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from memkv.storage.segments import CompactionStats
 
 __all__ = [
-    "MEMBER_GONE_ERRORS",
     "ArchiveHandle",
     "DeviceHandle",
     "MemberPending",
@@ -73,16 +72,11 @@ class Pending(Generic[_T]):
         return self._read(ray.get(self._ref, timeout=timeout))
 
 
-#: What a call to a member raises when its process is gone: it died (Ray may
-#: restart it), or its node died and Ray cannot place it again (it is pinned to
-#: that node: ``ActorUnschedulableError``, which is not a ``RayActorError``).
-MEMBER_GONE_ERRORS = (RayActorError, ActorUnschedulableError)
-
-
 class MemberPending(Pending[_T]):
     """A member's answer: an actor that died surfaces as :class:`MemberGoneError`,
-    one whose node is gone as :class:`MemberLostError` (the router's logic knows
-    no Ray errors)."""
+    one whose node is gone as :class:`MemberLostError` (Ray cannot place an actor
+    pinned to a dead node again: ``ActorUnschedulableError``, which is not a
+    ``RayActorError``). The router's logic knows no Ray errors."""
 
     __slots__ = ()
 

@@ -325,7 +325,9 @@ def test_the_session_journal_follows_writes_suspends_and_deletes_across_reopens(
     s3.close()
 
 
-def test_manifests_of_an_earlier_version_move_into_the_session_journal(tmp_path):
+def _suspended_then_journal_removed(tmp_path):
+    """A suspended session's manifest and KV, its store closed and the service's
+    journal removed (what an earlier version left on disk, but for its records)."""
     s = make_store(tmp_path)
     keys, values = kv(12)
     s.create_session("old", LAYOUT, namespace="t")
@@ -333,8 +335,13 @@ def test_manifests_of_an_earlier_version_move_into_the_session_journal(tmp_path)
     s.suspend("old")
     manifest = s.service.state.get("old").manifest()
     s.close()
-    # What an earlier version wrote: the manifest as a segment record, no journal.
     shutil.rmtree(tmp_path / "cold" / "router")
+    return manifest, keys, values
+
+
+def test_manifests_of_an_earlier_version_move_into_the_session_journal(tmp_path):
+    # What an earlier version wrote: the manifest as a segment record, no journal.
+    manifest, keys, values = _suspended_then_journal_removed(tmp_path)
     digest = hashlib.blake2b(b"old", digest_size=HASH_BYTES).digest()
     segments = SegmentStore(ArchiveConfig(directory=tmp_path / "cold", fsync="never"))
     segments.put(
@@ -356,14 +363,7 @@ def test_manifests_of_an_earlier_version_move_into_the_session_journal(tmp_path)
 
 
 def test_the_suspended_sessions_journal_of_the_last_version_moves_into_the_service(tmp_path):
-    s = make_store(tmp_path)
-    keys, values = kv(12)
-    s.create_session("old", LAYOUT, namespace="t")
-    s.put_kv("old", list(range(12)), keys, values)
-    s.suspend("old")
-    manifest = s.service.state.get("old").manifest()
-    s.close()
-    shutil.rmtree(tmp_path / "cold" / "router")
+    manifest, keys, values = _suspended_then_journal_removed(tmp_path)
     previous = SuspendedSessions(tmp_path / "cold" / "sessions", fsync=False)
     previous.suspended(manifest)
     previous.suspended({**manifest, "session_id": "ghost", "chain": [b"\x01" * 16],

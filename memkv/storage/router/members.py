@@ -151,12 +151,7 @@ class Members:
         ):
             return
         try:
-            try:
-                info = await self.devices[device_id].ping()
-            except MemberLostError:
-                raise
-            except MemberGoneError:
-                info = await self.wait_for_restart(device_id)
+            info = await self._answer(device_id)
         except MemberLostError as e:
             await self._once(device_id, self._lose(device_id, plain_message(e)))
             return
@@ -177,6 +172,16 @@ class Members:
             raise
         finally:
             del self._recovering[device_id]
+
+    async def _answer(self, device_id: str) -> DeviceInfo:
+        """The device's ping, once Ray has restarted it if it died (MemberLostError
+        at once when its node is gone: nothing will restart it)."""
+        try:
+            return await self.devices[device_id].ping()
+        except MemberLostError:
+            raise
+        except MemberGoneError:
+            return await self.wait_for_restart(device_id)
 
     async def wait_for_restart(self, device_id: str) -> DeviceInfo:
         """The device's answer once Ray has restarted it (MemberGoneError past the timeout)."""
@@ -209,12 +214,7 @@ class Members:
                 continue
             self.devices[name] = device
             try:
-                try:
-                    info = await device.ping()
-                except MemberLostError:
-                    raise
-                except MemberGoneError:
-                    info = await self.wait_for_restart(name)  # it exists, and is restarting
+                info = await self._answer(name)
             except MemberLostError as e:
                 # Its node died with the router's: its sessions go to the others.
                 del self.devices[name]
