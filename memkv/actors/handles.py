@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from memkv.storage.segments import CompactionStats
 
 __all__ = [
+    "ACTOR_GONE_ERRORS",
     "ArchiveHandle",
     "DeviceHandle",
     "MemberPending",
@@ -70,6 +71,12 @@ class Pending(Generic[_T]):
 
     def result(self, timeout: float | None = None) -> _T:
         return self._read(ray.get(self._ref, timeout=timeout))
+
+
+#: What a call to an actor raises when its process is gone: it died (Ray may
+#: restart it), or its node died and Ray cannot place it again (it is pinned to
+#: that node: ``ActorUnschedulableError``, which is not a ``RayActorError``).
+ACTOR_GONE_ERRORS = (RayActorError, ActorUnschedulableError)
 
 
 class MemberPending(Pending[_T]):

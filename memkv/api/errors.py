@@ -13,9 +13,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
 )
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from memkv.actors.handles import ACTOR_GONE_ERRORS
 from memkv.errors import (
     BlockLostError,
     CapacityError,
@@ -117,7 +118,7 @@ _INTERNAL = ErrorDocument(type="InternalError", message="internal error", status
 def any_error_document(exc: BaseException) -> ErrorDocument:
     """:func:`error_document` of any exception, as the HTTP exception handlers answer it
     (the block port answers with this)."""
-    if isinstance(exc, RayActorError):
+    if isinstance(exc, ACTOR_GONE_ERRORS):
         logger.warning("a memkv actor is unavailable: %s", exc)
         return _RESTARTING.copy()
     cause = getattr(exc, "cause", None)
@@ -229,10 +230,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _memkv_error(request: Request, exc: MemkvError) -> JSONResponse:
         return error_response(exc)
 
-    @app.exception_handler(RayActorError)
-    async def _actor_unavailable(request: Request, exc: RayActorError) -> JSONResponse:
-        # An actor is restarting: the router recovers it; the client may retry.
+    async def _actor_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        # An actor is restarting (or its node is gone): the router recovers it or
+        # moves its sessions; the client may retry.
         return unavailable_response(exc)
+
+    for gone in ACTOR_GONE_ERRORS:
+        app.add_exception_handler(gone, _actor_unavailable)
 
     @app.exception_handler(RayError)
     async def _ray_error(request: Request, exc: RayError) -> JSONResponse:

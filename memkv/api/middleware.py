@@ -16,8 +16,9 @@ from prometheus_client import (
     Counter,
     Histogram,
 )
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayError
 
+from memkv.actors.handles import ACTOR_GONE_ERRORS
 from memkv.api.auth import Authenticator, Principal
 from memkv.api.errors import (
     PayloadTooLarge,
@@ -71,7 +72,7 @@ class BlockReadFastPath:
             response = await fastapi_app.state.session_blocks(who, match.group(1), *params)
         except MemkvError as e:
             response = error_response(e)
-        except RayActorError as e:
+        except ACTOR_GONE_ERRORS as e:
             response = unavailable_response(e)
         except RayError as e:
             cause = getattr(e, "cause", None)

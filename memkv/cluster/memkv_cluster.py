@@ -18,10 +18,9 @@ import numpy as np
 import ray
 import torch
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt
 
-from memkv.actors.handles import DeviceHandle
+from memkv.actors.handles import ACTOR_GONE_ERRORS, DeviceHandle
 from memkv.actors.payload import (
     READ_BATCH_BLOCKS,
     READ_WINDOW_BATCHES,
@@ -273,7 +272,7 @@ class MemkvCluster:
                     position += 1
                     yield payload
                 return
-            except RayActorError:
+            except ACTOR_GONE_ERRORS:
                 if attempt >= _DEVICE_RETRIES:
                     raise
                 attempt += 1
@@ -288,7 +287,7 @@ class MemkvCluster:
             ray.get(router.device_failed.remote(asked[-1]))  # the router recovers it
 
         for attempt in Retrying(
-            retry=retry_if_exception_type(RayActorError),
+            retry=retry_if_exception_type(ACTOR_GONE_ERRORS),
             stop=stop_after_attempt(1 + _DEVICE_RETRIES),
             before_sleep=recover,
             reraise=True,
@@ -444,7 +443,7 @@ class MemkvCluster:
                     break
                 try:
                     done, left = DeviceHandle(handle).archive_held(batch_blocks).result(left_s)
-                except (RayActorError, ray.exceptions.GetTimeoutError) as e:
+                except (*ACTOR_GONE_ERRORS, ray.exceptions.GetTimeoutError) as e:
                     logger.warning("device %s was not drained: %s", device_id, e)
                     complete = False
                     break
@@ -456,7 +455,7 @@ class MemkvCluster:
         try:
             ray.get([h.flush_journal.remote() for h in self.routers.handles],
                     timeout=max(deadline - time.monotonic(), 1.0))
-        except (RayActorError, ray.exceptions.GetTimeoutError) as e:
+        except (*ACTOR_GONE_ERRORS, ray.exceptions.GetTimeoutError) as e:
             logger.warning("a router journal was not made durable: %s", e)
             complete = False
         return complete
@@ -481,7 +480,7 @@ class MemkvCluster:
         closing = [h.close.remote() for h in self._owned if h not in self.routers.handles]
         try:
             ray.get(closing, timeout=_CLOSE_TIMEOUT_S)
-        except (RayActorError, ray.exceptions.GetTimeoutError) as e:
+        except (*ACTOR_GONE_ERRORS, ray.exceptions.GetTimeoutError) as e:
             logger.warning("some memkv actors did not close cleanly: %s", e)
         for handle in self._owned:
             try:

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Query, Response
 from fastapi.responses import StreamingResponse
 from ray.exceptions import RayError
 
+from memkv.actors.handles import ACTOR_GONE_ERRORS
 from memkv.actors.payload import BlockPayload
 from memkv.actors.router_shards import merge_located
 from memkv.api.auth import Principal
@@ -115,11 +116,12 @@ async def session_blocks(
     whole = await owner.read_route.remote(sid, 0, None)
     try:
         response = await opened(whole)
-    except NotFoundError:
-        if not whole.keys:
+    except (NotFoundError, *ACTOR_GONE_ERRORS) as e:
+        if isinstance(e, NotFoundError) and not whole.keys:
             raise
-        # Blocks of the route missing on its device: it may have restarted
-        # since the router last looked. Have it check, then ask again.
+        # Blocks of the route missing on its device, or the device gone: it may
+        # have restarted since the router last looked, or its node died (the
+        # router then moves its sessions). Have it check, then ask again.
         await owner.device_failed.remote(whole.device_id)
         whole = await owner.read_route.remote(sid, 0, None)
         response = await opened(whole)

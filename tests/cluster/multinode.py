@@ -1,0 +1,170 @@
+"""memkv on several Ray nodes of this machine, and one of them lost.
+
+Run as a program (``python -m tests.cluster.multinode DIR``): a Ray cluster of
+its own (``ray.cluster_utils.Cluster``, Ray's multi-node test harness) cannot
+share a pytest process with the suite's session Ray, since a process joins one
+cluster. It prints one JSON document of what it saw; ``test_multinode.py``
+asserts on it.
+
+The cluster: a head node with the archive (``nvme``) and the router, and three
+worker nodes with a device each. Sessions of both acknowledgement modes are
+spread over the devices and read back across nodes; then a worker node is
+killed with its raylet and processes (``remove_node(allow_graceful=False)``),
+and the sessions are read again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEVICE, NVME = "mn_device", "mn_nvme"
+WORKERS = 3
+SESSIONS_PER_MODE = 6
+TOKENS = 10  # 3 blocks of 4, the last partial
+
+
+def _config(archive_dir: Path) -> Any:
+    from memkv.config import load_config
+
+    unit = 4096
+    return load_config(
+        overrides={
+            "cluster": {"namespace": "memkv-multinode", "device_resource": DEVICE,
+                        "nvme_resource": NVME},
+            "device": {
+                "hot_capacity_bytes": 16 * unit,
+                "warm_capacity_bytes": 16 * unit,
+                "allocator": {"min_unit_bytes": unit},
+                "precision": {"later_dtype": "float32"},
+            },
+            "archive": {"directory": str(archive_dir), "fsync": "never"},
+            "router": {"background_prefetch_interval_s": 3600},
+        },
+        environ={},
+    )
+
+
+def _kv(seed: int) -> tuple[list[Any], list[Any]]:
+    import torch
+
+    from memkv.storage.layout import KVLayout
+
+    layout = KVLayout("multinode-model", 2, 2, 8, block_tokens=4)
+    g = torch.Generator().manual_seed(seed)
+    shape = (layout.num_kv_heads, TOKENS, layout.head_dim)
+    keys = [torch.randn(shape, generator=g).half() for _ in range(layout.num_layers)]
+    values = [torch.randn(shape, generator=g).half() for _ in range(layout.num_layers)]
+    return keys, values
+
+
+def _read(cluster: Any, sid: str) -> list[bytes]:
+    return [bytes(block.numpy().tobytes()) for _, block in cluster.read_session(sid)]
+
+
+def main(workdir: Path) -> dict[str, Any]:
+    from memkv.cluster.loopback import keep_ray_on_loopback
+
+    keep_ray_on_loopback()
+    import ray
+    from ray._private import utils as ray_utils
+    from ray.cluster_utils import Cluster
+
+    from memkv.api.server import GatewayServer
+    from memkv.client import Client
+    from memkv.cluster import connect
+    from memkv.errors import BlockLostError
+    from memkv.storage.layout import KVLayout, split_kv
+
+    layout = KVLayout("multinode-model", 2, 2, 8, block_tokens=4)
+    # The harness writes its address as this machine's current Ray ("auto"): the
+    # suite's own Ray is put back there when this one is gone.
+    previous_address = ray_utils.read_ray_address()
+    # Node deaths noticed in about a second, not Ray's default of tens.
+    fast_health = {"health_check_period_ms": 200, "health_check_failure_threshold": 3,
+                   "health_check_timeout_ms": 500}
+    harness = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {NVME: 1}, "node_ip_address": "127.0.0.1",
+        "include_dashboard": False, "_system_config": fast_health})
+    out: dict[str, Any] = {}
+    try:
+        # The driver joins before the workers exist, so its node is the head's.
+        harness.connect(namespace="memkv-multinode")
+        workers = [harness.add_node(num_cpus=1, resources={DEVICE: 1},
+                                    node_ip_address="127.0.0.1") for _ in range(WORKERS)]
+        with connect(harness.address, config=_config(workdir / "archive"),
+                     detached=False) as cluster:
+            node_of = {name: ray.get(handle.node.remote())
+                       for name, handle in cluster.devices.items()}
+            out["device_nodes"] = len(set(node_of.values()))
+            # Where Ray put the router (it is not pinned; the router's own node loss is
+            # a later test): the node lost below is another.
+            router_node = ray.get(cluster.router.__ray_call__.remote(
+                lambda _self: ray.get_runtime_context().get_node_id()))
+            written: dict[str, list[bytes]] = {}
+            for i in range(2 * SESSIONS_PER_MODE):
+                sid = f"s{i}"
+                ack = "archive" if i % 2 == 0 else "memory"
+                cluster.create_session(sid, layout, namespace="mn", ack=ack)
+                keys, values = _kv(i)
+                cluster.put_kv(sid, [i * 1000 + t for t in range(TOKENS)], keys, values)
+                written[sid] = [b.numpy().tobytes() for b in split_kv(layout, keys, values)]
+            device_of = {sid: cluster.device_of(sid) for sid in written}
+            out["devices_used"] = len(set(device_of.values()))
+            out["exact_across_nodes"] = all(_read(cluster, s) == written[s] for s in written)
+
+            # Lose the worker node whose device holds the most sessions (not the router's).
+            victim = max((d for d in cluster.devices if node_of[d] != router_node),
+                         key=lambda d: (list(device_of.values()).count(d), d))
+            node = next(w for w in workers if w.node_id == node_of[victim])
+            on_victim = [s for s in written if device_of[s] == victim]
+            started = time.monotonic()
+            harness.remove_node(node, allow_graceful=False)
+            out["removed"] = {"device": victim, "sessions": len(on_victim)}
+            # The first read after the loss goes over HTTP: whether the gateway or the
+            # router finds the device gone first, it is served where the session moved.
+            durable = next(s for s in on_victim if int(s[1:]) % 2 == 0)
+            with GatewayServer.start(cluster, port=0, block_port=None, put_staging_bytes=0,
+                                     same_node_reads=False) as gateway, \
+                    Client(gateway.url, block_port=False) as client:
+                out["http_after_loss"] = (
+                    "exact" if [b.array.tobytes() for b in client.read_blocks(durable)]
+                    == written[durable] else "differs")
+
+            outcome: dict[str, str] = {}
+            for sid in written:
+                try:
+                    outcome[sid] = "exact" if _read(cluster, sid) == written[sid] else "differs"
+                except BlockLostError as e:
+                    outcome[sid] = f"lost: {e}"
+            out["recovery_s"] = round(time.monotonic() - started, 2)
+            out["archive_mode_on_victim"] = sorted(
+                {outcome[s] for s in on_victim if int(s[1:]) % 2 == 0})
+            out["memory_mode_on_victim"] = sorted(
+                {outcome[s].split(":")[0] for s in on_victim if int(s[1:]) % 2 == 1})
+            out["lost_reason_names_device"] = all(
+                victim in outcome[s] for s in on_victim if outcome[s].startswith("lost"))
+            out["elsewhere"] = sorted(
+                {outcome[s] for s in written if device_of[s] != victim})
+            out["moved_off_victim"] = all(
+                cluster.device_of(s) != victim for s in on_victim if outcome[s] == "exact")
+            cluster.create_session("after", layout, namespace="mn")
+            keys, values = _kv(99)
+            cluster.put_kv("after", list(range(TOKENS)), keys, values)
+            out["new_session_device_live"] = cluster.device_of("after") != victim
+            out["stats_devices"] = sorted(cluster.stats().devices)
+    finally:
+        ray.shutdown()
+        harness.shutdown()
+        if previous_address:
+            ray_utils.write_ray_address(previous_address)
+        else:
+            Path(ray_utils.get_ray_address_file(None)).unlink(missing_ok=True)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(Path(sys.argv[1]))))

@@ -1,0 +1,42 @@
+"""memkv on four Ray nodes of this machine, one of which dies (``multinode.py``).
+
+The scenario runs in a process of its own (its Ray cluster cannot share this
+one's); it reports what it saw as JSON, asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from memkv.cluster.loopback import LOOPBACK_ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sessions_spread_over_nodes_and_survive_a_node_loss_as_their_mode_promises(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.cluster.multinode", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        env={**os.environ, **LOOPBACK_ENV},
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    # One device per worker node, every one used; reads from the head exact.
+    assert seen["device_nodes"] == 3 and seen["devices_used"] == 3
+    assert seen["exact_across_nodes"]
+    # The lost node's archive-mode sessions read back whole from another device;
+    # its memory-mode ones answer BlockLostError (410) naming the device; the rest
+    # of the cluster is untouched, and new sessions go to live devices only.
+    assert seen["http_after_loss"] == "exact"  # the gateway's first read after the loss
+    assert seen["archive_mode_on_victim"] == ["exact"]
+    assert seen["memory_mode_on_victim"] == ["lost"]
+    assert seen["lost_reason_names_device"]
+    assert seen["moved_off_victim"]
+    assert seen["elsewhere"] == ["exact"]
+    assert seen["new_session_device_live"]
+    assert seen["removed"]["device"] not in seen["stats_devices"]
+    assert len(seen["stats_devices"]) == 2
