@@ -51,6 +51,15 @@ def _summary(stats: ClusterStats) -> Table:
         table.add_row("router shards", " / ".join(str(n) for n in stats.shard_sessions))
     table.add_row("KV held (logical)", human_bytes(stats.logical_bytes))
     table.add_row("devices / archives", f"{len(stats.devices)} / {len(stats.archives)}")
+    if stats.repair is not None:
+        r = stats.repair
+        lost = f", lost: {', '.join(r.lost_archives)}" if r.lost_archives else ""
+        table.add_row(
+            "cold replicas",
+            f"{min(r.replicas, max(r.live_archives, 1))} of {r.replicas} asked; "
+            f"{r.under_replicated} blocks short; repaired {r.repaired_blocks} "
+            f"({human_bytes(r.repaired_bytes)}){lost}",
+        )
     served = f"{reads} of {reads + misses} ({_ratio(reads, reads + misses)})"
     table.add_row("block reads served", served)
     return table

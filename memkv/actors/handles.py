@@ -246,6 +246,13 @@ class ArchiveHandle:
     def stats(self) -> MemberPending[ArchiveStats]:
         return MemberPending(self.actor.stats.remote(), _same)
 
+    def get_records(self, keys: Sequence[bytes]) -> MemberPending[list[tuple[bytes, bytes] | None]]:
+        return MemberPending(self.actor.get_records.remote(list(keys)), _same)
+
+    def put_frames(self, items: Sequence[tuple[bytes, bytes, bytes]],
+                   durable: bool) -> MemberPending[int]:
+        return MemberPending(self.actor.put_frames.remote(list(items), durable), _same)
+
 
 class PeerHandle:
     """Another router shard as a :class:`memkv.protocol.members.RouterPeer`."""

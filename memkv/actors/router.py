@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from memkv.actors.handles import ArchiveHandle, DeviceHandle, RayDirectory
+from memkv.actors.node_env import export_node_id
 from memkv.protocol.services import AppendTurn, CreateSession, CreateSessions, decode, encode
 from memkv.storage.router import RouterState, SessionRouter
 
@@ -25,6 +26,7 @@ class SessionRouterShell(SessionRouter):
     is the other end of the ``*_wire`` methods)."""
 
     def __init__(self, namespace: str | None = None, **options: Any) -> None:
+        export_node_id()  # its journal's path may name $MEMKV_NODE_ID
         # The deployment's namespace, passed: the actor's runtime context names
         # the namespace of the job that created it, which may be another.
         super().__init__(directory=RayDirectory(namespace), **options)

@@ -26,6 +26,7 @@ from memkv.protocol.stats import (
     ArchiveStats,
     ClusterStats,
     DeviceStats,
+    RepairStats,
     TenantUse,
 )
 
@@ -115,10 +116,31 @@ class _Snapshot:
             "memkv_background_prefetched", "Blocks the router's background prefetch promoted.",
             value=st.background_prefetched,
         )
+        if st.repair is not None:
+            yield from self._repair(st.repair)
         if self._with_tenants:
             yield from self._tenants(st.tenants)
         yield from self._devices(st.devices)
         yield from self._archives(st.archives)
+
+    @staticmethod
+    def _repair(r: RepairStats) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "memkv_cold_under_replicated_blocks",
+            "Cold blocks on fewer live archives than archive.replicas, after the last repair.",
+            value=r.under_replicated,
+        )
+        yield CounterMetricFamily(
+            "memkv_cold_repaired_blocks", "Cold block copies made by replica repair.",
+            value=r.repaired_blocks,
+        )
+        yield CounterMetricFamily(
+            "memkv_cold_repaired_bytes", "Bytes copied by replica repair.",
+            value=r.repaired_bytes,
+        )
+        yield GaugeMetricFamily(
+            "memkv_archives_lost", "Archives whose node is gone.", value=len(r.lost_archives)
+        )
 
     @staticmethod
     def _tenants(tenants: dict[str, TenantUse]) -> Iterator[Metric]:

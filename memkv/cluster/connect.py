@@ -20,7 +20,7 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from memkv.actors.archive import ArchiveActor
-from memkv.actors.device import DeviceCacheActor
+from memkv.actors.device import DeviceCacheActor, replica_order
 from memkv.actors.router import SessionRouterActor
 from memkv.actors.router_shards import RouterShards
 from memkv.cluster.loopback import (
@@ -35,7 +35,6 @@ from memkv.errors import ConfigError
 from memkv.protocol.shards import shard_name
 
 __all__ = ["LOOPBACK_ENV", "MemkvCluster", "attach", "connect"]
-
 
 
 def attach(address: str, *, namespace: str | None = None) -> MemkvCluster:
@@ -172,6 +171,7 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
         )
     fallback_archive = next(iter(archives))
 
+    archive_names = list(archives)
     devices: dict[str, ActorHandle] = {}
     for node in nodes:
         node_id = node["NodeID"]
@@ -193,6 +193,14 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
                 archive_by_node.get(node_id, fallback_archive),
                 devices_on_node=count,
                 namespace=settings.namespace,
+                # Its own node's archive first; the second copies of the devices
+                # of a node spread over the other archives.
+                archives=replica_order(
+                    archive_by_node.get(node_id, fallback_archive),
+                    archive_names,
+                    spread=len(devices),
+                ),
+                archive_replicas=cfg.archive.replicas,
             )
             devices[name] = handle
     if not devices:
@@ -215,6 +223,8 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
             journal_dir=str(router_journal_dir(cfg, i, shards)) if cfg.router.journal else None,
             journal_fsync=cfg.router.journal_fsync,
             default_ack=cfg.router.default_ack,
+            archive_replicas=cfg.archive.replicas,
+            repair_interval_s=cfg.archive.repair_interval_s,
             shard=i,
             shards=shards,
             router_name=settings.router_name,

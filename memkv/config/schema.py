@@ -264,6 +264,19 @@ class ArchiveSettings(_Frozen):
     compact_interval_s: float = Field(
         default=60.0, gt=0, description="Seconds between the archive actor's compaction passes."
     )
+    replicas: int = Field(
+        default=2,
+        ge=1,
+        description="Copies of each cold block, on archives of distinct nodes (one archive per "
+        "node); an archive-mode append is acknowledged once every copy is fsynced. Capped by "
+        "the archives there are: one archive node keeps one copy.",
+    )
+    repair_interval_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds between the router's passes that copy blocks held by fewer "
+        "than `replicas` live archives (after an archive's node is lost).",
+    )
 
     def archive_config(self, subdir: str | None = None) -> ArchiveConfig:
         """The storage engine's :class:`ArchiveConfig` under this directory.

@@ -109,7 +109,7 @@ class BlockStore(Protocol):
 
 
 class Archive(Protocol):
-    """A node's cold tier, as a router collects its garbage."""
+    """A node's cold tier, as a router collects its garbage and repairs its replicas."""
 
     def ping(self) -> Awaitable[str]: ...
 
@@ -118,6 +118,15 @@ class Archive(Protocol):
     def delete(self, keys: Sequence[bytes]) -> Awaitable[int]: ...
 
     def stats(self) -> Awaitable[ArchiveStats]: ...
+
+    def get_records(self, keys: Sequence[bytes]) -> Awaitable[list[tuple[bytes, bytes] | None]]:
+        """``(frame, fingerprint)`` per key, None where not stored whole (repair's source)."""
+        ...
+
+    def put_frames(self, items: Sequence[tuple[bytes, bytes, bytes]],
+                   durable: bool) -> Awaitable[int]:
+        """Store ``(key, frame, fingerprint)`` triples (repair's destination)."""
+        ...
 
 
 class RouterPeer(Protocol):

@@ -103,6 +103,19 @@ class TenantUse(msgspec.Struct, frozen=True, kw_only=True):
     bytes: int
 
 
+class RepairStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Replica repair of the cold tier (the router's, :mod:`memkv.storage.router.repair`)."""
+
+    replicas: int  # copies of each block asked for (archive.replicas)
+    live_archives: int
+    under_replicated: int  # blocks short of copies after the last pass
+    repaired_blocks: int  # copies made, over the router's life
+    repaired_bytes: int
+    passes: int
+    last_pass_s: float
+    lost_archives: list[str] = msgspec.field(default_factory=list)
+
+
 class ClusterStats(msgspec.Struct, frozen=True, kw_only=True):
     """The whole table's figures (one shard's, or every shard's merged)."""
 
@@ -114,6 +127,8 @@ class ClusterStats(msgspec.Struct, frozen=True, kw_only=True):
     devices: dict[str, DeviceStats] = msgspec.field(default_factory=dict)
     archives: dict[str, ArchiveStats] = msgspec.field(default_factory=dict)
     background_prefetched: int = 0
+    #: Replica repair of the cold tier (the shard that runs it: shard 0).
+    repair: RepairStats | None = None
     #: Sessions per shard, in shard order (a sharded table; empty with one shard).
     shard_sessions: list[int] = msgspec.field(default_factory=list)
     #: Which shard answered (None: every shard's figures merged).

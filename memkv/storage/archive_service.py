@@ -18,7 +18,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 
-from memkv.errors import InvalidInputError
+from memkv.errors import CorruptDataError, InvalidInputError, UnknownBlockError
 from memkv.protocol.hashing import HASH_BYTES
 from memkv.protocol.stats import ArchiveStats
 from memkv.storage.codecs import verify_frame
@@ -42,6 +42,7 @@ class ArchiveService:
 
     def __init__(self, config: ArchiveConfig, *, compact_interval_s: float | None = None) -> None:
         self.incarnation = uuid.uuid4().hex
+        self.corrupt_reads = 0  # damaged frames a replica was asked for instead
         self._segments = SegmentStore(config)
         self._stop = threading.Event()
         self._compactor: threading.Thread | None = None
@@ -85,17 +86,59 @@ class ArchiveService:
             self._segments.flush()
         return written
 
-    def codecs(self, keys: Sequence[bytes]) -> list[str]:
-        """The codec of each stored frame (from the index; UnknownBlockError if one is not)."""
-        return [CODEC_NAMES[self._segments.meta(_check_key(k)).codec_id] for k in keys]
+    def codecs(self, keys: Sequence[bytes], missing_ok: bool = False) -> list[str | None]:
+        """The codec of each stored frame, from the index.
+
+        Args:
+            missing_ok: None for a key not stored (else UnknownBlockError).
+        """
+        out: list[str | None] = []
+        for key in keys:
+            if missing_ok and _check_key(key) not in self._segments:
+                out.append(None)
+                continue
+            out.append(CODEC_NAMES[self._segments.meta(_check_key(key)).codec_id])
+        return out
 
     def keys(self) -> list[bytes]:
         """Every stored block's key (the router collects those no session holds)."""
         return list(self._segments.keys())
 
-    def get_frames(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Frames of ``keys``, verified (CorruptDataError, UnknownBlockError otherwise)."""
-        return [self._segments.get(_check_key(k)) for k in keys]
+    def get_frames(self, keys: Sequence[bytes], missing_ok: bool = False) -> list[bytes | None]:
+        """Frames of ``keys``, verified.
+
+        Args:
+            missing_ok: None for a key not stored here, or stored damaged (a
+                replica serves it instead; the damage is logged and counted).
+                Otherwise those raise UnknownBlockError and CorruptDataError.
+        """
+        if not missing_ok:
+            return [self._segments.get(_check_key(k)) for k in keys]
+        out: list[bytes | None] = []
+        for key in keys:
+            try:
+                out.append(self._segments.get(_check_key(key)))
+            except UnknownBlockError:
+                out.append(None)
+            except CorruptDataError as e:
+                self.corrupt_reads += 1
+                logger.error("archive frame not served: %s", e)
+                out.append(None)
+        return out
+
+    def get_records(self, keys: Sequence[bytes]) -> list[tuple[bytes, bytes] | None]:
+        """``(frame, fingerprint)`` of each key, verified; None where it is not
+        stored here whole (what replica repair copies to another archive)."""
+        out: list[tuple[bytes, bytes] | None] = []
+        for key, frame in zip(keys, self.get_frames(keys, missing_ok=True), strict=True):
+            if frame is None:
+                out.append(None)
+                continue
+            try:
+                out.append((frame, self._segments.meta(key).fingerprint))
+            except UnknownBlockError:  # deleted since (the collector)
+                out.append(None)
+        return out
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         return [k in self._segments for k in keys]
@@ -113,8 +156,11 @@ class ArchiveService:
     def stats(self) -> ArchiveStats:
         s = self._segments.stats()
         return ArchiveStats(
-            blocks=s.live_records, live_bytes=s.live_bytes, dead_bytes=s.dead_bytes,
-            bytes_on_disk=s.bytes_on_disk, segments=s.segments,
+            blocks=s.live_records,
+            live_bytes=s.live_bytes,
+            dead_bytes=s.dead_bytes,
+            bytes_on_disk=s.bytes_on_disk,
+            segments=s.segments,
             corrupt_records=s.corrupt_records,
         )
 

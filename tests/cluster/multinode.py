@@ -6,11 +6,14 @@ share a pytest process with the suite's session Ray, since a process joins one
 cluster. It prints one JSON document of what it saw; ``test_multinode.py``
 asserts on it.
 
-The cluster: a head node with the archive (``nvme``) and the router, and three
-worker nodes with a device each. Sessions of both acknowledgement modes are
-spread over the devices and read back across nodes; then a worker node is
-killed with its raylet and processes (``remove_node(allow_graceful=False)``),
-and the sessions are read again.
+The cluster: a head node with an archive (``nvme``) and the router, and three
+worker nodes with a device each, two of them with an archive too: three
+archives, each cold block on two of them (``archive.replicas``), every archive
+in a directory of its node (``$MEMKV_NODE_ID``). Sessions of both
+acknowledgement modes are spread over the devices and read back across nodes;
+then a worker node with a device and an archive is killed with its raylet and
+processes (``remove_node(allow_graceful=False)``), the sessions are read again,
+and the router's repair puts the lost archive's copies back on the others.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from typing import Any
 
 DEVICE, NVME = "mn_device", "mn_nvme"
 WORKERS = 3
+ARCHIVE_WORKERS = 2  # the first two workers keep an archive beside their device
 SESSIONS_PER_MODE = 6
 TOKENS = 10  # 3 blocks of 4, the last partial
 
 
 def _config(archive_dir: Path) -> Any:
+    """Small tiers, three archives with two copies of each cold block; repair on demand."""
     from memkv.config import load_config
 
     unit = 4096
@@ -41,7 +46,9 @@ def _config(archive_dir: Path) -> Any:
                 "allocator": {"min_unit_bytes": unit},
                 "precision": {"later_dtype": "float32"},
             },
-            "archive": {"directory": str(archive_dir), "fsync": "never"},
+            # One directory per node: the simulated nodes share this machine's disk.
+            "archive": {"directory": str(archive_dir / "$MEMKV_NODE_ID" / "archive"),
+                        "fsync": "never", "replicas": 2, "repair_interval_s": 3600},
             "router": {"background_prefetch_interval_s": 3600},
         },
         environ={},
@@ -93,13 +100,16 @@ def main(workdir: Path) -> dict[str, Any]:
     try:
         # The driver joins before the workers exist, so its node is the head's.
         harness.connect(namespace="memkv-multinode")
-        workers = [harness.add_node(num_cpus=1, resources={DEVICE: 1},
-                                    node_ip_address="127.0.0.1") for _ in range(WORKERS)]
-        with connect(harness.address, config=_config(workdir / "archive"),
+        workers = [harness.add_node(
+            num_cpus=1, resources={DEVICE: 1, **({NVME: 1} if i < ARCHIVE_WORKERS else {})},
+            node_ip_address="127.0.0.1") for i in range(WORKERS)]
+        with connect(harness.address, config=_config(workdir),
                      detached=False) as cluster:
             node_of = {name: ray.get(handle.node.remote())
                        for name, handle in cluster.devices.items()}
             out["device_nodes"] = len(set(node_of.values()))
+            out["archives"] = len(cluster.archives)
+            archive_nodes = {w.node_id for w in workers[:ARCHIVE_WORKERS]}
             # Where Ray put the router (it is not pinned; the router's own node loss is
             # a later test): the node lost below is another.
             router_node = ray.get(cluster.router.__ray_call__.remote(
@@ -116,8 +126,10 @@ def main(workdir: Path) -> dict[str, Any]:
             out["devices_used"] = len(set(device_of.values()))
             out["exact_across_nodes"] = all(_read(cluster, s) == written[s] for s in written)
 
-            # Lose the worker node whose device holds the most sessions (not the router's).
-            victim = max((d for d in cluster.devices if node_of[d] != router_node),
+            # Lose the worker node with an archive whose device holds the most sessions
+            # (not the router's node).
+            victim = max((d for d in cluster.devices
+                          if node_of[d] != router_node and node_of[d] in archive_nodes),
                          key=lambda d: (list(device_of.values()).count(d), d))
             node = next(w for w in workers if w.node_id == node_of[victim])
             on_victim = [s for s in written if device_of[s] == victim]
@@ -155,7 +167,17 @@ def main(workdir: Path) -> dict[str, Any]:
             keys, values = _kv(99)
             cluster.put_kv("after", list(range(TOKENS)), keys, values)
             out["new_session_device_live"] = cluster.device_of("after") != victim
-            out["stats_devices"] = sorted(cluster.stats().devices)
+            stats = cluster.stats()
+            out["stats_devices"] = sorted(stats.devices)
+            out["stats_archives"] = len(stats.archives)
+            # Repair: every block some session holds is on two live archives again.
+            repaired = ray.get(cluster.router.repair_replicas.remote())
+            out["repair"] = {"lost": repaired.lost_archives, "live": repaired.live_archives,
+                             "repaired": repaired.repaired_blocks,
+                             "short": repaired.under_replicated}
+            again = ray.get(cluster.router.repair_replicas.remote())
+            out["repair_again_copies"] = again.repaired_blocks - repaired.repaired_blocks
+            out["archive_dirs"] = sorted(p.parent.name for p in workdir.glob("*/archive"))
     finally:
         ray.shutdown()
         harness.shutdown()

@@ -1,4 +1,5 @@
-"""memkv on four Ray nodes of this machine, one of which dies (``multinode.py``).
+"""memkv on four Ray nodes of this machine, one of which dies with a device and an
+archive (``multinode.py``).
 
 The scenario runs in a process of its own (its Ray cluster cannot share this
 one's); it reports what it saw as JSON, asserted here.
@@ -40,3 +41,10 @@ def test_sessions_spread_over_nodes_and_survive_a_node_loss_as_their_mode_promis
     assert seen["new_session_device_live"]
     assert seen["removed"]["device"] not in seen["stats_devices"]
     assert len(seen["stats_devices"]) == 2
+    # Three archives, each in its node's own directory; the lost node's archive is
+    # left out of the figures, and repair put its copies back on the others.
+    assert seen["archives"] == 3 and len(seen["archive_dirs"]) == 3
+    assert seen["stats_archives"] == 2
+    assert len(seen["repair"]["lost"]) == 1 and seen["repair"]["live"] == 2
+    assert seen["repair"]["repaired"] > 0 and seen["repair"]["short"] == 0
+    assert seen["repair_again_copies"] == 0

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypeVar
 
-from memkv.errors import MemberGoneError
+from memkv.errors import MemberGoneError, MemberLostError
 from memkv.protocol.members import Archive, Directory
 from memkv.storage.router.peers import ShardPeers
 from memkv.storage.router.state import RouterState
@@ -22,6 +23,8 @@ from memkv.storage.router.state import RouterState
 __all__ = ["Collector"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class Collector:
@@ -36,6 +39,7 @@ class Collector:
         self.state = state
         self.peers = peers
         self.archives: dict[str, Archive] = {}
+        self.lost_archives: set[str] = set()  # their node is gone
         # Blocks of appends between their device put and their record: a delete
         # meanwhile must not send them to the archive's delete (the device may
         # have deduplicated the append against the very copy being collected).
@@ -58,6 +62,38 @@ class Collector:
         """Whether a session of this shard, or an append in flight, holds each block."""
         return [self.state.referenced(k) or k in self._in_flight for k in keys]
 
+    def lose_archive(self, name: str, error: BaseException) -> None:
+        """An archive whose node is gone: forgotten (its blocks' other copies serve)."""
+        if self.archives.pop(name, None) is not None:
+            logger.warning("archive %s is lost (%s); its replicas serve its blocks", name, error)
+            self.lost_archives.add(name)
+            self.state.forget_archive(name)
+
+    async def each_archive(self, ask: Callable[[Archive], Awaitable[_T]]) -> dict[str, _T]:
+        """``ask`` of every archive, concurrently; one found lost is forgotten and left out."""
+        names = list(self.archives)
+        answers = await asyncio.gather(
+            *(ask(self.archives[n]) for n in names), return_exceptions=True
+        )
+        out: dict[str, _T] = {}
+        for name, answer in zip(names, answers, strict=True):
+            if isinstance(answer, MemberLostError):
+                self.lose_archive(name, answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                out[name] = answer
+        return out
+
+    async def referenced_anywhere(self, keys: list[bytes]) -> set[bytes]:
+        """Those of ``keys`` a session of any shard (or an append in flight here) holds."""
+        mine = {k for k, held in zip(keys, self.referenced(keys), strict=True) if held}
+        others = [k for k in keys if k not in mine]
+        if others and self.peers.names:
+            nobody = set(await self.peers.unreferenced(others))
+            mine |= {k for k in others if k not in nobody}
+        return mine
+
     async def collect(self, garbage: list[bytes]) -> None:
         """Delete blocks this shard's table no longer references, unless someone else does.
 
@@ -68,7 +104,7 @@ class Collector:
         if garbage and self.archives:
             garbage = await self.peers.unreferenced(garbage)
         if garbage and self.archives:
-            await asyncio.gather(*(a.delete(garbage) for a in self.archives.values()))
+            await self.each_archive(lambda a: a.delete(garbage))
 
     async def collect_unreferenced(self, archives: Sequence[Archive]) -> None:
         """Delete archived blocks no session holds (left by appends a crash never recorded).

@@ -48,13 +48,14 @@ from memkv.protocol.services import (
     SessionViews,
 )
 from memkv.protocol.shards import shard_owner
-from memkv.protocol.stats import ClusterStats, DeviceStats
+from memkv.protocol.stats import ClusterStats, DeviceStats, RepairStats
 from memkv.storage.journal import Journal
 from memkv.storage.router.appends import Appends
 from memkv.storage.router.background import BackgroundPrefetch
 from memkv.storage.router.collector import Collector
 from memkv.storage.router.members import Members
 from memkv.storage.router.peers import ShardPeers
+from memkv.storage.router.repair import ReplicaRepair
 from memkv.storage.router.state import RouterState, tenant_of
 from memkv.storage.sessions import SessionRecord
 
@@ -108,6 +109,8 @@ class SessionRouter:
         journal_dir: str | None = None,
         journal_fsync: bool = True,
         default_ack: str = "memory",
+        archive_replicas: int = 1,
+        repair_interval_s: float = 10.0,
         shard: int = 0,
         shards: int = 1,
         router_name: str = "memkv-router",
@@ -134,6 +137,9 @@ class SessionRouter:
             self.state, self.members, interval_s=background_prefetch_interval_s,
             hot_idle_fraction=hot_idle_fraction, head_blocks=head_blocks,
         )
+        # One shard repairs the cold tier's replicas (each knows every archive).
+        self.repair = ReplicaRepair(self.collector, replicas=archive_replicas,
+                                    interval_s=repair_interval_s) if shard == 0 else None
         self._directory = directory
         self._default_ack = default_ack
         self._head_blocks = head_blocks
@@ -164,7 +170,10 @@ class SessionRouter:
         await self._ready()
         await archive.ping()
         self.collector.archives[archive_id] = archive
+        self.collector.lost_archives.discard(archive_id)
         self.state.add_archive(archive_id)
+        if self.repair is not None:
+            self.repair.ensure_running()
         if not self.appends.taken and self.state.journal is not None:
             # A router that has taken no append since it started (from its journal)
             # may collect: no block of an append in flight can be mistaken for garbage.
@@ -486,10 +495,7 @@ class SessionRouter:
         (a client merging shards asks one shard for them)."""
         await self._ready()
         devices = await self._device_stats() if members else {}
-        archives = (
-            {a: await arc.stats() for a, arc in self.collector.archives.items()}
-            if members else {}
-        )
+        archives = await self.collector.each_archive(lambda a: a.stats()) if members else {}
         states = Counter("lost" if r.lost else r.state.value for r in self.state.sessions)
         logical = sum(
             r.layout.block_nbytes(n)
@@ -508,7 +514,16 @@ class SessionRouter:
             devices=devices,
             archives=archives,
             background_prefetched=self.background.prefetched,
+            repair=self.repair.stats if self.repair is not None else None,
         )
+
+    async def repair_replicas(self) -> RepairStats:
+        """One replica-repair pass now (the shard that repairs: shard 0)."""
+        await self._ready()
+        if self.repair is None:
+            raise InvalidInputError(
+                f"replica repair runs on router shard 0, this is shard {self.shard}")
+        return await self.repair.run()
 
     async def flush_journal(self) -> None:
         """Make every journal record durable now (a planned stop)."""
@@ -574,6 +589,8 @@ class SessionRouter:
         )
         if self.members.devices:
             self.background.ensure_running()
+        if self.repair is not None and self.collector.archives:
+            self.repair.ensure_running()
 
     async def _durable(self, needed: bool) -> None:
         """Make the journal's records durable before answering (group commit)."""

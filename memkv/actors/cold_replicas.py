@@ -1,0 +1,301 @@
+"""A device's cold tier in a cluster: the archive actors, each block on ``replicas`` of them.
+
+The archives are the cold tier of the whole cluster, one per node with an NVMe
+path. A device writes every cold block to the first ``replicas`` live archives
+of its list (its own node's first, then the others in an order that differs by
+device, so replicas spread); one archive per node, so the copies are on
+distinct nodes. A durable write (an ``archive``-mode append, a suspend) is
+acknowledged only once every copy is fsynced.
+
+An archive whose node is gone (Ray cannot place it again:
+``ActorUnschedulableError``) is skipped from then on: writes go to the next
+live one, reads fall over to the others. A block missing from one archive, or
+damaged there (its frame fails the checksum), is read from another: corrupt
+data is never served, and the router's repair puts the copy back
+(:mod:`memkv.storage.router.repair`).
+
+Blocks are encoded here (the device's CPU does the codec work) and sent as
+frames. ``remove`` does nothing: another device's session may hold the same
+content-addressed block, so only the router, which sees every session, deletes
+archived blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import ActorUnschedulableError, RayActorError
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
+
+from memkv.errors import MemberLostError, UnknownBlockError
+from memkv.protocol.enums import Tier
+from memkv.protocol.stats import ArchiveStats
+from memkv.storage.codecs import decode_frame, encode_stored
+from memkv.storage.config import CodecConfig
+from memkv.storage.tiers import ColdStats, StoredBlock
+
+__all__ = ["ArchiveReplicas", "replica_order"]
+
+logger = logging.getLogger(__name__)
+
+# Pause between retries while an archive actor restarts.
+_ARCHIVE_RETRY_S = 0.2
+
+
+def replica_order(own: str | None, archives: Sequence[str], spread: int) -> list[str]:
+    """The archives a device writes to and reads from, in order.
+
+    Its own node's archive first (a local write, and a local read), then the
+    others rotated by ``spread`` (the device's index), so the second copies of
+    different devices land on different archives.
+    """
+    others = sorted(a for a in archives if a != own)
+    if others:
+        k = spread % len(others)
+        others = others[k:] + others[:k]
+    return ([own] if own is not None else []) + others
+
+
+class ArchiveReplicas:
+    """The store's cold tier, kept by the cluster's archive actors.
+
+    Args:
+        archives: ``(name, handle)`` in preference order (:func:`replica_order`).
+        codecs: how blocks are encoded into frames.
+        replicas: copies of each block, on that many archives (capped by the
+            live archives there are; fewer is logged and counted).
+        restart_timeout_s: how long to wait for an archive Ray is restarting.
+        resolve: waits for a call's answer (``ray.get``).
+        share: puts a payload sent to several archives in the object store once
+            (``ray.put``).
+    """
+
+    tier = Tier.COLD
+    owns_sessions = False
+    capacity_bytes: int | None = None
+
+    def __init__(
+        self,
+        archives: Sequence[tuple[str, Any]],
+        codecs: CodecConfig,
+        *,
+        replicas: int = 1,
+        restart_timeout_s: float = 60.0,
+        resolve: Callable[[Any], Any] = ray.get,
+        share: Callable[[Any], Any] = ray.put,
+    ) -> None:
+        if not archives:
+            raise ValueError("a cluster cold tier needs at least one archive")
+        self._archives = list(archives)
+        self._codecs = codecs
+        self.replicas = max(1, replicas)
+        self._restart_timeout_s = restart_timeout_s
+        self._resolve, self._share = resolve, share
+        self.lost: set[str] = set()
+        self.under_replicated_writes = 0  # batches written to fewer copies than asked
+        self.fallback_reads = 0  # blocks read from an archive other than the first
+
+    # -- which archives -------------------------------------------------------------
+
+    def _live(self) -> list[tuple[str, Any]]:
+        live = [(n, a) for n, a in self._archives if n not in self.lost]
+        if not live:
+            raise MemberLostError(
+                f"every archive of this device is lost ({', '.join(sorted(self.lost))}): the "
+                f"cold tier is unreachable until an archive node joins"
+            )
+        return live
+
+    def _lose(self, name: str, error: BaseException) -> None:
+        if name not in self.lost:
+            logger.warning("archive %s is lost (%s); using the others", name, error)
+            self.lost.add(name)
+
+    def _get(self, name: str, method: str, *args: Any, sent: Any = None) -> Any:
+        """``archive.method(*args)``'s answer, waiting out a restart (it rebuilds its
+        index); ``sent``: the call's reference, if it was already sent.
+
+        Every archive call is idempotent (puts of content-addressed frames,
+        reads, membership), so retrying one that may have run is safe.
+        """
+        archive = dict(self._archives)[name]
+        if sent is not None:
+            try:
+                return self._resolve(sent)
+            except ActorUnschedulableError:
+                raise
+            except RayActorError:
+                pass  # restarting: ask again below
+        for attempt in Retrying(
+            retry=retry_if_exception_type(RayActorError),
+            stop=stop_after_delay(self._restart_timeout_s),
+            wait=wait_fixed(_ARCHIVE_RETRY_S),
+            reraise=True,
+        ):
+            with attempt:
+                return self._resolve(getattr(archive, method).remote(*args))
+        raise AssertionError("unreachable: Retrying reraises")  # pragma: no cover
+
+    def _first(self, method: str, *args: Any) -> Any:
+        """The first live archive's answer (the next one's when it is lost)."""
+        while True:
+            name, _ = self._live()[0]
+            try:
+                return self._get(name, method, *args)
+            except ActorUnschedulableError as e:
+                self._lose(name, e)
+
+    # -- writes ---------------------------------------------------------------------
+
+    def _write(self, frames: list[tuple[bytes, bytes, bytes]], durable: bool) -> None:
+        """``frames`` on ``replicas`` live archives (sent together, awaited together)."""
+        done: set[str] = set()
+        while True:
+            live = [n for n, _ in self._live()]
+            targets = [n for n in live if n not in done][: self.replicas - len(done)]
+            if not targets:
+                break
+            # One copy in the object store, whatever the number of replicas.
+            payload = self._share(frames) if len(targets) > 1 else frames
+            refs = {n: dict(self._archives)[n].put_frames.remote(payload, durable) for n in targets}
+            for name, ref in refs.items():
+                try:
+                    self._get(name, "put_frames", payload, durable, sent=ref)
+                    done.add(name)
+                except ActorUnschedulableError as e:
+                    self._lose(name, e)
+            if len(done) >= self.replicas:
+                return
+        if len(done) < self.replicas:
+            self.under_replicated_writes += 1
+            logger.warning(
+                "cold blocks written to %d of %d replicas (archives lost: %s); the router's "
+                "repair adds the copies when an archive joins",
+                len(done),
+                self.replicas,
+                ", ".join(sorted(self.lost)),
+            )
+
+    def put(self, key: bytes, block: StoredBlock, *, fingerprint: bytes, codec: str) -> int:
+        frame = encode_stored(self._codecs, codec, block)
+        self._write([(bytes(key), frame, fingerprint)], False)
+        return len(frame)
+
+    def put_many(
+        self, items: Sequence[tuple[bytes, StoredBlock, bytes, str]], *, durable: bool = False
+    ) -> list[int]:
+        """Encode every block here, then one call per replica for them all.
+
+        ``durable``: each archive fsyncs (group-committed) before it answers.
+        """
+        frames = [(bytes(k), encode_stored(self._codecs, c, b), fp) for k, b, fp, c in items]
+        self._write(frames, durable)
+        return [len(frame) for _, frame, _ in frames]
+
+    def sync(self) -> None:
+        for name, _ in self._live():
+            try:
+                self._get(name, "flush")
+            except ActorUnschedulableError as e:
+                self._lose(name, e)
+
+    # -- reads ----------------------------------------------------------------------
+
+    def _frames(self, keys: list[bytes]) -> list[bytes | None]:
+        """Each key's frame from the first live archive that has it whole."""
+        found: list[bytes | None] = [None] * len(keys)
+        wanted = list(range(len(keys)))
+        for rank, (name, _) in enumerate(self._live()):
+            if not wanted:
+                break
+            asked = [keys[i] for i in wanted]
+            try:
+                frames = self._get(name, "get_frames", asked, True)
+            except ActorUnschedulableError as e:
+                self._lose(name, e)
+                continue
+            for i, frame in zip(wanted, frames, strict=True):
+                if frame is not None:
+                    found[i] = frame
+                    self.fallback_reads += rank > 0
+            wanted = [i for i in wanted if found[i] is None]
+        return found
+
+    def load_many(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        """One call to the first archive for every frame (others only for what it lacks),
+        decoded here.
+
+        Raises:
+            UnknownBlockError: no live archive holds a block whole.
+        """
+        wanted = [bytes(k) for k in keys]
+        frames = self._frames(wanted)
+        absent = [k for k, f in zip(wanted, frames, strict=True) if f is None]
+        if absent:
+            raise UnknownBlockError(
+                f"{len(absent)} block(s) are in no live archive whole, e.g. {absent[0].hex()[:16]}"
+            )
+        return [decode_frame(f) for f in frames if f is not None]
+
+    def load(self, key: bytes) -> torch.Tensor:
+        return self.load_many([key])[0]
+
+    def missing(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Keys no live archive holds."""
+        wanted = [bytes(k) for k in keys]
+        for name, _ in self._live():
+            if not wanted:
+                break
+            asked = wanted
+            try:
+                present = self._get(name, "contains", asked)
+            except ActorUnschedulableError as e:
+                self._lose(name, e)
+                continue
+            wanted = [k for k, ok in zip(asked, present, strict=True) if not ok]
+        return wanted
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and not self.missing([key])
+
+    def codecs(self, keys: Sequence[bytes]) -> list[str]:
+        """Each block's codec, from the first live archive that holds it."""
+        wanted = [bytes(k) for k in keys]
+        found: list[str | None] = [None] * len(wanted)
+        todo = list(range(len(wanted)))
+        for name, _ in self._live():
+            if not todo:
+                break
+            asked = [wanted[i] for i in todo]
+            try:
+                names = self._get(name, "codecs", asked, True)
+            except ActorUnschedulableError as e:
+                self._lose(name, e)
+                continue
+            for i, codec in zip(todo, names, strict=True):
+                found[i] = codec
+            todo = [i for i in todo if found[i] is None]
+        if todo:
+            raise UnknownBlockError(f"block {wanted[todo[0]].hex()[:16]} is in no live archive")
+        return [c for c in found if c is not None]
+
+    def remove(self, key: bytes) -> None:
+        return None
+
+    def block_keys(self) -> Iterator[bytes]:
+        return iter(())
+
+    def stats(self) -> ColdStats:
+        """The first live archive's (this node's, while it lives)."""
+        s: ArchiveStats = self._first("stats")
+        return ColdStats(s.blocks, s.live_bytes, s.dead_bytes)
+
+    def live_bytes(self) -> int:
+        return self.stats().live_bytes
+
+    def close(self) -> None:
+        return None
