@@ -9,13 +9,17 @@ restart, and each message of the session service as one msgpack document.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import ray
 
+from memkv.actors.archive_journal import ArchiveJournal, journal_name
 from memkv.actors.handles import ArchiveHandle, DeviceHandle, RayDirectory
 from memkv.actors.node_env import export_node_id
 from memkv.protocol.services import AppendTurn, CreateSession, CreateSessions, decode, encode
+from memkv.storage.journal import Journal
+from memkv.storage.owned_dir import resolve_on_node
 from memkv.storage.router import RouterState, SessionRouter
 
 __all__ = ["RouterState", "SessionRouter", "SessionRouterActor", "SessionRouterShell"]
@@ -25,10 +29,34 @@ class SessionRouterShell(SessionRouter):
     """What Ray callers reach (:class:`memkv.actors.handles.SessionServiceHandle`
     is the other end of the ``*_wire`` methods)."""
 
-    def __init__(self, namespace: str | None = None, **options: Any) -> None:
-        export_node_id()  # its journal's path may name $MEMKV_NODE_ID
-        # The deployment's namespace, passed: the actor's runtime context names
-        # the namespace of the job that created it, which may be another.
+    def __init__(
+        self,
+        namespace: str | None = None,
+        *,
+        journal_archives: Sequence[str] = (),
+        journal_replicas: int = 0,
+        **options: Any,
+    ) -> None:
+        """Args (beyond :class:`SessionRouter`'s):
+            namespace: the deployment's Ray namespace (passed: the actor's runtime
+                context names the namespace of the job that created it, which may
+                be another).
+            journal_archives, journal_replicas: keep the journal on that many of
+                these archives (:class:`ArchiveJournal`) rather than in
+                ``journal_dir`` (then only read, once, by a shard moving there).
+        """
+        node = export_node_id()  # its journal's path may name $MEMKV_NODE_ID
+        if journal_archives and journal_replicas > 0 and options.get("journal_dir"):
+            local_dir = options.pop("journal_dir")
+            name = journal_name(options.get("router_name", "memkv-router"),
+                                options.get("shard", 0), options.get("shards", 1))
+            options["journal"] = ArchiveJournal(
+                name,
+                [(a, ray.get_actor(a, namespace=namespace)) for a in journal_archives],
+                replicas=journal_replicas,
+                own_node=node,
+                local=_existing_journal(local_dir, options.get("journal_fsync", True)),
+            )
         super().__init__(directory=RayDirectory(namespace), **options)
 
     async def register_device(self, device_id: str, device: Any) -> None:
@@ -57,6 +85,14 @@ class SessionRouterShell(SessionRouter):
 
     async def set_priority_wire(self, session_id: str, priority: str) -> bytes:
         return encode(await self.set_priority(session_id, priority))
+
+
+def _existing_journal(directory: str, fsync: bool) -> Journal | None:
+    """The journal a shard kept on local disk, if it kept one (not created otherwise)."""
+    path = resolve_on_node(directory)
+    if not any((path / f).is_file() for f in ("journal.log", "snapshot.bin")):
+        return None
+    return Journal(path, fsync=fsync)
 
 
 #: The actor: async, so slow device calls of one session do not block others.

@@ -20,6 +20,7 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from memkv.actors.archive import ArchiveActor
+from memkv.actors.archive_journal import journal_shard_counts
 from memkv.actors.device import DeviceCacheActor, replica_order
 from memkv.actors.router import SessionRouterActor
 from memkv.actors.router_shards import RouterShards
@@ -212,6 +213,8 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
     shards = cfg.router.shards
     if cfg.router.journal:
         check_journal_layout(router_journal_dir(cfg), shards)
+        if cfg.router.journal_replicas > 0:
+            check_archive_journals(archives, settings.router_name, shards)
     # (Ray's stubs type an actor class's .remote() too loosely to call methods on.)
     handles: list[Any] = [
         SessionRouterActor.options(name=shard_name(settings.router_name, i), **common).remote(
@@ -221,6 +224,8 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
             hot_idle_fraction=cfg.device.prefetch.hot_idle_fraction,
             head_blocks=cfg.device.prefetch.max_prefetch_blocks,
             journal_dir=str(router_journal_dir(cfg, i, shards)) if cfg.router.journal else None,
+            journal_archives=archive_names if cfg.router.journal else (),
+            journal_replicas=cfg.router.journal_replicas,
             journal_fsync=cfg.router.journal_fsync,
             default_ack=cfg.router.default_ack,
             archive_replicas=cfg.archive.replicas,
@@ -248,6 +253,24 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
     if not detached:
         owned = [*routers, *devices.values(), *archives.values()]
     return MemkvCluster(cfg, routers, devices, archives, owned=owned, started_ray=started_ray)
+
+
+def check_archive_journals(archives: dict[str, ActorHandle], router_name: str,
+                           shards: int) -> None:
+    """Refuse to start N shards over archived journals of another shard count.
+
+    Raises:
+        ConfigError: naming the archive and the counts it holds journals of.
+    """
+    held: list[list[str]] = ray.get([a.journal_names.remote() for a in archives.values()])
+    for name, names in zip(archives, held, strict=True):
+        other = sorted(journal_shard_counts(names, router_name) - {shards})
+        if other:
+            raise ConfigError(
+                f"archive {name} holds router journals of {other} shard(s), this config says "
+                f"{shards}: the shard count is fixed for a deployment's life (start with "
+                f"router.shards: {other[0]})"
+            )
 
 
 def router_journal_dir(cfg: MemkvConfig, shard: int = 0, shards: int = 1) -> Path:

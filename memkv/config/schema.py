@@ -342,6 +342,13 @@ class RouterSettings(_Frozen):
         description="Keep the session table in a journal + snapshot, so a restarted router "
         "(or machine) serves every session again.",
     )
+    journal_replicas: int = Field(
+        default=2,
+        ge=0,
+        description="Keep each shard's journal on this many archives (of nodes other than "
+        "the router's first) instead of journal_dir, so the table outlives the router's "
+        "node; capped by the archives there are. 0: journal_dir on the router's node.",
+    )
     journal_dir: Path | None = Field(
         default=None,
         description="Where the journal lives; None = <archive.directory>/router on the "

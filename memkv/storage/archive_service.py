@@ -14,6 +14,7 @@ from the files on disk, so everything that was archived is served again.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from memkv.protocol.stats import ArchiveStats
 from memkv.storage.codecs import verify_frame
 from memkv.storage.codecs.frame import CODEC_NAMES
 from memkv.storage.config import ArchiveConfig
+from memkv.storage.journal_replica import JOURNALS_DIR, JournalReplica
 from memkv.storage.segments import CompactionStats, SegmentStore
 
 __all__ = ["ArchiveService"]
@@ -42,6 +44,10 @@ class ArchiveService:
 
     def __init__(self, config: ArchiveConfig, *, compact_interval_s: float | None = None) -> None:
         self.incarnation = uuid.uuid4().hex
+        self.node_id = os.environ.get("MEMKV_NODE_ID", "local")
+        self._config = config
+        self._journals: dict[str, JournalReplica] = {}
+        self._journals_lock = threading.RLock()  # opening one, and its writes
         self.corrupt_reads = 0  # damaged frames a replica was asked for instead
         self._segments = SegmentStore(config)
         self._stop = threading.Event()
@@ -164,7 +170,47 @@ class ArchiveService:
             corrupt_records=s.corrupt_records,
         )
 
+    # -- router journals (:mod:`memkv.storage.journal_replica`) --------------------------
+
+    def node(self) -> str:
+        """The node this archive runs on (``$MEMKV_NODE_ID``; a router keeps its
+        journal's replicas off its own node)."""
+        return self.node_id
+
+    def journal_names(self) -> list[str]:
+        """The router journals this archive holds a copy of."""
+        root = self._segments.directory / JOURNALS_DIR
+        return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+    def journal_position(self, name: str) -> tuple[int, int]:
+        """``(epoch, seq)`` of router shard ``name``'s journal here ((0, 0): none)."""
+        return self._journal(name).position
+
+    def journal_read(self, name: str) -> tuple[int, int, list[bytes]]:
+        return self._journal(name).read()
+
+    def journal_append(self, name: str, epoch: int, first_seq: int,
+                       payloads: list[bytes]) -> tuple[int, int]:
+        with self._journals_lock:
+            return self._journal(name).append(epoch, first_seq, payloads)
+
+    def journal_snapshot(self, name: str, epoch: int, seq: int,
+                         payloads: list[bytes]) -> tuple[int, int]:
+        with self._journals_lock:
+            return self._journal(name).snapshot(epoch, seq, payloads)
+
+    def _journal(self, name: str) -> JournalReplica:
+        with self._journals_lock:
+            replica = self._journals.get(name)
+            if replica is None:
+                replica = JournalReplica(self._segments.directory, name,
+                                         fsync=self._config.fsync != "never")
+                self._journals[name] = replica
+            return replica
+
     def close(self) -> None:
+        for replica in self._journals.values():
+            replica.close()
         self._stop.set()
         if self._compactor is not None:
             self._compactor.join(timeout=5)

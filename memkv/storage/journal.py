@@ -25,7 +25,7 @@ import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -34,7 +34,7 @@ from memkv.protocol.checksum import crc32
 from memkv.storage.owned_dir import resolve_on_node
 from memkv.storage.segments import fsync_dir
 
-__all__ = ["Journal"]
+__all__ = ["Journal", "TableJournal"]
 
 _FRAME = struct.Struct("<II")
 _LOG = "journal.log"
@@ -42,6 +42,27 @@ _SNAPSHOT = "snapshot.bin"
 # A record larger than this is corruption, not a session (a chain of a million
 # blocks is 16 MiB of keys).
 _MAX_RECORD_BYTES = 64 << 20
+
+
+class TableJournal(Protocol):
+    """Where a table's records go: :class:`Journal` on this node's disk, or a
+    router's journal on archives of other nodes
+    (:class:`memkv.actors.archive_journal.ArchiveJournal`)."""
+
+    #: Records appended since the last snapshot (the table rewrites one past a bound).
+    records_since_snapshot: int
+    #: The journal asks for a snapshot now, whatever the count (a new replica needs it).
+    wants_snapshot: bool
+
+    def append(self, record: dict[str, Any]) -> int: ...
+
+    def sync(self, upto: int | None = None) -> None: ...
+
+    def snapshot(self, records: list[dict[str, Any]]) -> None: ...
+
+    def replay(self) -> Iterator[dict[str, Any]]: ...
+
+    def close(self) -> None: ...
 
 
 class Journal:
@@ -65,6 +86,7 @@ class Journal:
         self._snapshot_path = self._dir / _SNAPSHOT
         self._fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         self.records_since_snapshot = 0
+        self.wants_snapshot = False  # (a local journal never asks)
 
     # -- writing ---------------------------------------------------------------------
 

@@ -892,6 +892,11 @@ class SegmentStore:
             if self._sync_every is not None:
                 self._sync_active()
 
+    @property
+    def directory(self) -> Path:
+        """The store's directory, resolved on this node."""
+        return self._dir
+
     def stats(self) -> SegmentStats:
         """Counts and byte totals over every segment (O(segments)).
 

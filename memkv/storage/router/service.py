@@ -49,7 +49,7 @@ from memkv.protocol.services import (
 )
 from memkv.protocol.shards import shard_owner
 from memkv.protocol.stats import ClusterStats, DeviceStats, RepairStats
-from memkv.storage.journal import Journal
+from memkv.storage.journal import Journal, TableJournal
 from memkv.storage.router.appends import Appends
 from memkv.storage.router.background import BackgroundPrefetch
 from memkv.storage.router.collector import Collector
@@ -85,6 +85,8 @@ class SessionRouter:
             with the process).
         journal_fsync: fsync the journal (group-committed) before answering a
             change of an ``archive``-mode session, a suspend or a delete.
+        journal: the journal itself (replaces ``journal_dir``: a router's
+            journal on archives of other nodes).
         default_ack: the acknowledgement mode of a session created without one.
         shard, shards: this router is shard ``shard`` of ``shards``
             (:mod:`memkv.protocol.shards`): it owns the sessions whose ids hash
@@ -108,6 +110,7 @@ class SessionRouter:
         head_blocks: int = 8,
         journal_dir: str | None = None,
         journal_fsync: bool = True,
+        journal: TableJournal | None = None,
         default_ack: str = "memory",
         archive_replicas: int = 1,
         repair_interval_s: float = 10.0,
@@ -122,9 +125,8 @@ class SessionRouter:
         self.peers = ShardPeers(shard, shards, router_name, directory)
         self.shard, self.shards = shard, shards
         self._owner = shard_owner(shard, shards)
-        journal = (
-            Journal(Path(journal_dir), fsync=journal_fsync) if journal_dir is not None else None
-        )
+        if journal is None and journal_dir is not None:
+            journal = Journal(Path(journal_dir), fsync=journal_fsync)
         self.state = RouterState(
             hotness_half_life_s=hotness_half_life_s,
             prefix_affinity=prefix_affinity,

@@ -33,7 +33,7 @@ from memkv.protocol.ids import TENANT_SEPARATOR
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ChainUpdate
 from memkv.protocol.stats import TenantUse
-from memkv.storage.journal import Journal
+from memkv.storage.journal import TableJournal
 from memkv.storage.router.block_index import BlockIndex
 from memkv.storage.router.records import apply_record, snapshot_records
 from memkv.storage.sessions import SessionRecord, SessionTable, parse_priority
@@ -82,7 +82,7 @@ class RouterState:
         hotness_half_life_s: float = 300.0,
         prefix_affinity: bool = True,
         clock: Callable[[], float] = time.monotonic,
-        journal: Journal | None = None,
+        journal: TableJournal | None = None,
     ) -> None:
         if hotness_half_life_s <= 0:
             raise InvalidInputError(f"hotness_half_life_s must be > 0, got {hotness_half_life_s}")
@@ -420,7 +420,8 @@ class RouterState:
         replay at start-up within about twice the table.
         """
         threshold = max(every, len(self.sessions)) if every > 0 else 1
-        if self.journal is None or self.journal.records_since_snapshot < threshold:
+        if self.journal is None or (self.journal.records_since_snapshot < threshold
+                                    and not self.journal.wants_snapshot):
             return
         self.journal.snapshot(snapshot_records(self))
 

@@ -1,0 +1,163 @@
+"""A router's journal on archives: it outlives the router's node, fences old routers,
+and a stale or lagging copy never wins.
+
+Real archive services (journal replicas under tmp_path) in this process; an
+archive "on a dead node" answers with ``ActorUnschedulableError`` as Ray does.
+No Ray.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ray.exceptions import ActorUnschedulableError
+
+from memkv.actors.archive_journal import ArchiveJournal, journal_name, journal_shard_counts
+from memkv.errors import InvalidInputError, MemberLostError
+from memkv.storage.archive_service import ArchiveService
+from memkv.storage.config import ArchiveConfig
+from memkv.storage.journal import Journal
+from memkv.storage.journal_replica import SupersededError
+from memkv.storage.router.state import RouterState
+
+NAME = journal_name("memkv-router", 0, 1)
+
+
+class _Node:
+    """An archive as an actor handle whose node can die (see test_cold_replicas)."""
+
+    def __init__(self, service: ArchiveService, node: str) -> None:
+        self.service = service
+        self.service.node_id = node
+        self.dead = False
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.service, name)
+        node = self
+
+        class _Remote:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                def run() -> Any:
+                    if node.dead:
+                        raise ActorUnschedulableError("the actor's node is gone")
+                    return method(*args)
+                return run
+
+        return _Remote
+
+
+@pytest.fixture
+def nodes(tmp_path: Path):
+    made = [_Node(ArchiveService(ArchiveConfig(directory=tmp_path / f"a{i}", fsync="never")),
+                  f"node-{i}") for i in range(3)]
+    yield made
+    for n in made:
+        n.service.close()
+
+
+def _journal(nodes: list[_Node], own_node: str = "node-0", **kw: Any) -> ArchiveJournal:
+    return ArchiveJournal(NAME, [(f"a{i}", n) for i, n in enumerate(nodes)], replicas=2,
+                          own_node=own_node, resolve=lambda thunk: thunk(), **kw)
+
+
+def _positions(nodes: list[_Node]) -> list[tuple[int, int]]:
+    return [n.service.journal_position(NAME) for n in nodes]
+
+
+def test_the_table_is_on_two_archives_off_the_routers_node_and_replays_elsewhere(nodes) -> None:
+    state = RouterState(journal=_journal(nodes, own_node="node-0"))
+    # The first snapshot fenced every archive at epoch 1.
+    assert _positions(nodes) == [(1, 0)] * 3
+    state.add_archive("arch-x")
+    state.add_device("dev-y")
+    state.journal.sync()
+    # Appends went to the archives of the other nodes, not the router's own.
+    assert _positions(nodes) == [(1, 0), (1, 2), (1, 2)]
+    # The router's node dies with its archive: a new router elsewhere replays the table.
+    nodes[0].dead = True
+    again = RouterState(journal=_journal(nodes, own_node="node-1"))
+    assert again.known_archives == ["arch-x"] and again.known_devices == ["dev-y"]
+    assert again.journal.epoch == 2
+
+
+def test_a_superseded_router_acknowledges_nothing_more(nodes) -> None:
+    old = RouterState(journal=_journal(nodes))
+    old.add_archive("before")
+    old.journal.sync()
+    new = RouterState(journal=_journal(nodes))  # the old one still runs (a split)
+    assert new.known_archives == ["before"]
+    old.add_archive("after-the-split")
+    with pytest.raises(SupersededError, match="superseded by epoch 2"):
+        old.journal.sync()
+    third = RouterState(journal=_journal(nodes))
+    assert third.known_archives == ["before"]
+
+
+def test_a_lost_replica_is_replaced_by_a_snapshot_before_the_answer(nodes) -> None:
+    state = RouterState(journal=_journal(nodes))
+    state.add_archive("one")
+    state.journal.sync()
+    nodes[1].dead = True  # a replica's node
+    state.add_archive("two")
+    state.journal.sync()
+    assert state.journal.wants_snapshot  # the stand-in needs the whole table
+    state.compact_journal(every=1_000)  # what the router does before it answers
+    assert not state.journal.wants_snapshot
+    assert nodes[0].service.journal_position(NAME)[1] == 2  # the stand-in has it all
+    # Both of the nodes that had it are lost: the stand-in alone serves the table.
+    nodes[2].dead = True
+    again = RouterState(journal=_journal(nodes, own_node="node-9"))
+    assert again.known_archives == ["one", "two"]
+
+
+def test_a_stale_copy_never_wins(nodes) -> None:
+    state = RouterState(journal=_journal(nodes, own_node="node-0"))
+    state.add_archive("kept")
+    state.journal.sync()
+    nodes[2].dead = True  # away while the table moves on
+    state.add_archive("later")
+    state.journal.sync()
+    state.compact_journal(every=1_000)
+    nodes[2].dead = False  # back, with its old copy
+    assert nodes[2].service.journal_position(NAME) < nodes[1].service.journal_position(NAME)
+    again = RouterState(journal=_journal(nodes))
+    assert again.known_archives == ["kept", "later"]
+
+
+def test_a_replica_that_missed_records_refuses_a_gap(nodes, tmp_path) -> None:
+    nodes[0].service.journal_snapshot(NAME, 3, 10, [])
+    with pytest.raises(InvalidInputError, match="needs a snapshot"):
+        nodes[0].service.journal_append(NAME, 3, 12, [b"x"])
+    with pytest.raises(SupersededError):
+        nodes[0].service.journal_append(NAME, 2, 11, [b"x"])
+    with pytest.raises(InvalidInputError, match="1-128"):
+        nodes[0].service.journal_position("../escape")
+
+
+def test_a_local_journal_moves_to_the_archives(nodes, tmp_path) -> None:
+    local = Journal(tmp_path / "local", fsync=False)
+    before = RouterState(journal=local)
+    before.add_archive("from-disk")
+    local.sync()
+    local.close()
+    state = RouterState(journal=_journal(nodes, local=Journal(tmp_path / "local", fsync=False)))
+    assert state.known_archives == ["from-disk"]
+    nodes[0].dead = True
+    again = RouterState(journal=_journal(nodes))
+    assert again.known_archives == ["from-disk"]
+
+
+def test_no_archive_left(nodes) -> None:
+    for n in nodes:
+        n.dead = True
+    with pytest.raises(MemberLostError, match="no archive answered"):
+        _journal(nodes)
+
+
+def test_journal_names_carry_the_shard_count(nodes) -> None:
+    nodes[0].service.journal_position(journal_name("r", 1, 4))
+    nodes[0].service.journal_position(journal_name("other", 0, 2))
+    assert journal_shard_counts(nodes[0].service.journal_names(), "r") == {4}
