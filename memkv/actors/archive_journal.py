@@ -29,7 +29,8 @@ from typing import Any
 
 import msgpack
 import ray
-from ray.exceptions import ActorUnschedulableError
+from ray.exceptions import ActorUnschedulableError, RayActorError
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from memkv.errors import InvalidInputError, MemberLostError
 from memkv.storage.journal import TableJournal
@@ -38,6 +39,9 @@ from memkv.storage.journal_replica import SupersededError
 __all__ = ["ArchiveJournal", "SupersededError", "journal_name", "journal_shard_counts"]
 
 logger = logging.getLogger(__name__)
+
+#: How long a call waits for an archive Ray is restarting.
+ARCHIVE_RESTART_WAIT_S = 60.0
 
 
 def journal_name(router_name: str, shard: int, shards: int) -> str:
@@ -193,7 +197,16 @@ class ArchiveJournal:
         return live[: self.replicas]
 
     def _ask(self, archive: str, method: str, *args: Any) -> Any:
-        return self._resolve(getattr(self._archives[archive], method).remote(*args))
+        """An archive's answer, waiting out a restart (Ray restarts a crashed archive)."""
+        for attempt in Retrying(
+            retry=retry_if_exception_type(RayActorError),
+            stop=stop_after_delay(ARCHIVE_RESTART_WAIT_S),
+            wait=wait_fixed(0.2),
+            reraise=True,
+        ):
+            with attempt:
+                return self._resolve(getattr(self._archives[archive], method).remote(*args))
+        raise AssertionError("unreachable: Retrying reraises")  # pragma: no cover
 
     def _lose(self, archive: str, error: BaseException) -> None:
         if archive not in self.lost:

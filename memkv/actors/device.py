@@ -17,6 +17,7 @@ import ray
 import torch
 
 from memkv.actors.cold_replicas import ArchiveReplicas, replica_order
+from memkv.actors.handles import named_actors
 from memkv.actors.node_env import export_node_id
 from memkv.actors.payload import BlockPayload, StagedBlock
 from memkv.config import DeviceSettings
@@ -76,7 +77,7 @@ class DeviceCache(DeviceService):
             # By name: a handle passed as a constructor argument lives in the
             # object store, and a restart after its owner exits would fail.
             names = list(archives) or [archive]
-            members = [(n, ray.get_actor(n, namespace=namespace)) for n in names]
+            members = named_actors(names, namespace)
         elif archive is not None:
             members = [("archive", archive)]
 

@@ -7,6 +7,7 @@ so one handle serves both (as Ray's object references do).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -36,8 +37,11 @@ if TYPE_CHECKING:
     from memkv.storage.pool_core import Holder
     from memkv.storage.segments import CompactionStats
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "ACTOR_GONE_ERRORS",
+    "named_actors",
     "ArchiveHandle",
     "DeviceHandle",
     "MemberPending",
@@ -267,6 +271,22 @@ class PeerHandle:
 
     def tenant_totals(self, tenant: str) -> MemberPending[tuple[int, int]]:
         return MemberPending(self.actor.tenant_totals.remote(tenant), _same)
+
+
+def named_actors(names: Sequence[str], namespace: str | None) -> list[tuple[str, Any]]:
+    """``(name, handle)`` of the actors of ``names`` Ray still knows, in order.
+
+    One whose node died may be gone for good; it is left out (with a warning)
+    rather than failing the caller: an actor constructor that raises is never
+    restarted, and a device or router must come back without that archive.
+    """
+    found = []
+    for name in names:
+        try:
+            found.append((name, ray.get_actor(name, namespace=namespace)))
+        except ValueError as e:
+            logger.warning("actor %s is gone: %s", name, e)
+    return found
 
 
 class RayDirectory:

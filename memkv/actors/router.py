@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from memkv.actors.archive_journal import ArchiveJournal, journal_name
-from memkv.actors.handles import ArchiveHandle, DeviceHandle, RayDirectory
+from memkv.actors.handles import ArchiveHandle, DeviceHandle, RayDirectory, named_actors
 from memkv.actors.node_env import export_node_id
 from memkv.protocol.services import AppendTurn, CreateSession, CreateSessions, decode, encode
 from memkv.storage.journal import Journal
@@ -52,7 +52,7 @@ class SessionRouterShell(SessionRouter):
                                 options.get("shard", 0), options.get("shards", 1))
             options["journal"] = ArchiveJournal(
                 name,
-                [(a, ray.get_actor(a, namespace=namespace)) for a in journal_archives],
+                named_actors(journal_archives, namespace),
                 replicas=journal_replicas,
                 own_node=node,
                 local=_existing_journal(local_dir, options.get("journal_fsync", True)),

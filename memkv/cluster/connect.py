@@ -37,6 +37,10 @@ from memkv.protocol.shards import shard_name
 
 __all__ = ["LOOPBACK_ENV", "MemkvCluster", "attach", "connect"]
 
+#: What of ``cluster.router_resource`` a router shard takes: any number of shards
+#: fit a node that advertises one unit.
+ROUTER_RESOURCE_SHARE = 0.001
+
 
 def attach(address: str, *, namespace: str | None = None) -> MemkvCluster:
     """Join a running memkv cluster as a client: find its actors, create none.
@@ -217,7 +221,12 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
             check_archive_journals(archives, settings.router_name, shards)
     # (Ray's stubs type an actor class's .remote() too loosely to call methods on.)
     handles: list[Any] = [
-        SessionRouterActor.options(name=shard_name(settings.router_name, i), **common).remote(
+        SessionRouterActor.options(
+            name=shard_name(settings.router_name, i),
+            resources={settings.router_resource: ROUTER_RESOURCE_SHARE}
+            if settings.router_resource else None,
+            **common,
+        ).remote(
             hotness_half_life_s=cfg.router.hotness_half_life_s,
             prefix_affinity=cfg.router.prefix_affinity,
             background_prefetch_interval_s=cfg.router.background_prefetch_interval_s,

@@ -13,12 +13,21 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import ray
 import torch
 from ray.actor import ActorHandle
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt
+from ray.exceptions import RayActorError
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_fixed,
+)
 
 from memkv.actors.handles import ACTOR_GONE_ERRORS, DeviceHandle
 from memkv.actors.payload import (
@@ -61,6 +70,24 @@ logger = logging.getLogger(__name__)
 # router has recovered the device.
 _DEVICE_RETRIES = 1
 _CLOSE_TIMEOUT_S = 30.0
+#: How long a read waits for a router shard Ray is restarting (its node lost: a new
+#: node, the journal replayed from the archives).
+ROUTER_RESTART_WAIT_S = 120.0
+
+
+def _from_router(method: Any, *args: Any) -> Any:
+    """``ray.get(method.remote(*args))`` of a router shard's method, sent again while
+    the router restarts (reads and recoveries only: they change nothing a second
+    call would change again, so one that ran before its answer was lost is safe)."""
+    for attempt in Retrying(
+        retry=retry_if_exception_type(RayActorError),
+        stop=stop_after_delay(ROUTER_RESTART_WAIT_S),
+        wait=wait_fixed(0.2),
+        reraise=True,
+    ):
+        with attempt:
+            return ray.get(method.remote(*args))
+    raise AssertionError("unreachable: Retrying reraises")  # pragma: no cover
 
 
 class MemkvCluster:
@@ -265,7 +292,7 @@ class MemkvCluster:
         attempt = 0
         router = self.routers.of(session_id)
         while True:
-            route = ray.get(router.read_route.remote(session_id, position, end))
+            route = _from_router(router.read_route, session_id, position, end)
             device_id, device = route.device_id, route.device
             try:
                 for payload in _pipelined(device, list(route.keys), session_id):
@@ -276,7 +303,7 @@ class MemkvCluster:
                 if attempt >= _DEVICE_RETRIES:
                     raise
                 attempt += 1
-                ray.get(router.device_failed.remote(device_id))
+                _from_router(router.device_failed, device_id)
 
     def get_blocks(self, session_id: str, keys: Sequence[bytes]) -> list[torch.Tensor]:
         """Blocks by key from the session's device (retried once if the device restarted)."""
@@ -284,7 +311,7 @@ class MemkvCluster:
         asked: list[str] = []  # the device of each attempt
 
         def recover(_: RetryCallState) -> None:
-            ray.get(router.device_failed.remote(asked[-1]))  # the router recovers it
+            _from_router(router.device_failed, asked[-1])  # it recovers it
 
         for attempt in Retrying(
             retry=retry_if_exception_type(ACTOR_GONE_ERRORS),
@@ -293,7 +320,7 @@ class MemkvCluster:
             reraise=True,
         ):
             with attempt:
-                device_id, device = ray.get(router.device_of.remote(session_id))
+                device_id, device = _from_router(router.device_of, session_id)
                 asked.append(device_id)
                 payloads = ray.get(device.get_blocks.remote([bytes(k) for k in keys], session_id))
                 return [from_payload(p) for p in payloads]
@@ -403,7 +430,8 @@ class MemkvCluster:
         return merge_stats(ray.get(self.routers.stats()))
 
     def device_of(self, session_id: str) -> str:
-        device_id, _ = ray.get(self.routers.of(session_id).device_of.remote(session_id))
+        router = self.routers.of(session_id)
+        device_id, _ = _from_router(router.device_of, session_id)
         return str(device_id)
 
     # -- lifecycle ---------------------------------------------------------------------

@@ -393,6 +393,12 @@ class ClusterSettings(_Frozen):
         description="Custom Ray resource of nodes with an NVMe archive path (one archive "
         "actor each).",
     )
+    router_resource: str | None = Field(
+        default=None,
+        description="Custom Ray resource the router shards need (a thousandth each): they "
+        "run only on nodes that advertise it, and Ray restarts them on another such node "
+        "when theirs is lost. None: anywhere Ray chooses.",
+    )
     embedded_devices: int = Field(
         default=1,
         ge=1,

@@ -14,6 +14,10 @@ acknowledgement modes are spread over the devices and read back across nodes;
 then a worker node with a device and an archive is killed with its raylet and
 processes (``remove_node(allow_graceful=False)``), the sessions are read again,
 and the router's repair puts the lost archive's copies back on the others.
+Then a node joins (a device and the router's resource) and ``memkv up`` runs
+again: its device takes new sessions. Last, the router's node is killed: Ray
+restarts the router on the joined node, it replays its journal from the
+archives, and every session is read again.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEVICE, NVME = "mn_device", "mn_nvme"
+DEVICE, NVME, ROUTER = "mn_device", "mn_nvme", "mn_router"
 WORKERS = 3
 ARCHIVE_WORKERS = 2  # the first two workers keep an archive beside their device
 SESSIONS_PER_MODE = 6
@@ -39,7 +43,7 @@ def _config(archive_dir: Path) -> Any:
     return load_config(
         overrides={
             "cluster": {"namespace": "memkv-multinode", "device_resource": DEVICE,
-                        "nvme_resource": NVME},
+                        "nvme_resource": NVME, "router_resource": ROUTER},
             "device": {
                 "hot_capacity_bytes": 16 * unit,
                 "warm_capacity_bytes": 16 * unit,
@@ -100,11 +104,12 @@ def main(workdir: Path) -> dict[str, Any]:
     try:
         # The driver joins before the workers exist, so its node is the head's.
         harness.connect(namespace="memkv-multinode")
-        workers = [harness.add_node(
-            num_cpus=1, resources={DEVICE: 1, **({NVME: 1} if i < ARCHIVE_WORKERS else {})},
-            node_ip_address="127.0.0.1") for i in range(WORKERS)]
-        with connect(harness.address, config=_config(workdir),
-                     detached=False) as cluster:
+        # Workers: device + archive, device + archive, device + the router.
+        extra = [{NVME: 1}] * ARCHIVE_WORKERS + [{ROUTER: 1}] * (WORKERS - ARCHIVE_WORKERS)
+        workers = [harness.add_node(num_cpus=1, resources={DEVICE: 1, **extra[i]},
+                                    node_ip_address="127.0.0.1") for i in range(WORKERS)]
+        cfg = _config(workdir)
+        with connect(harness.address, config=cfg, detached=False) as cluster:
             node_of = {name: ray.get(handle.node.remote())
                        for name, handle in cluster.devices.items()}
             out["device_nodes"] = len(set(node_of.values()))
@@ -178,6 +183,64 @@ def main(workdir: Path) -> dict[str, Any]:
             again = ray.get(cluster.router.repair_replicas.remote())
             out["repair_again_copies"] = again.repaired_blocks - repaired.repaired_blocks
             out["archive_dirs"] = sorted(p.parent.name for p in workdir.glob("*/archive"))
+
+            # -- A node joins (device + router resource); then the router's node is lost.
+            joined = harness.add_node(num_cpus=1, resources={DEVICE: 1, ROUTER: 1},
+                                      node_ip_address="127.0.0.1")
+            connect(harness.address, config=cfg, detached=False)  # memkv up again: it joins
+            new_device = next(d for d in ray.get(cluster.router.devices.remote())
+                              if d.startswith(f"memkv-device-{joined.node_id[:12]}"))
+            for i in range(3):
+                sid = f"j{i}"
+                cluster.create_session(sid, layout, namespace="mn", ack="archive")
+                keys, values = _kv(200 + i)
+                cluster.put_kv(sid, [50_000 + 100 * i + t for t in range(TOKENS)], keys, values)
+                written[sid] = [b.numpy().tobytes() for b in split_kv(layout, keys, values)]
+            out["joined_device_used"] = any(cluster.device_of(f"j{i}") == new_device
+                                            for i in range(3))
+            router_worker = next(w for w in workers if w.node_id == router_node)
+            device_of = {sid: cluster.device_of(sid) for sid in written
+                         if not outcome.get(sid, "").startswith("lost")}
+            router_devices = f"memkv-device-{router_node[:12]}"
+            on_router_node = [s for s, d in device_of.items() if d.startswith(router_devices)]
+            probe = next(s for s, d in device_of.items()
+                         if s.startswith("j") and not d.startswith(router_devices))
+            started = time.monotonic()
+            harness.remove_node(router_worker, allow_graceful=False)
+            errors: set[str] = set()
+            where = lambda _self: ray.get_runtime_context().get_node_id()  # noqa: E731
+            while True:
+                try:
+                    # The killed node's processes may answer for a moment: wait for the
+                    # router Ray started elsewhere.
+                    now_on = ray.get(cluster.router.__ray_call__.remote(where), timeout=5)
+                    if now_on == router_node:
+                        time.sleep(0.05)
+                        continue
+                    ok = _read(cluster, probe) == written[probe]
+                    break
+                except Exception as e:  # the router restarting: what callers see meanwhile
+                    errors.add(type(e).__name__)
+                    if time.monotonic() - started > 120:
+                        raise
+                    time.sleep(0.1)
+            out["router_recovery_s"] = round(time.monotonic() - started, 2)
+            out["router_outage_errors"] = sorted(errors)
+            out["router_probe_exact"] = ok
+            out["router_moved_to_joined"] = now_on == joined.node_id
+            after: dict[str, str] = {}
+            for sid in device_of:
+                try:
+                    after[sid] = "exact" if _read(cluster, sid) == written[sid] else "differs"
+                except BlockLostError as e:
+                    after[sid] = f"lost: {e}"
+            mode = {s: "memory" if s.startswith("s") and int(s[1:]) % 2 else "archive"
+                    for s in after}
+            out["after_router_loss"] = {
+                m: sorted({after[s].split(":")[0] for s in after if mode[s] == m})
+                for m in ("archive", "memory")}
+            out["after_router_loss_on_its_node"] = sorted(
+                {f"{mode[s]}:{after[s].split(':')[0]}" for s in on_router_node})
     finally:
         ray.shutdown()
         harness.shutdown()

@@ -18,7 +18,7 @@ from memkv.cluster.loopback import LOOPBACK_ENV
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_sessions_spread_over_nodes_and_survive_a_node_loss_as_their_mode_promises(tmp_path):
+def test_sessions_spread_over_nodes_and_survive_node_losses_as_their_mode_promises(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "tests.cluster.multinode", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
@@ -48,3 +48,14 @@ def test_sessions_spread_over_nodes_and_survive_a_node_loss_as_their_mode_promis
     assert len(seen["repair"]["lost"]) == 1 and seen["repair"]["live"] == 2
     assert seen["repair"]["repaired"] > 0 and seen["repair"]["short"] == 0
     assert seen["repair_again_copies"] == 0
+    # A node joins: its device takes new sessions. Then the router's node dies: Ray
+    # restarts the router on the joined node (the only other with its resource), it
+    # replays its journal from the archives, and archive-mode sessions read back
+    # whole, those on the router's node's device included.
+    assert seen["joined_device_used"]
+    assert seen["router_moved_to_joined"] and seen["router_probe_exact"]
+    assert set(seen["router_outage_errors"]) <= {"ActorUnavailableError", "ActorDiedError",
+                                                 "GetTimeoutError"}
+    assert seen["after_router_loss"]["archive"] == ["exact"]
+    assert all(o in ("memory:lost", "archive:exact")
+               for o in seen["after_router_loss_on_its_node"])

@@ -210,7 +210,10 @@ class Members:
         for name in list(self.state.known_devices):
             device = directory.device(name)
             if device is None:
-                self.state.forget_device(name)  # no such actor any more (a new cluster)
+                # No such actor any more (its node died and Ray gave it up, or a new
+                # cluster): lost, so a reader that saw it fail asks for the route again.
+                self.lost[name] = f"device {name} is gone"
+                self.state.forget_device(name)
                 continue
             self.devices[name] = device
             try:

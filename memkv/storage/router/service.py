@@ -183,6 +183,7 @@ class SessionRouter:
 
     async def devices(self) -> dict[str, Any]:
         """Each device's endpoint (what readers call directly)."""
+        await self._ready()
         return {d: device.endpoint for d, device in self.members.devices.items()}
 
     async def ping(self) -> str:
@@ -534,6 +535,7 @@ class SessionRouter:
 
     async def device_failed(self, device_id: str) -> None:
         """A client saw ``device_id`` fail: wait for its restart and recover its sessions."""
+        await self._ready()  # a restarted router knows its devices once restored
         if device_id in self.members.lost:
             return  # lost already: its sessions moved (the caller asks for the route again)
         if device_id not in self.members.devices:
@@ -542,6 +544,7 @@ class SessionRouter:
 
     async def check_devices(self) -> dict[str, str]:
         """Ping every device; recover those that restarted. Returns device -> incarnation."""
+        await self._ready()
         for device_id in list(self.members.devices):
             await self.members.check(device_id, force=True)
         return {d: self.state.devices[d].incarnation or "" for d in self.members.devices}
