@@ -1,4 +1,4 @@
-"""The ``memkv`` command: ``up``, ``status``, ``compact``, ``demo``, ``bench``.
+"""The ``memkv`` command: ``up``, ``status``, ``drain``, ``compact``, ``demo``, ``bench``.
 
 ``memkv up`` with no address starts the embedded default (a local Ray on
 127.0.0.1 with one CPU device, an archive and the router) and serves the HTTP
@@ -200,6 +200,51 @@ def compact(
                        f"{human_bytes(done.bytes_reclaimed)} reclaimed")
     finally:
         ray.shutdown()
+
+
+@app.command()
+def drain(
+    node: Annotated[
+        str, typer.Argument(help="Ray node id (a unique prefix will do), or 'self': this node.")
+    ],
+    address: AddressOpt = "auto",
+    namespace: Annotated[
+        str | None, typer.Option(help="memkv's Ray namespace (default: the config's).")
+    ] = None,
+) -> None:
+    """Move every session off a node that is leaving (0 loss, reads served throughout):
+    its devices hand their sessions to others, its archive's blocks are copied to the
+    archives that stay. Exits 1 if anything was lost or left short of copies."""
+    from memkv.cluster import attach
+    from memkv.errors import MemkvError
+    from memkv.status_view import human_bytes
+
+    try:
+        cluster = attach(address or "auto", namespace=namespace)
+    except MemkvError as e:
+        typer.echo(f"memkv drain: {e}", err=True)
+        raise typer.Exit(2) from e
+    try:
+        typer.echo(f"memkv drain: moving everything off node {node} ...")
+        done = cluster.drain_node(None if node == "self" else node)
+    except MemkvError as e:
+        typer.echo(f"memkv drain: {e}", err=True)
+        raise typer.Exit(2) from e
+    finally:
+        cluster.disconnect()
+    for report in done.reports:
+        typer.echo(f"  {report.device}: {report.sessions_moved} sessions moved "
+                   f"({human_bytes(report.bytes_moved)}), {report.blocks_archived} blocks "
+                   f"archived first, in {report.seconds:.2f} s")
+    sessions_lost, tokens_lost = done.lost
+    rate = done.bytes_moved / done.seconds / 1e9 if done.seconds else 0.0
+    typer.echo(
+        f"memkv drain: node {done.node}: {done.sessions_moved} sessions moved off "
+        f"{len(done.devices)} device(s), archive(s) {done.archives or 'none'} copied out; "
+        f"{sessions_lost} sessions and {tokens_lost} tokens lost, {done.blocks_short} blocks "
+        f"short of copies; {done.seconds:.2f} s ({rate:.3f} GB/s of KV)")
+    if sessions_lost or tokens_lost or done.blocks_short:
+        raise typer.Exit(1)
 
 
 @app.command()

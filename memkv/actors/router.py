@@ -65,6 +65,12 @@ class SessionRouterShell(SessionRouter):
     async def register_archive(self, archive_id: str, archive: Any) -> None:
         await super().register_archive(archive_id, ArchiveHandle(archive))
 
+    async def archives(self) -> dict[str, Any]:
+        """Each live archive's actor handle (a client that attached finds them here)."""
+        await self._ready()
+        return {name: handle.actor for name, handle in self.collector.archives.items()
+                if isinstance(handle, ArchiveHandle)}
+
     async def create_session_wire(self, request: bytes) -> bytes:
         return encode(await self.create_session(decode(CreateSession, request)))
 

@@ -71,7 +71,8 @@ def attach(address: str, *, namespace: str | None = None) -> MemkvCluster:
             f"start memkv there first (memkv up), or name its namespace"
         ) from e
     devices = dict(ray.get(routers.first.devices.remote()))
-    return MemkvCluster(cfg, routers, devices, {}, owned=[], started_ray=False)
+    archives = dict(ray.get(routers.first.archives.remote()))
+    return MemkvCluster(cfg, routers, devices, archives, owned=[], started_ray=False)
 
 
 def connect(

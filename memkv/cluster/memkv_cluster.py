@@ -13,6 +13,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,14 +58,45 @@ from memkv.protocol.services import (
     ResumeAnswer,
     SessionView,
 )
-from memkv.protocol.stats import ClusterStats
+from memkv.protocol.stats import ClusterStats, DrainReport
 from memkv.same_node import HostLease, SameNodeReader, shm_identity
 from memkv.staging import PutStaging, staging_for, staging_node
 from memkv.storage.layout import KVLayout, split_kv
 
-__all__ = ["MemkvCluster"]
+__all__ = ["MemkvCluster", "NodeDrain"]
 
 logger = logging.getLogger(__name__)
+
+#: Repair passes a node drain runs for its archive's blocks to have their copies
+#: elsewhere (one is enough unless an archive is lost meanwhile).
+_DRAIN_REPAIR_PASSES = 3
+
+
+@dataclass(frozen=True)
+class NodeDrain:
+    """What :meth:`MemkvCluster.drain_node` did."""
+
+    node: str
+    devices: list[str]
+    archives: list[str]
+    reports: list[DrainReport]  # one per device and router shard
+    blocks_short: int  # blocks still short of copies on the archives that stay
+    seconds: float
+
+    @property
+    def sessions_moved(self) -> int:
+        return sum(r.sessions_moved for r in self.reports)
+
+    @property
+    def lost(self) -> tuple[int, int]:
+        """(sessions lost, tokens lost): both 0 when every block reached the archives."""
+        return (sum(r.sessions_lost for r in self.reports),
+                sum(r.tokens_lost for r in self.reports))
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(r.bytes_moved for r in self.reports)
+
 
 # A read that hits a device while it restarts is retried this often after the
 # router has recovered the device.
@@ -444,6 +476,63 @@ class MemkvCluster:
         self._close_readers()
         if ray.is_initialized():
             ray.shutdown()
+
+    def drain_node(self, node_id: str | None = None) -> NodeDrain:
+        """Move everything off a Ray node that is about to leave, losing nothing.
+
+        Its archive stops counting as a replica (repair copies its blocks to the
+        others while it can still be read), every device on it hands its
+        sessions to devices elsewhere (:mod:`memkv.storage.router.drain`; reads
+        are served throughout), then repair runs until every block some session
+        holds has its copies on the archives that stay.
+
+        Args:
+            node_id: the Ray node id (a unique prefix will do); None: this
+                process's node (a worker pod's preStop hook).
+
+        Raises:
+            InvalidInputError: no memkv device or archive runs on that node.
+        """
+        started = time.monotonic()
+        node_id = node_id or ray.get_runtime_context().get_node_id()
+        # The router's members now (this client's may be stale: lost, joined).
+        self.devices = dict(ray.get(self.router.devices.remote()))
+        self.archives = dict(ray.get(self.router.archives.remote()))
+        devices = self._members_on(node_id, self.devices, "node")
+        archives = self._members_on(node_id, self.archives, "node")
+        if not devices and not archives:
+            raise InvalidInputError(f"no memkv device or archive runs on node {node_id}")
+        for archive in archives:
+            ray.get([h.retire_archive.remote(archive) for h in self.routers.handles])
+        reports = []
+        for device in devices:
+            for shard in self.routers.handles:
+                reports.append(ray.get(shard.drain_device.remote(device)))
+            self.devices.pop(device, None)
+        repair = None
+        if archives:
+            for _ in range(_DRAIN_REPAIR_PASSES):
+                repair = ray.get(self.router.repair_replicas.remote())
+                if repair.under_replicated == 0:
+                    break
+        return NodeDrain(
+            node=node_id, devices=devices, archives=archives, reports=reports,
+            blocks_short=repair.under_replicated if repair is not None else 0,
+            seconds=round(time.monotonic() - started, 3),
+        )
+
+    def _members_on(self, node_id: str, members: dict[str, ActorHandle], method: str
+                    ) -> list[str]:
+        """Names of ``members`` whose ``node()`` is ``node_id`` (or a prefix of it either way)."""
+        found = []
+        for name in sorted(members):
+            try:
+                at = str(ray.get(getattr(members[name], method).remote()))
+            except ACTOR_GONE_ERRORS:
+                continue  # gone already: nothing of it to move
+            if at.startswith(node_id) or node_id.startswith(at):
+                found.append(name)
+        return found
 
     def drain_to_archive(
         self,

@@ -116,6 +116,19 @@ class RepairStats(msgspec.Struct, frozen=True, kw_only=True):
     lost_archives: list[str] = msgspec.field(default_factory=list)
 
 
+class DrainReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What draining one device (on one router shard) did."""
+
+    device: str
+    sessions_moved: int
+    sessions_lost: int  # not even their first block survived (410 from then on)
+    tokens_lost: int  # of sessions that kept a prefix
+    blocks_archived: int  # memory-only blocks given a durable cold copy
+    bytes_moved: int  # logical KV bytes of the sessions moved
+    seconds: float
+    moved_to: dict[str, int] = msgspec.field(default_factory=dict)
+
+
 class ClusterStats(msgspec.Struct, frozen=True, kw_only=True):
     """The whole table's figures (one shard's, or every shard's merged)."""
 

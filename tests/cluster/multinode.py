@@ -15,7 +15,9 @@ then a worker node with a device and an archive is killed with its raylet and
 processes (``remove_node(allow_graceful=False)``), the sessions are read again,
 and the router's repair puts the lost archive's copies back on the others.
 Then a node joins (a device and the router's resource) and ``memkv up`` runs
-again: its device takes new sessions. Last, the router's node is killed: Ray
+again: its device takes new sessions. The other archive worker is drained
+(``drain_node``: its sessions to other devices, its archive's blocks to the
+archives that stay) and leaves. Last, the router's node is killed: Ray
 restarts the router on the joined node, it replays its journal from the
 archives, and every session is read again.
 """
@@ -198,6 +200,25 @@ def main(workdir: Path) -> dict[str, Any]:
                 written[sid] = [b.numpy().tobytes() for b in split_kv(layout, keys, values)]
             out["joined_device_used"] = any(cluster.device_of(f"j{i}") == new_device
                                             for i in range(3))
+
+            # -- The surviving archive worker is drained (device + archive), then leaves.
+            live = [s for s in written if not outcome.get(s, "").startswith("lost")]
+            leaving = next(w for w in workers[:ARCHIVE_WORKERS] if w.node_id != node.node_id)
+            leaving_devices = f"memkv-device-{leaving.node_id[:12]}"
+            on_leaving = [s for s in live if cluster.device_of(s).startswith(leaving_devices)]
+            drained = cluster.drain_node(leaving.node_id)
+            out["drain"] = {"sessions": drained.sessions_moved, "on_node": len(on_leaving),
+                            "lost": list(drained.lost), "short": drained.blocks_short,
+                            "archives": len(drained.archives), "seconds": drained.seconds,
+                            "bytes": drained.bytes_moved}
+            out["drained_exact"] = sorted(
+                {"exact" if _read(cluster, s) == written[s] else "differs" for s in live})
+            harness.remove_node(leaving, allow_graceful=True)
+            out["after_drained_node_left"] = sorted(
+                {"exact" if _read(cluster, s) == written[s] else "differs" for s in live})
+            out["memory_mode_drained"] = sum(1 for s in on_leaving if s.startswith("s")
+                                             and int(s[1:]) % 2 == 1)
+
             router_worker = next(w for w in workers if w.node_id == router_node)
             device_of = {sid: cluster.device_of(sid) for sid in written
                          if not outcome.get(sid, "").startswith("lost")}

@@ -72,6 +72,9 @@ class LocalBlockStore:
     def resync(self, holders: Sequence[Holder], owner: str) -> asyncio.Future[list[int]]:
         return _now(lambda: self.service.resync(holders, owner))
 
+    def archive_held(self, limit: int) -> asyncio.Future[tuple[int, int]]:
+        return _now(lambda: self.service.archive_held(limit))
+
     def release(self, keys: Sequence[bytes], active: bool, owner: str) -> asyncio.Future[int]:
         return _now(lambda: self.service.release(keys, active, owner))
 

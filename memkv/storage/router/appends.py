@@ -10,7 +10,8 @@ serialised, those of different sessions run side by side.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,24 +66,32 @@ class Appends:
             CapacityError: the append would take the tenant over its quota.
         """
         session_id = request.session_id
-        # One lock per session while appends are in flight; idle sessions keep
-        # none (thousands of them would each hold one).
+        async with self.holding(session_id):
+            record = self._state.get(session_id)
+            expect = request.expect
+            if expect is not None and (
+                LayoutSpec.of(record.layout) != expect.layout
+                or record.namespace != expect.namespace
+            ):
+                raise ConflictError(
+                    f"session {session_id!r} has layout {record.layout.to_dict()} in namespace "
+                    f"{record.namespace!r}, the request was made for "
+                    f"{msgspec_asdict(expect.layout)} in {expect.namespace!r}"
+                )
+            return await self._put(request, blocks)
+
+    @asynccontextmanager
+    async def holding(self, session_id: str) -> AsyncIterator[None]:
+        """The session's append lock: appends (and a drain's move) one at a time.
+
+        One lock per session while someone holds or waits for it; idle sessions
+        keep none (thousands of them would each hold one).
+        """
         entry = self._session_locks.setdefault(session_id, _SessionLock())
         entry.users += 1
         try:
             async with entry.lock:
-                record = self._state.get(session_id)
-                expect = request.expect
-                if expect is not None and (
-                    LayoutSpec.of(record.layout) != expect.layout
-                    or record.namespace != expect.namespace
-                ):
-                    raise ConflictError(
-                        f"session {session_id!r} has layout {record.layout.to_dict()} in namespace "
-                        f"{record.namespace!r}, the request was made for "
-                        f"{msgspec_asdict(expect.layout)} in {expect.namespace!r}"
-                    )
-                return await self._put(request, blocks)
+                yield
         finally:
             entry.users -= 1
             if entry.users == 0 and self._session_locks.get(session_id) is entry:

@@ -269,6 +269,14 @@ class Members:
             self.state.move(record.session_id, target)
             self.state.record_state(record.session_id, SessionState.ARCHIVED)
 
+    def retire(self, device_id: str, why: str) -> None:
+        """A device that left on purpose (drained): forgotten, its sessions moved already."""
+        self.archive_of.pop(device_id, None)
+        self.devices.pop(device_id, None)
+        self._checked.pop(device_id, None)
+        self.lost[device_id] = why
+        self.state.forget_device(device_id)
+
     async def _lose(self, device_id: str, why: str) -> None:
         """A device whose node died: forget it; its sessions move to the devices left."""
         logger.error(

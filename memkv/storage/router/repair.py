@@ -59,6 +59,8 @@ class ReplicaRepair:
         )
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one pass at a time
+        #: Archives whose node is leaving (drained): read from, never counted.
+        self.leaving: set[str] = set()
 
     @property
     def stats(self) -> RepairStats:
@@ -85,32 +87,36 @@ class ReplicaRepair:
                 logger.warning("replica repair pass failed: %s", e)
 
     async def run(self) -> RepairStats:
-        """One pass: list every live archive, copy what is short. Returns the stats."""
+        """One pass: list every live archive, copy what is short. Returns the stats.
+
+        An archive that is leaving (its node drained) does not count as a copy
+        and takes none, but is still read from: its blocks get their copies
+        elsewhere while it is there.
+        """
         async with self._lock:
             started = time.monotonic()
             holders = await self._holders()
-            target = min(self.replicas, len(holders))
-            short = {k: h for k, h in self._by_key(holders).items() if len(h) < target}
+            counted = [n for n in holders if n not in self.leaving]
+            target = min(self.replicas, len(counted))
+            short: dict[bytes, list[str]] = {}
+            for key, have in self._by_key(holders).items():
+                if sum(1 for n in have if n not in self.leaving) < target:
+                    short[key] = have
             if short:
                 referenced = await self.collector.referenced_anywhere(list(short))
                 short = {k: h for k, h in short.items() if k in referenced}
-            copied, nbytes = await self._copy(short, holders, target)
-            left = sum(1 for h in short.values() if len(h) < target) - copied[1]
+            copies, full, nbytes = await self._copy(short, holders, counted, target)
             self._stats = msgspec.structs.replace(
                 self._stats,
-                under_replicated=max(0, left),
-                repaired_blocks=self._stats.repaired_blocks + copied[0],
+                under_replicated=len(short) - full,
+                repaired_blocks=self._stats.repaired_blocks + copies,
                 repaired_bytes=self._stats.repaired_bytes + nbytes,
                 passes=self._stats.passes + 1,
                 last_pass_s=round(time.monotonic() - started, 3),
             )
-            if copied[0]:
-                logger.info(
-                    "replica repair copied %d blocks (%d bytes) in %.2f s",
-                    copied[0],
-                    nbytes,
-                    self._stats.last_pass_s,
-                )
+            if copies:
+                logger.info("replica repair copied %d blocks (%d bytes) in %.2f s",
+                            copies, nbytes, self._stats.last_pass_s)
             return self.stats
 
     async def _holders(self) -> dict[str, set[bytes]]:
@@ -131,19 +137,20 @@ class ReplicaRepair:
                 by_key[key].append(name)
         return by_key
 
-    async def _copy(
-        self, short: dict[bytes, list[str]], holders: dict[str, set[bytes]], target: int
-    ) -> tuple[tuple[int, int], int]:
-        """Copy each short block to the emptiest archives that lack it.
+    async def _copy(self, short: dict[bytes, list[str]], holders: dict[str, set[bytes]],
+                    counted: list[str], target: int) -> tuple[int, int, int]:
+        """Copy each short block to the emptiest counted archives that lack it.
 
-        Returns ((copies made, blocks brought to target), bytes copied).
+        Returns (copies made, blocks brought to target, bytes copied).
         """
-        load = {name: len(keys) for name, keys in holders.items()}
+        load = {name: len(holders[name]) for name in counted}
         plan: dict[tuple[str, str], list[bytes]] = defaultdict(list)  # (from, to) -> keys
         for key, have in short.items():
-            lacking = sorted((n for n in holders if n not in have), key=lambda n: (load[n], n))
-            for dest in lacking[: target - len(have)]:
-                plan[(have[0], dest)].append(key)
+            kept = [n for n in have if n not in self.leaving]
+            lacking = sorted((n for n in counted if n not in have), key=lambda n: (load[n], n))
+            source = kept[0] if kept else have[0]  # a leaving archive only as a last resort
+            for dest in lacking[: target - len(kept)]:
+                plan[(source, dest)].append(key)
                 load[dest] += 1
         copies = nbytes = 0
         done: dict[bytes, int] = defaultdict(int)
@@ -152,20 +159,19 @@ class ReplicaRepair:
                 batch = keys[i : i + REPAIR_BATCH_BLOCKS]
                 try:
                     records = await self.collector.archives[source].get_records(batch)
-                    items = [
-                        (k, r[0], r[1])
-                        for k, r in zip(batch, records, strict=True)
-                        if r is not None
-                    ]
+                    items = [(k, r[0], r[1]) for k, r in zip(batch, records, strict=True)
+                             if r is not None]
                     if items:
                         await self.collector.archives[dest].put_frames(items, True)
-                except (MemberLostError, KeyError) as e:
-                    if not isinstance(e, KeyError):
-                        self.collector.lose_archive(source if source in str(e) else dest, e)
-                    break  # the next pass plans again without it
+                except MemberLostError as e:
+                    logger.warning("replica repair from %s to %s stopped: %s", source, dest, e)
+                    break  # the next pass lists the archives again
+                except KeyError:
+                    break  # an archive forgotten meanwhile
                 copies += len(items)
                 nbytes += sum(len(f) for _, f, _ in items)
                 for k, _, _ in items:
                     done[k] += 1
-        full = sum(1 for k, n in done.items() if len(short[k]) + n >= target)
-        return (copies, full), nbytes
+        full = sum(1 for k, n in done.items()
+                   if sum(1 for a in short[k] if a not in self.leaving) + n >= target)
+        return copies, full, nbytes

@@ -48,11 +48,12 @@ from memkv.protocol.services import (
     SessionViews,
 )
 from memkv.protocol.shards import shard_owner
-from memkv.protocol.stats import ClusterStats, DeviceStats, RepairStats
+from memkv.protocol.stats import ClusterStats, DeviceStats, DrainReport, RepairStats
 from memkv.storage.journal import Journal, TableJournal
 from memkv.storage.router.appends import Appends
 from memkv.storage.router.background import BackgroundPrefetch
 from memkv.storage.router.collector import Collector
+from memkv.storage.router.drain import Drainer
 from memkv.storage.router.members import Members
 from memkv.storage.router.peers import ShardPeers
 from memkv.storage.router.repair import ReplicaRepair
@@ -153,6 +154,7 @@ class SessionRouter:
         )
         self.appends = Appends(self.state, self.members, self.collector, self.peers,
                                self._owner, self._durable)
+        self.drainer = Drainer(self.state, self.members, self.appends)
 
     # -- membership ----------------------------------------------------------------------
 
@@ -519,6 +521,21 @@ class SessionRouter:
             background_prefetched=self.background.prefetched,
             repair=self.repair.stats if self.repair is not None else None,
         )
+
+    async def drain_device(self, device_id: str) -> DrainReport:
+        """Move this shard's sessions off a device that is leaving, then retire it
+        (:mod:`memkv.storage.router.drain`); the journal is durable before the answer."""
+        await self._ready()
+        report = await self.drainer.drain(device_id)
+        await self._durable(True)
+        return report
+
+    async def retire_archive(self, archive_id: str) -> None:
+        """An archive whose node is leaving: no longer counted as a replica (repair
+        copies its blocks elsewhere while it can still be read)."""
+        await self._ready()
+        if self.repair is not None:
+            self.repair.leaving.add(archive_id)
 
     async def repair_replicas(self) -> RepairStats:
         """One replica-repair pass now (the shard that repairs: shard 0)."""

@@ -200,7 +200,7 @@ class RouterState:
         """
         record = self.get(session_id)
         if record.device_id is not None:
-            if record.chain or self._is_live(record.device_id):
+            if record.chain or self.is_live(record.device_id):
                 return record.device_id
             # Placed on a device that is gone before its first block: nothing of it
             # lives there, so it is placed again (never wedged on a dead name).
@@ -224,9 +224,14 @@ class RouterState:
         self.devices[choice].sessions += 1
         return choice
 
-    def _is_live(self, device_id: str) -> bool:
+    def is_live(self, device_id: str) -> bool:
+        """Whether placement may choose the device (registered, answering, not draining)."""
         load = self.devices.get(device_id)
         return load is not None and load.live
+
+    def set_draining(self, device_id: str) -> None:
+        """Placement skips the device from now on (its sessions are moving off it)."""
+        self.devices[device_id].live = False
 
     def _unplace(self, record: SessionRecord) -> None:
         if record.device_id in self.devices:

@@ -1,0 +1,119 @@
+"""Draining a device: its sessions, memory mode included, move to another device whole.
+
+A real SessionRouter over two real devices sharing one cold tier (as the
+devices of a cluster share its archives), no Ray: the same fixture as
+test_router_lost_device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from memkv.errors import ConflictError, InvalidInputError
+from memkv.protocol.enums import AckMode
+from memkv.protocol.services import CreateSession, LayoutSpec
+from memkv.storage.config import ArchiveConfig, CodecConfig
+from memkv.storage.router.service import SessionRouter
+from memkv.storage.tiers import ColdTier
+
+from .test_router_lost_device import LAYOUT, _device, _Node, _turn
+
+
+class _Archive(ColdTier):
+    """One cold tier shared by both devices, as the cluster's archives are: a device
+    never deletes from it (only the router's collector does, knowing every session)."""
+
+    def remove(self, key: bytes) -> None:
+        return None
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    cold = _Archive(ArchiveConfig(directory=tmp_path / "cold", fsync="never"), CodecConfig())
+    devices = [_device(n, cold, tmp_path.name) for n in ("dev-a", "dev-b")]
+    nodes = [_Node(d) for d in devices]
+    router = SessionRouter(background_prefetch_interval_s=3600)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(router.register_device("dev-a", nodes[0]))
+    yield router, nodes, devices, loop
+    router.background.cancel()
+    loop.run_until_complete(asyncio.sleep(0))
+    for d in devices:
+        d.close()
+    loop.close()
+
+
+def _payload_bytes(payloads) -> list[bytes]:
+    return [p.data.tobytes() for p in payloads]
+
+
+def test_a_drained_device_hands_every_session_over_whole_and_takes_no_new_ones(cluster):
+    router, nodes, devices, loop = cluster
+
+    async def scenario():
+        written = {}
+        for i, ack in enumerate([AckMode.MEMORY, AckMode.ARCHIVE, AckMode.MEMORY]):
+            sid = f"s{i}"
+            await router.create_session(CreateSession(
+                session_id=sid, layout=LayoutSpec.of(LAYOUT), namespace="n", ack=ack))
+            request, payloads, chain = _turn(sid, [i * 1000 + t for t in range(10)])
+            await router.put_blocks(request, payloads)
+            written[sid] = (chain, _payload_bytes(payloads))
+        # (dev-b registers after the appends: every session is on dev-a)
+        await router.register_device("dev-b", nodes[1])
+        report = await router.drain_device("dev-a")
+        return written, report
+
+    written, report = loop.run_until_complete(scenario())
+    assert report.sessions_moved == 3 and report.sessions_lost == 0
+    assert report.tokens_lost == 0 and report.moved_to == {"dev-b": 3}
+    assert report.blocks_archived > 0  # the memory-mode sessions' blocks, made durable
+    for sid, (chain, data) in written.items():
+        assert router.state.get(sid).device_id == "dev-b"
+        assert router.state.get(sid).tokens == 10
+        assert [p.data.tobytes() for p in devices[1].get_blocks(chain)] == data
+    # Retired: the table forgot it, placement never chooses it, a second drain says so.
+    assert "dev-a" not in router.members.devices and "dev-a" not in router.state.devices
+
+    async def after():
+        await router.create_session(CreateSession(
+            session_id="new", layout=LayoutSpec.of(LAYOUT), namespace="n"))
+        request, payloads, _ = _turn("new", list(range(500, 508)))
+        await router.put_blocks(request, payloads)
+        with pytest.raises(InvalidInputError, match="already gone"):
+            await router.drain_device("dev-a")
+
+    loop.run_until_complete(after())
+    assert router.state.get("new").device_id == "dev-b"
+
+
+def test_the_last_device_is_not_drained(cluster):
+    router, _, _, loop = cluster
+    with pytest.raises(ConflictError, match="only one left"):
+        loop.run_until_complete(router.drain_device("dev-a"))
+    with pytest.raises(InvalidInputError, match="unknown device"):
+        loop.run_until_complete(router.drain_device("dev-zz"))
+
+
+def test_an_append_during_a_drain_lands_before_or_after_the_move_never_between(cluster):
+    router, nodes, devices, loop = cluster
+
+    async def scenario():
+        await router.create_session(CreateSession(
+            session_id="busy", layout=LayoutSpec.of(LAYOUT), namespace="n"))
+        first, payloads, _ = _turn("busy", list(range(8)))
+        await router.put_blocks(first, payloads)
+        await router.register_device("dev-b", nodes[1])
+        second, more, chain = _turn("busy", list(range(16)))
+        drained, _ = await asyncio.gather(router.drain_device("dev-a"),
+                                          router.put_blocks(second, more))
+        # The first two blocks are the first turn's (content-addressed: kept once).
+        return drained, chain, _payload_bytes(payloads)[:2] + _payload_bytes(more)[2:]
+
+    drained, chain, data = loop.run_until_complete(scenario())
+    record = router.state.get("busy")
+    assert record.device_id == "dev-b" and record.tokens == 16
+    assert [p.data.tobytes() for p in devices[1].get_blocks(chain)] == data
+    assert drained.sessions_lost == 0 and drained.tokens_lost == 0
