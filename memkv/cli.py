@@ -211,6 +211,7 @@ def drain(
     namespace: Annotated[
         str | None, typer.Option(help="memkv's Ray namespace (default: the config's).")
     ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON document.")] = False,
 ) -> None:
     """Move every session off a node that is leaving (0 loss, reads served throughout):
     its devices hand their sessions to others, its archive's blocks are copied to the
@@ -232,18 +233,22 @@ def drain(
         raise typer.Exit(2) from e
     finally:
         cluster.disconnect()
+    sessions_lost, tokens_lost = done.lost
+    failed = bool(sessions_lost or tokens_lost or done.blocks_short)
+    if as_json:
+        typer.echo(json.dumps(done.document()))
+        raise typer.Exit(1 if failed else 0)
     for report in done.reports:
         typer.echo(f"  {report.device}: {report.sessions_moved} sessions moved "
                    f"({human_bytes(report.bytes_moved)}), {report.blocks_archived} blocks "
                    f"archived first, in {report.seconds:.2f} s")
-    sessions_lost, tokens_lost = done.lost
     rate = done.bytes_moved / done.seconds / 1e9 if done.seconds else 0.0
     typer.echo(
         f"memkv drain: node {done.node}: {done.sessions_moved} sessions moved off "
         f"{len(done.devices)} device(s), archive(s) {done.archives or 'none'} copied out; "
         f"{sessions_lost} sessions and {tokens_lost} tokens lost, {done.blocks_short} blocks "
         f"short of copies; {done.seconds:.2f} s ({rate:.3f} GB/s of KV)")
-    if sessions_lost or tokens_lost or done.blocks_short:
+    if failed:
         raise typer.Exit(1)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import ray
 import torch
@@ -96,6 +97,16 @@ class NodeDrain:
     @property
     def bytes_moved(self) -> int:
         return sum(r.bytes_moved for r in self.reports)
+
+    def document(self) -> dict[str, Any]:
+        """As plain JSON values (``memkv drain --json``)."""
+        return {
+            "node": self.node, "devices": self.devices, "archives": self.archives,
+            "sessions_moved": self.sessions_moved, "bytes_moved": self.bytes_moved,
+            "sessions_lost": self.lost[0], "tokens_lost": self.lost[1],
+            "blocks_short": self.blocks_short, "seconds": self.seconds,
+            "reports": [msgspec.to_builtins(r) for r in self.reports],
+        }
 
 
 # A read that hits a device while it restarts is retried this often after the

@@ -25,6 +25,7 @@ archives, and every session is read again.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -189,7 +190,9 @@ def main(workdir: Path) -> dict[str, Any]:
             # -- A node joins (device + router resource); then the router's node is lost.
             joined = harness.add_node(num_cpus=1, resources={DEVICE: 1, ROUTER: 1},
                                       node_ip_address="127.0.0.1")
-            connect(harness.address, config=cfg, detached=False)  # memkv up again: it joins
+            # memkv up again: the new node's device joins. (Kept: a non-detached actor
+            # lives while its creator holds a handle.)
+            rejoined = connect(harness.address, config=cfg, detached=False)
             new_device = next(d for d in ray.get(cluster.router.devices.remote())
                               if d.startswith(f"memkv-device-{joined.node_id[:12]}"))
             for i in range(3):
@@ -198,6 +201,7 @@ def main(workdir: Path) -> dict[str, Any]:
                 keys, values = _kv(200 + i)
                 cluster.put_kv(sid, [50_000 + 100 * i + t for t in range(TOKENS)], keys, values)
                 written[sid] = [b.numpy().tobytes() for b in split_kv(layout, keys, values)]
+            out["joined_device_registered"] = new_device in rejoined.devices
             out["joined_device_used"] = any(cluster.device_of(f"j{i}") == new_device
                                             for i in range(3))
 
@@ -206,11 +210,19 @@ def main(workdir: Path) -> dict[str, Any]:
             leaving = next(w for w in workers[:ARCHIVE_WORKERS] if w.node_id != node.node_id)
             leaving_devices = f"memkv-device-{leaving.node_id[:12]}"
             on_leaving = [s for s in live if cluster.device_of(s).startswith(leaving_devices)]
-            drained = cluster.drain_node(leaving.node_id)
-            out["drain"] = {"sessions": drained.sessions_moved, "on_node": len(on_leaving),
-                            "lost": list(drained.lost), "short": drained.blocks_short,
-                            "archives": len(drained.archives), "seconds": drained.seconds,
-                            "bytes": drained.bytes_moved}
+            # The command an operator (or a pod's preStop hook) runs.
+            command = subprocess.run(
+                [sys.executable, "-c", "from memkv.cli import main; main()", "drain",
+                 leaving.node_id, "--address", harness.address, "--namespace",
+                 "memkv-multinode", "--json"],
+                capture_output=True, text=True, timeout=120)
+            drained = json.loads(command.stdout.strip().splitlines()[-1])
+            out["drain"] = {"sessions": drained["sessions_moved"], "on_node": len(on_leaving),
+                            "lost": [drained["sessions_lost"], drained["tokens_lost"]],
+                            "short": drained["blocks_short"],
+                            "archives": len(drained["archives"]),
+                            "seconds": drained["seconds"], "bytes": drained["bytes_moved"],
+                            "exit": command.returncode}
             out["drained_exact"] = sorted(
                 {"exact" if _read(cluster, s) == written[s] else "differs" for s in live})
             harness.remove_node(leaving, allow_graceful=True)

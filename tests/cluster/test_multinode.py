@@ -52,12 +52,13 @@ def test_sessions_spread_over_nodes_and_survive_node_losses_as_their_mode_promis
     # restarts the router on the joined node (the only other with its resource), it
     # replays its journal from the archives, and archive-mode sessions read back
     # whole, those on the router's node's device included.
-    assert seen["joined_device_used"]
+    assert seen["joined_device_registered"] and seen["joined_device_used"]
     # The other archive worker is drained and leaves: its sessions (memory mode
     # included) moved whole, its archive's blocks copied to the archives that stay.
     drain = seen["drain"]
     assert drain["sessions"] >= drain["on_node"] > 0 and seen["memory_mode_drained"] > 0
     assert drain["lost"] == [0, 0] and drain["short"] == 0 and drain["archives"] == 1
+    assert drain["exit"] == 0  # `memkv drain NODE` exits 0 when nothing was lost
     assert seen["drained_exact"] == ["exact"] and seen["after_drained_node_left"] == ["exact"]
     assert seen["router_moved_to_joined"] and seen["router_probe_exact"]
     assert set(seen["router_outage_errors"]) <= {"ActorUnavailableError", "ActorDiedError",
