@@ -17,7 +17,7 @@ from memkv.cli import app
 def test_help_lists_the_commands():
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("up", "status", "demo"):
+    for command in ("up", "status", "drain", "demo"):
         assert command in result.output
 
 

@@ -177,6 +177,23 @@ def test_worker_groups_can_be_disabled_or_added():
     assert groups["l4"]["maxReplicas"] == 10
 
 
+def test_worker_pods_drain_before_they_stop():
+    docs = render({"drain": {"enabled": True, "timeoutSeconds": 120},
+                   "memkv": {"config": {"cluster": {"namespace": "kv-prod"}}}})
+    for group in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        hook = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert hook[:2] == ["/bin/bash", "-c"]
+        assert ("timeout 120 memkv drain self --address auto --namespace kv-prod"
+                in hook[2]), hook[2]
+        assert "did not finish" in hook[2]  # the outcome is logged either way
+        assert pod["terminationGracePeriodSeconds"] == 150
+    off = render({"drain": {"enabled": False, "timeoutSeconds": 1}})
+    for group in one(off, "RayCluster")["spec"]["workerGroupSpecs"]:
+        assert "lifecycle" not in group["template"]["spec"]["containers"][0]
+        assert "terminationGracePeriodSeconds" not in group["template"]["spec"]
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
@@ -186,6 +203,7 @@ def test_worker_groups_can_be_disabled_or_added():
         ({"auth": {"tokens": [{"sha256": "not-a-digest", "tenant": "t", "roles": ["write"]}]}},
          "sha256"),
         ({"unknownKey": 1}, "unknownKey"),
+        ({"drain": {"enabled": True, "timeoutSeconds": 0}}, "timeoutSeconds"),
     ],
 )
 def test_bad_values_are_refused_by_the_schema(values, message):

@@ -90,6 +90,11 @@ memkv.yaml: the user's config with what the chart decides merged over it. Render
 JSON (which is YAML): values arrive as float64, and toYaml would write a size such as
 8589934592 as 8.589934592e+09, which memkv rightly refuses as a byte count.
 */}}
+{{/* memkv's Ray namespace (the config's cluster.namespace; memkv's default otherwise). */}}
+{{- define "memkv.namespace" -}}
+{{- dig "cluster" "namespace" "memkv" (default dict .Values.memkv.config) }}
+{{- end }}
+
 {{- define "memkv.config" -}}
 {{- $config := deepCopy (default dict .Values.memkv.config) }}
 {{- $chart := dict
