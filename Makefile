@@ -103,9 +103,10 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m memkv.cli bench all
 
-# The load and fault tests at full size (tests/reliability; figures in benchmarks/results/soak.json).
+# The load and fault tests at full size (tests/reliability; figures in benchmarks/results/soak.json),
+# and the multi-node scenario with four times the sessions.
 soak: $(STAMP)
-	MEMKV_SOAK=1 $(PY) -m pytest -q -s tests/reliability
+	MEMKV_SOAK=1 $(PY) -m pytest -q -s tests/reliability tests/cluster
 
 bench-eviction: $(STAMP)
 	$(PY) -m memkv.cli bench eviction --trace $(TRACE)

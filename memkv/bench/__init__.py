@@ -3,7 +3,7 @@
 Usage::
 
     memkv bench [all|resume|dataplane|codecs|eviction|eviction-agents|scale|prefetch|
-                 kernels|vllm|fleet]
+                 kernels|vllm|fleet|cluster]
                 [--quick] [--trace PATH] [--model PATH] [--out benchmarks/results]
                 [--markdown BENCHMARKS.md]
 
@@ -31,5 +31,7 @@ SUITES: dict[str, str] = {
     "vllm": "memkv.bench.vllm",
     # Agent sessions through `vllm serve`'s OpenAI API (the same venv).
     "fleet": "memkv.bench.fleet",
+    # Six Ray nodes of this machine (their own Ray, in a process of their own).
+    "cluster": "memkv.bench.cluster",
 }
 ALL = "all"

@@ -325,8 +325,22 @@ def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:
         run("eviction", trace=tmp_path / "absent.jsonl")
     assert set(SUITES) == {
         "resume", "dataplane", "codecs", "eviction", "eviction-agents", "scale", "prefetch",
-        "kernels", "vllm", "fleet",
+        "kernels", "vllm", "fleet", "cluster",
     }
+
+
+@pytest.mark.slow
+def test_cluster_quick(ctx: BenchContext) -> None:
+    """Six Ray nodes of its own (a subprocess), three faults: nothing acknowledged lost."""
+    run_suite("cluster", ctx)
+    doc = _written(ctx, "cluster")
+    figures = doc["figures"]
+    assert figures["paths"]["not_exact"] == 0 and figures["paths"]["socket_gbps"] > 0
+    assert len(figures["paths"]["cross_node"]) == 3 and figures["paths"]["same_node"]
+    for fault in ("node_loss", "drain", "router_loss"):
+        assert figures[fault]["acked_blocks_lost"] == 0, fault
+    assert figures["node_loss"]["archive_sessions"] > 0
+    assert figures["drain"]["sessions"] > 0 and figures["router_loss"]["seconds"] > 0
 
 
 def test_prefetch_quick(ctx: BenchContext) -> None:

@@ -25,6 +25,7 @@ archives, and every session is read again.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,7 +35,7 @@ from typing import Any
 DEVICE, NVME, ROUTER = "mn_device", "mn_nvme", "mn_router"
 WORKERS = 3
 ARCHIVE_WORKERS = 2  # the first two workers keep an archive beside their device
-SESSIONS_PER_MODE = 6
+SESSIONS_PER_MODE = 24 if os.environ.get("MEMKV_SOAK") else 6  # make soak: more
 TOKENS = 10  # 3 blocks of 4, the last partial
 
 
