@@ -52,7 +52,12 @@ def _scenario(sizes: dict[str, int]) -> dict[str, Any]:
 
 def run(ctx: BenchContext) -> SuiteResult:
     sizes = QUICK if ctx.quick else FULL
-    seen = _scenario(sizes)
+    return result_of(_scenario(sizes), quick=ctx.quick)
+
+
+def result_of(seen: dict[str, Any], *, quick: bool) -> SuiteResult:
+    """The table and notes of a scenario's raw figures (``seen["sizes"]``: its sizes)."""
+    sizes = seen["sizes"]
     paths = seen["paths"]
     same = paths["same_node"]
     cross = paths["cross_node"]
@@ -102,9 +107,18 @@ def run(ctx: BenchContext) -> SuiteResult:
         "object-store copy over loopback, then a copy into the reader.",
         "Faults (acknowledged blocks lost: archive-mode sessions' blocks not read back "
         "exact; target 0):",
-        *(f"- {f[0]}: {f[1]} s to serve again ({f[2]} s per GiB of the node's data), "
-          f"{f[4]} acknowledged blocks lost, {f[5]} memory-mode sessions lost (410)"
-          for f in faults),
+        f"A node lost with its device and archive (raylet and processes killed): its "
+        f"{loss['sessions']} sessions ({loss['bytes'] / (1 << 20):.0f} MiB) answered again "
+        f"after {loss['seconds']:.2f} s ({loss['seconds_per_gib']:.1f} s per GiB of the "
+        f"node's data): {loss['acked_blocks_lost']} acknowledged blocks lost of "
+        f"{loss['archive_sessions']} archive-mode sessions, "
+        f"{loss['memory_sessions_lost']} memory-mode sessions lost (410, as documented).",
+        f"The router's node lost: {router['seconds']:.2f} s until the router Ray restarted "
+        f"on another node answered a read (table replayed from the archives), "
+        f"{router['acked_blocks_lost']} acknowledged blocks lost.",
+        f"A node drained then removed: {drain['sessions']} sessions of both modes "
+        f"({drain['bytes'] / (1 << 20):.0f} MiB) moved in {drain['seconds']:.2f} s, "
+        f"{drain['acked_blocks_lost']} blocks lost.",
         f"Replica repair after the node loss: {seen['repair']['blocks']} blocks "
         f"({seen['repair']['bytes']} bytes) copied in {seen['repair']['seconds']} s.",
     ]
@@ -119,5 +133,5 @@ def run(ctx: BenchContext) -> SuiteResult:
                       ["read same", "read cross", "append same", "append cross", "socket"],
                       {"GB/s": [same_read, cross_read, same_write, cross_write,
                                 round(socket, 3)]}),
-        quick=ctx.quick,
+        quick=quick,
     )

@@ -81,39 +81,23 @@ def _read(cluster: Any, sid: str) -> list[bytes]:
 
 
 def main(workdir: Path) -> dict[str, Any]:
-    from memkv.cluster.loopback import keep_ray_on_loopback
-
-    keep_ray_on_loopback()
     import ray
-    from ray._private import utils as ray_utils
-    from ray.cluster_utils import Cluster
 
     from memkv.api.server import GatewayServer
     from memkv.client import Client
     from memkv.cluster import connect
+    from memkv.cluster.testbed import LocalNodes
     from memkv.errors import BlockLostError
     from memkv.storage.layout import KVLayout, split_kv
 
     layout = KVLayout("multinode-model", 2, 2, 8, block_tokens=4)
-    # The harness writes its address as this machine's current Ray ("auto"): the
-    # suite's own Ray is put back there when this one is gone.
-    previous_address = ray_utils.read_ray_address()
-    # Node deaths noticed in about a second, not Ray's default of tens.
-    fast_health = {"health_check_period_ms": 200, "health_check_failure_threshold": 3,
-                   "health_check_timeout_ms": 500}
-    harness = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {NVME: 1}, "node_ip_address": "127.0.0.1",
-        "include_dashboard": False, "_system_config": fast_health})
     out: dict[str, Any] = {}
-    try:
-        # The driver joins before the workers exist, so its node is the head's.
-        harness.connect(namespace="memkv-multinode")
+    with LocalNodes({NVME: 1}, namespace="memkv-multinode") as nodes:
         # Workers: device + archive, device + archive, device + the router.
         extra = [{NVME: 1}] * ARCHIVE_WORKERS + [{ROUTER: 1}] * (WORKERS - ARCHIVE_WORKERS)
-        workers = [harness.add_node(num_cpus=1, resources={DEVICE: 1, **extra[i]},
-                                    node_ip_address="127.0.0.1") for i in range(WORKERS)]
+        workers = [nodes.add({DEVICE: 1, **extra[i]}) for i in range(WORKERS)]
         cfg = _config(workdir)
-        with connect(harness.address, config=cfg, detached=False) as cluster:
+        with connect(nodes.address, config=cfg, detached=False) as cluster:
             node_of = {name: ray.get(handle.node.remote())
                        for name, handle in cluster.devices.items()}
             out["device_nodes"] = len(set(node_of.values()))
@@ -143,7 +127,7 @@ def main(workdir: Path) -> dict[str, Any]:
             node = next(w for w in workers if w.node_id == node_of[victim])
             on_victim = [s for s in written if device_of[s] == victim]
             started = time.monotonic()
-            harness.remove_node(node, allow_graceful=False)
+            nodes.kill(node)
             out["removed"] = {"device": victim, "sessions": len(on_victim)}
             # The first read after the loss goes over HTTP: whether the gateway or the
             # router finds the device gone first, it is served where the session moved.
@@ -189,11 +173,10 @@ def main(workdir: Path) -> dict[str, Any]:
             out["archive_dirs"] = sorted(p.parent.name for p in workdir.glob("*/archive"))
 
             # -- A node joins (device + router resource); then the router's node is lost.
-            joined = harness.add_node(num_cpus=1, resources={DEVICE: 1, ROUTER: 1},
-                                      node_ip_address="127.0.0.1")
+            joined = nodes.add({DEVICE: 1, ROUTER: 1})
             # memkv up again: the new node's device joins. (Kept: a non-detached actor
             # lives while its creator holds a handle.)
-            rejoined = connect(harness.address, config=cfg, detached=False)
+            rejoined = connect(nodes.address, config=cfg, detached=False)
             new_device = next(d for d in ray.get(cluster.router.devices.remote())
                               if d.startswith(f"memkv-device-{joined.node_id[:12]}"))
             for i in range(3):
@@ -214,7 +197,7 @@ def main(workdir: Path) -> dict[str, Any]:
             # The command an operator (or a pod's preStop hook) runs.
             command = subprocess.run(
                 [sys.executable, "-c", "from memkv.cli import main; main()", "drain",
-                 leaving.node_id, "--address", harness.address, "--namespace",
+                 leaving.node_id, "--address", nodes.address, "--namespace",
                  "memkv-multinode", "--json"],
                 capture_output=True, text=True, timeout=120)
             drained = json.loads(command.stdout.strip().splitlines()[-1])
@@ -226,7 +209,7 @@ def main(workdir: Path) -> dict[str, Any]:
                             "exit": command.returncode}
             out["drained_exact"] = sorted(
                 {"exact" if _read(cluster, s) == written[s] else "differs" for s in live})
-            harness.remove_node(leaving, allow_graceful=True)
+            nodes.remove(leaving)
             out["after_drained_node_left"] = sorted(
                 {"exact" if _read(cluster, s) == written[s] else "differs" for s in live})
             out["memory_mode_drained"] = sum(1 for s in on_leaving if s.startswith("s")
@@ -240,7 +223,7 @@ def main(workdir: Path) -> dict[str, Any]:
             probe = next(s for s, d in device_of.items()
                          if s.startswith("j") and not d.startswith(router_devices))
             started = time.monotonic()
-            harness.remove_node(router_worker, allow_graceful=False)
+            nodes.kill(router_worker)
             errors: set[str] = set()
             where = lambda _self: ray.get_runtime_context().get_node_id()  # noqa: E731
             while True:
@@ -275,13 +258,6 @@ def main(workdir: Path) -> dict[str, Any]:
                 for m in ("archive", "memory")}
             out["after_router_loss_on_its_node"] = sorted(
                 {f"{mode[s]}:{after[s].split(':')[0]}" for s in on_router_node})
-    finally:
-        ray.shutdown()
-        harness.shutdown()
-        if previous_address:
-            ray_utils.write_ray_address(previous_address)
-        else:
-            Path(ray_utils.get_ray_address_file(None)).unlink(missing_ok=True)
     return out
 
 
