@@ -81,6 +81,7 @@ def _read(cluster: Any, sid: str) -> list[bytes]:
 
 
 def main(workdir: Path) -> dict[str, Any]:
+    import httpx
     import ray
 
     from memkv.api.server import GatewayServer
@@ -222,6 +223,11 @@ def main(workdir: Path) -> dict[str, Any]:
             on_router_node = [s for s, d in device_of.items() if d.startswith(router_devices)]
             probe = next(s for s, d in device_of.items()
                          if s.startswith("j") and not d.startswith(router_devices))
+            # A gateway on the head answers throughout: 200, or 503 + Retry-After while
+            # the router is away (never a 500).
+            gateway = GatewayServer.start(cluster, port=0, block_port=None, put_staging_bytes=0,
+                                          same_node_reads=False)
+            statuses: set[str] = set()
             started = time.monotonic()
             nodes.kill(router_worker)
             errors: set[str] = set()
@@ -238,10 +244,17 @@ def main(workdir: Path) -> dict[str, Any]:
                     break
                 except Exception as e:  # the router restarting: what callers see meanwhile
                     errors.add(type(e).__name__)
+                    answer = httpx.get(f"{gateway.url}/v1/sessions/{probe}/blocks", timeout=30)
+                    statuses.add(f"{answer.status_code} {answer.headers.get('retry-after', '')}"
+                                 .strip())
                     if time.monotonic() - started > 120:
                         raise
                     time.sleep(0.1)
             out["router_recovery_s"] = round(time.monotonic() - started, 2)
+            statuses.add(str(httpx.get(f"{gateway.url}/v1/sessions/{probe}/blocks",
+                                       timeout=30).status_code))
+            gateway.stop()
+            out["http_during_router_loss"] = sorted(statuses)
             out["router_outage_errors"] = sorted(errors)
             out["router_probe_exact"] = ok
             out["router_moved_to_joined"] = now_on == joined.node_id

@@ -61,6 +61,8 @@ def test_sessions_spread_over_nodes_and_survive_node_losses_as_their_mode_promis
     assert drain["exit"] == 0  # `memkv drain NODE` exits 0 when nothing was lost
     assert seen["drained_exact"] == ["exact"] and seen["after_drained_node_left"] == ["exact"]
     assert seen["router_moved_to_joined"] and seen["router_probe_exact"]
+    assert set(seen["http_during_router_loss"]) <= {"200", "503 1"}, seen
+    assert "200" in seen["http_during_router_loss"]
     assert set(seen["router_outage_errors"]) <= {"ActorUnavailableError", "ActorDiedError",
                                                  "GetTimeoutError"}
     assert seen["after_router_loss"]["archive"] == ["exact"]
