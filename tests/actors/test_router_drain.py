@@ -117,3 +117,57 @@ def test_an_append_during_a_drain_lands_before_or_after_the_move_never_between(c
     assert record.device_id == "dev-b" and record.tokens == 16
     assert [p.data.tobytes() for p in devices[1].get_blocks(chain)] == data
     assert drained.sessions_lost == 0 and drained.tokens_lost == 0
+
+
+class _DiesOnSecondAdopt(_Node):
+    """A device whose node dies while a drain is moving sessions to it."""
+
+    adopted = 0
+
+    def __getattr__(self, name: str):
+        if name == "adopt" and not self.dead:
+            self.adopted += 1
+            if self.adopted == 2:
+                self.dead = True
+        return super().__getattr__(name)
+
+
+def test_a_drain_whose_target_dies_moves_the_rest_elsewhere_and_loses_nothing(tmp_path):
+    cold = _Archive(ArchiveConfig(directory=tmp_path / "cold", fsync="never"), CodecConfig())
+    devices = [_device(n, cold, tmp_path.name) for n in ("dev-a", "dev-b", "dev-c")]
+    nodes = [_Node(devices[0]), _DiesOnSecondAdopt(devices[1]), _Node(devices[2])]
+    router = SessionRouter(background_prefetch_interval_s=3600)
+    loop = asyncio.new_event_loop()
+
+    async def scenario():
+        await router.register_device("dev-a", nodes[0])
+        written = {}
+        for i in range(4):
+            sid = f"s{i}"
+            await router.create_session(CreateSession(
+                session_id=sid, layout=LayoutSpec.of(LAYOUT), namespace="n",
+                ack=AckMode.MEMORY))
+            request, payloads, chain = _turn(sid, [i * 1000 + t for t in range(10)])
+            await router.put_blocks(request, payloads)
+            written[sid] = (chain, _payload_bytes(payloads))
+        await router.register_device("dev-b", nodes[1])
+        await router.register_device("dev-c", nodes[2])
+        report = await router.drain_device("dev-a")
+        return written, report
+
+    try:
+        written, report = loop.run_until_complete(scenario())
+        # dev-b took a session, then died with it: that session went on from the
+        # archive (the drain archived it first), to dev-c like the rest.
+        assert "dev-b" in router.members.lost
+        assert report.sessions_lost == 0 and report.tokens_lost == 0
+        for sid, (chain, data) in written.items():
+            record = router.state.get(sid)
+            assert record.device_id == "dev-c" and record.tokens == 10 and not record.lost
+            assert [p.data.tobytes() for p in devices[2].get_blocks(chain)] == data
+    finally:
+        router.background.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        for d in devices:
+            d.close()
+        loop.close()

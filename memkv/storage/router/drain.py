@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 #: Blocks archived per device call while draining (each call is fsynced).
 DRAIN_BATCH_BLOCKS = 256
+#: Devices tried for one session before the drain gives up (each that fails is
+#: recovered or forgotten first).
+TARGET_ATTEMPTS = 3
 
 
 class Drainer:
@@ -60,8 +63,7 @@ class Drainer:
                 raise InvalidInputError(f"device {device_id} is already gone "
                                         f"({self.members.lost[device_id]})")
             raise InvalidInputError(f"unknown device {device_id!r}")
-        others = [d for d in self.members.devices if d != device_id and self.state.is_live(d)]
-        if not others:
+        if not self._takers(device_id):
             raise ConflictError(f"device {device_id} is the only one left: no device could "
                                 f"take its sessions (add one, then drain)")
         started = time.monotonic()
@@ -75,16 +77,31 @@ class Drainer:
                 current = self.state.sessions.lookup(record.session_id)
                 if current is None or current.device_id != device_id:
                     continue  # deleted, or moved, meanwhile
-                target = min(others, key=lambda d: (self.state.devices[d].sessions, d))
                 if not current.chain or current.lost:
-                    self.state.move(current.session_id, target)
+                    self.state.move(current.session_id, self._target(device_id))
                     continue
                 archived += await self._archive_all(device_id)
                 tokens = current.tokens
                 chain, active = list(current.chain), current.active
                 reason = f"its device {device_id} was drained and the archive lacks some blocks"
-                if not await self.members.serve_what_survives(
-                        self.members.devices[target], current, reason):
+                for attempt in range(TARGET_ATTEMPTS):
+                    target = self._target(device_id)
+                    try:
+                        served = await self.members.serve_what_survives(
+                            self.members.devices[target], current, reason)
+                        break
+                    except MemberGoneError:
+                        # The device it was moving to died: the router recovers it (a
+                        # restart) or forgets it (its node is gone), and the session
+                        # goes to the device that is then the emptiest.
+                        logger.warning("drain of %s: target %s failed (attempt %d)",
+                                       device_id, target, attempt + 1)
+                        await self.members.check(target, force=True)
+                else:
+                    raise ConflictError(
+                        f"drain of {device_id}: session {current.session_id!r} found no "
+                        f"device to move to in {TARGET_ATTEMPTS} attempts; it stays here")
+                if not served:
                     lost += 1
                     continue
                 tokens_lost += tokens - current.tokens
@@ -104,6 +121,20 @@ class Drainer:
                              moved_to=moved_to)
         logger.warning("drained device %s: %s", device_id, report)
         return report
+
+    def _takers(self, device_id: str) -> list[str]:
+        return [d for d in self.members.devices if d != device_id and self.state.is_live(d)]
+
+    def _target(self, device_id: str) -> str:
+        """The device with the fewest sessions that may take one.
+
+        Raises:
+            ConflictError: none is left (every other device died meanwhile).
+        """
+        takers = self._takers(device_id)
+        if not takers:
+            raise ConflictError(f"no device is left to take the sessions of {device_id}")
+        return min(takers, key=lambda d: (self.state.devices[d].sessions, d))
 
     async def _archive_all(self, device_id: str) -> int:
         """Archive every block the device holds only in memory; returns how many."""

@@ -250,12 +250,14 @@ class Members:
             archive: the archive the gone device wrote to: a device that reads the
                 same one is preferred (it can adopt the blocks from there).
         """
-        if not self.devices:
+        # (A draining device takes no session: it is about to go.)
+        takers = [d for d in self.devices if self.state.is_live(d)] or list(self.devices)
+        if not takers:
             return
         for record in list(self.state.sessions):
             if record.device_id is None or record.device_id in self.devices or record.lost:
                 continue
-            target = min(self.devices, key=lambda d: (
+            target = min(takers, key=lambda d: (
                 self.archive_of.get(d) != archive, self.state.devices[d].sessions, d))
             if not record.chain:
                 self.state.move(record.session_id, target)
