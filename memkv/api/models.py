@@ -93,6 +93,13 @@ class SessionCreate(_Model):
         "the block). Default: stored as sent, bit for bit (such blocks never take a lossy "
         "step).",
     )
+    near: str | None = Field(
+        default=None,
+        pattern=r"^(gateway|[0-9a-f]{6,64})$",
+        description="Place the session on a device of this Ray node when it has one: "
+        "'gateway' (the node of the gateway that answers: its reads take the same-node "
+        "path) or a node id (a unique hex prefix of 6 or more). Default: by load.",
+    )
 
 
 class SuspendIn(_Model):

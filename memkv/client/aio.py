@@ -161,8 +161,13 @@ class AsyncClient:
         ack: str | None = None,
         exact_only: bool = False,
         finite_only: bool = False,
+        near: str | None = None,
     ) -> SessionView:
-        body = create_body(session_id, layout, namespace, priority, ack, exact_only, finite_only)
+        """A new session; ``near``: ``"gateway"`` places it on a device of the
+        gateway's node (its reads there take the same-node path), a Ray node id
+        on that node's; by load otherwise."""
+        body = create_body(session_id, layout, namespace, priority, ack, exact_only, finite_only,
+                           near)
         r = await self._request("POST", "/v1/sessions", json=body, idempotent=False)
         return self._known.remember(parse_session(r.json()))
 

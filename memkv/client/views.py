@@ -126,8 +126,10 @@ def create_body(
     ack: str | None,
     exact_only: bool,
     finite_only: bool,
+    near: str | None = None,
 ) -> dict[str, Any]:
-    """A create's JSON body. ``finite_only``: appends with NaN or inf are refused (422)."""
+    """A create's JSON body. ``finite_only``: appends with NaN or inf are refused (422);
+    ``near``: ``"gateway"`` or a Ray node id to place the session on."""
     body: dict[str, Any] = {
         "session_id": session_id,
         "layout": layout.to_dict(),
@@ -138,6 +140,8 @@ def create_body(
     }
     if finite_only:  # only when asked: a gateway before it knows no such field
         body["finite_only"] = True
+    if near is not None:
+        body["near"] = near
     return body
 
 

@@ -240,6 +240,7 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
             default_ack=cfg.router.default_ack,
             archive_replicas=cfg.archive.replicas,
             repair_interval_s=cfg.archive.repair_interval_s,
+            rebalance_on_join=cfg.router.rebalance_on_join,
             shard=i,
             shards=shards,
             router_name=settings.router_name,

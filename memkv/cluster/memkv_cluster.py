@@ -178,14 +178,19 @@ class MemkvCluster:
         ack: str | None = None,
         exact_only: bool = False,
         finite_only: bool = False,
+        near_node: str | None = None,
     ) -> SessionView:
         """A new session; ``ack`` (``memory`` / ``archive``) and ``exact_only``:
         see docs/durability.md; ``finite_only``: appends through a gateway holding
-        NaN or inf are refused (docs/security.md)."""
+        NaN or inf are refused (docs/security.md); ``near_node``: on a device of
+        that Ray node if it has one ("self": this process's node, whose reads
+        then take the same-node path)."""
+        if near_node == "self":
+            near_node = ray.get_runtime_context().get_node_id()
         request = CreateSession(
             session_id=session_id, layout=LayoutSpec.of(layout), namespace=namespace,
             priority=parse_priority(priority), ack=parse_ack(ack),
-            exact_only=exact_only, finite_only=finite_only,
+            exact_only=exact_only, finite_only=finite_only, near_node=near_node,
         )
         return self.routers.service(session_id).create_session(request).result()
 

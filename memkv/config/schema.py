@@ -342,6 +342,11 @@ class RouterSettings(_Frozen):
         description="Keep the session table in a journal + snapshot, so a restarted router "
         "(or machine) serves every session again.",
     )
+    rebalance_on_join: bool = Field(
+        default=True,
+        description="A device that joins takes sessions from the devices with the most "
+        "(idle and cold ones first) until loads are even, in the background.",
+    )
     journal_replicas: int = Field(
         default=2,
         ge=0,

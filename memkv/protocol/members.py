@@ -49,6 +49,7 @@ class DeviceInfo:
     device_id: str
     incarnation: str
     archive: str = ""
+    node: str = ""  # the Ray node it runs on (placement near a node); "" when unknown
 
 
 @dataclass(frozen=True, slots=True)

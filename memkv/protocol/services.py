@@ -94,6 +94,9 @@ class CreateSession(_Message, frozen=True, kw_only=True):
         quota: the tenant's limits, checked across shards.
         exact_only: its blocks never take a lossy step (docs/durability.md).
         finite_only: appends holding NaN or inf are refused (docs/security.md).
+        near_node: place it on a device of this Ray node (a unique prefix of its
+            id will do) when that node has one (the engine's or the gateway's:
+            reads there take the same-node path); anywhere otherwise.
     """
 
     session_id: str
@@ -104,6 +107,7 @@ class CreateSession(_Message, frozen=True, kw_only=True):
     quota: Quota | None = None
     exact_only: bool = False
     finite_only: bool = False
+    near_node: str | None = None
 
 
 class SessionView(_Message, frozen=True, kw_only=True):

@@ -171,3 +171,44 @@ def test_a_drain_whose_target_dies_moves_the_rest_elsewhere_and_loses_nothing(tm
         for d in devices:
             d.close()
         loop.close()
+
+
+def test_a_device_that_joins_takes_sessions_until_loads_are_even(tmp_path):
+    cold = _Archive(ArchiveConfig(directory=tmp_path / "cold", fsync="never"), CodecConfig())
+    devices = [_device(n, cold, tmp_path.name) for n in ("dev-a", "dev-b")]
+    nodes = [_Node(d) for d in devices]
+    router = SessionRouter(background_prefetch_interval_s=3600, rebalance_on_join=True)
+    loop = asyncio.new_event_loop()
+
+    async def scenario():
+        await router.register_device("dev-a", nodes[0])
+        written = {}
+        for i in range(5):
+            sid = f"s{i}"
+            await router.create_session(CreateSession(
+                session_id=sid, layout=LayoutSpec.of(LAYOUT), namespace="n"))
+            request, payloads, chain = _turn(sid, [i * 1000 + t for t in range(10)])
+            await router.put_blocks(request, payloads)
+            written[sid] = (chain, _payload_bytes(payloads))
+        await router.suspend("s3", False)  # idle sessions move first
+        await router.register_device("dev-b", nodes[1])  # answers before the moves
+        await asyncio.gather(*router._rebalancing)
+        return written
+
+    try:
+        written = loop.run_until_complete(scenario())
+        on = {sid: router.state.get(sid).device_id for sid in written}
+        assert sorted(on.values()).count("dev-b") == 2  # 5 sessions: 3 and 2
+        assert on["s3"] == "dev-b"
+        for sid, (chain, data) in written.items():
+            device = devices[0] if on[sid] == "dev-a" else devices[1]
+            assert [p.data.tobytes() for p in device.get_blocks(chain)] == data, sid
+            assert router.state.get(sid).tokens == 10
+        # Even already: a second pass moves nothing.
+        assert loop.run_until_complete(router.rebalance_device("dev-b")) == 0
+    finally:
+        router.background.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        for d in devices:
+            d.close()
+        loop.close()

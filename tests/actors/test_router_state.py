@@ -50,6 +50,24 @@ def test_least_loaded_placement_spreads_sessions():
     assert s.devices["d0"].sessions == s.devices["d1"].sessions == 2
 
 
+def test_a_session_asked_near_a_node_goes_to_a_device_there_else_by_load():
+    s = state()
+    s.add_device("d2", "inc2")
+    s.node_of.update({"d0": "aaaa1111", "d1": "bbbb2222", "d2": "bbbb2222"})
+    for i in range(3):
+        s.create(f"near{i}", LAYOUT, "t", "normal")
+        assert s.place_near(f"near{i}", "bbbb") in ("d1", "d2")  # a prefix will do
+    assert s.devices["d1"].sessions + s.devices["d2"].sessions == 3
+    assert abs(s.devices["d1"].sessions - s.devices["d2"].sessions) == 1  # by load there
+    s.create("far", LAYOUT, "t", "normal")
+    assert s.place_near("far", "cccc") is None  # no device on that node: by load later
+    append(s, "far", [b"far-chain"], 4)
+    assert s.get("far").device_id == "d0"
+    s.set_draining("d0")
+    s.create("drained", LAYOUT, "t", "normal")
+    assert s.place_near("drained", "aaaa") is None  # a draining device takes none
+
+
 def test_prefix_affinity_places_sharers_together():
     s = state()
     s.create("a", LAYOUT, "t", "normal")

@@ -119,6 +119,16 @@ def main(workdir: Path) -> dict[str, Any]:
             device_of = {sid: cluster.device_of(sid) for sid in written}
             out["devices_used"] = len(set(device_of.values()))
             out["exact_across_nodes"] = all(_read(cluster, s) == written[s] for s in written)
+            # Asked near a node (an engine's): placed on that node's device, whatever the load.
+            target = workers[-1].node_id
+            near_devices = set()
+            for i in range(3):
+                cluster.create_session(f"near{i}", layout, namespace="mn", near_node=target[:8])
+                keys, values = _kv(300 + i)
+                cluster.put_kv(f"near{i}", [90_000 + 100 * i + t for t in range(TOKENS)],
+                               keys, values)
+                near_devices.add(node_of[cluster.device_of(f"near{i}")])
+            out["near_node_placed"] = near_devices == {target}
 
             # Lose the worker node with an archive whose device holds the most sessions
             # (not the router's node).

@@ -25,6 +25,7 @@ async def create_session(body: SessionCreate, gw: GatewayState, who: Caller) -> 
         session_id=sid, layout=LayoutSpec.of(layout), namespace=namespace,
         priority=parse_priority(body.priority), ack=parse_ack(body.ack),
         quota=Quota.of(who.quota), exact_only=body.exact_only, finite_only=body.finite_only,
+        near_node=gw.this_node if body.near == "gateway" else body.near,
     )
     return SessionOut.of(await gw.routers.service(sid).create_session(request), body.session_id)
 

@@ -173,7 +173,7 @@ class DeviceService:
 
     def ping(self) -> DeviceInfo:
         """Who answers: the device id and this process's incarnation."""
-        return DeviceInfo(self.device_id, self.incarnation, self.archive_name)
+        return DeviceInfo(self.device_id, self.incarnation, self.archive_name, self.node_id)
 
     def node(self) -> str:
         """The Ray node this device runs on."""

@@ -17,13 +17,21 @@ every session of its devices must be served from elsewhere. For each device:
 
 A session whose blocks the archives lack after step 3 keeps its longest
 prefix (reported as lost tokens): with every block archived first, that
-happens only when an archive dies during the drain.
+happens only when an archive dies during the drain. A device the drain moves
+a session to that dies meanwhile is recovered or forgotten (its sessions
+re-placed as for any lost device) and the session goes to another.
+
+The same move, the other way, **rebalances** a device that joins: sessions
+come to it from the devices with the most until loads are even (idle and cold
+ones first).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from memkv.errors import ConflictError, InvalidInputError, MemberGoneError
 from memkv.protocol.layout import block_token_count
@@ -32,15 +40,28 @@ from memkv.storage.router.appends import Appends
 from memkv.storage.router.members import Members
 from memkv.storage.router.state import RouterState
 
-__all__ = ["DRAIN_BATCH_BLOCKS", "DrainReport", "Drainer"]
+__all__ = ["DRAIN_BATCH_BLOCKS", "DrainReport", "Drainer", "Moved"]
 
 logger = logging.getLogger(__name__)
 
 #: Blocks archived per device call while draining (each call is fsynced).
 DRAIN_BATCH_BLOCKS = 256
+#: Sessions a device that joins takes from the others at most (per join).
+REBALANCE_MAX_SESSIONS = 1024
 #: Devices tried for one session before the drain gives up (each that fails is
 #: recovered or forgotten first).
 TARGET_ATTEMPTS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """One session moved (or not) off a device."""
+
+    target: str
+    served: bool  # False: not even its first block survived (lost, 410)
+    tokens_lost: int = 0
+    nbytes: int = 0  # logical KV bytes moved
+    archived: int = 0  # blocks archived first
 
 
 class Drainer:
@@ -68,52 +89,22 @@ class Drainer:
                                 f"take its sessions (add one, then drain)")
         started = time.monotonic()
         self.state.set_draining(device_id)
-        device = self.members.devices[device_id]
         archived = await self._archive_all(device_id)
         moved = lost = tokens_lost = nbytes = 0
         moved_to: dict[str, int] = {}
         for record in self.state.sessions_on(device_id):
-            async with self.appends.holding(record.session_id):
-                current = self.state.sessions.lookup(record.session_id)
-                if current is None or current.device_id != device_id:
-                    continue  # deleted, or moved, meanwhile
-                if not current.chain or current.lost:
-                    self.state.move(current.session_id, self._target(device_id))
-                    continue
-                archived += await self._archive_all(device_id)
-                tokens = current.tokens
-                chain, active = list(current.chain), current.active
-                reason = f"its device {device_id} was drained and the archive lacks some blocks"
-                for attempt in range(TARGET_ATTEMPTS):
-                    target = self._target(device_id)
-                    try:
-                        served = await self.members.serve_what_survives(
-                            self.members.devices[target], current, reason)
-                        break
-                    except MemberGoneError:
-                        # The device it was moving to died: the router recovers it (a
-                        # restart) or forgets it (its node is gone), and the session
-                        # goes to the device that is then the emptiest.
-                        logger.warning("drain of %s: target %s failed (attempt %d)",
-                                       device_id, target, attempt + 1)
-                        await self.members.check(target, force=True)
-                else:
-                    raise ConflictError(
-                        f"drain of {device_id}: session {current.session_id!r} found no "
-                        f"device to move to in {TARGET_ATTEMPTS} attempts; it stays here")
-                if not served:
-                    lost += 1
-                    continue
-                tokens_lost += tokens - current.tokens
-                self.state.move(current.session_id, target)
-                moved += 1
-                moved_to[target] = moved_to.get(target, 0) + 1
-                nbytes += sum(current.layout.block_nbytes(n) for n in
-                              block_token_count(current.layout, current.tokens))
-                try:
-                    await device.release(chain, active, self.members.owner)
-                except MemberGoneError:
-                    pass  # gone meanwhile: its references went with it
+            done = await self.move_session(device_id, record.session_id,
+                                           lambda: self._target(device_id), "was drained")
+            if done is None:
+                continue  # deleted, or moved, meanwhile
+            archived += done.archived
+            if not done.served:
+                lost += 1
+                continue
+            moved += 1
+            moved_to[done.target] = moved_to.get(done.target, 0) + 1
+            tokens_lost += done.tokens_lost
+            nbytes += done.nbytes
         self.members.retire(device_id, "drained")
         report = DrainReport(device=device_id, sessions_moved=moved, sessions_lost=lost,
                              tokens_lost=tokens_lost, blocks_archived=archived,
@@ -121,6 +112,80 @@ class Drainer:
                              moved_to=moved_to)
         logger.warning("drained device %s: %s", device_id, report)
         return report
+
+    async def rebalance(self, device_id: str, *, limit: int = REBALANCE_MAX_SESSIONS) -> int:
+        """Move sessions to ``device_id`` (a device that joined) from the devices with
+        the most, until no live device has more than one session more than it (or
+        ``limit`` moved). Idle sessions go first, the coldest of them first: a
+        session in a turn pays the move's latency. Returns how many moved."""
+        moved = 0
+        while moved < limit and self.state.is_live(device_id):
+            live = [d for d in self.members.devices if self.state.is_live(d)]
+            busiest = max(live, key=lambda d: (self.state.devices[d].sessions, d))
+            if self.state.devices[busiest].sessions - self.state.devices[device_id].sessions <= 1:
+                break
+            movable = [r for r in self.state.sessions_on(busiest) if r.chain and not r.lost]
+            if not movable:
+                break
+            record = min(movable, key=lambda r: (r.active, r.hotness, r.session_id))
+            done = await self.move_session(busiest, record.session_id, lambda: device_id,
+                                           "was rebalanced")
+            if done is None or not done.served:
+                break
+            moved += 1
+        if moved:
+            logger.warning("rebalanced %d sessions to device %s", moved, device_id)
+        return moved
+
+    async def move_session(self, source: str, session_id: str, pick: Callable[[], str],
+                           why: str) -> Moved | None:
+        """Move one session off ``source`` to the device ``pick`` names, under its append
+        lock: its memory-only blocks archived first, the chain adopted there from the
+        archives, the table moved, ``source``'s references let go. None when the
+        session is gone or no longer on ``source``.
+
+        Raises:
+            ConflictError: no device took it in TARGET_ATTEMPTS tries.
+        """
+        async with self.appends.holding(session_id):
+            current = self.state.sessions.lookup(session_id)
+            if current is None or current.device_id != source:
+                return None
+            if not current.chain or current.lost:
+                target = pick()
+                self.state.move(session_id, target)
+                return Moved(target=target, served=True)
+            archived = await self._archive_all(source)
+            tokens, chain, active = current.tokens, list(current.chain), current.active
+            reason = f"its device {source} {why} and the archive lacks some blocks"
+            for attempt in range(TARGET_ATTEMPTS):
+                target = pick()
+                try:
+                    served = await self.members.serve_what_survives(
+                        self.members.devices[target], current, reason)
+                    break
+                except MemberGoneError:
+                    # The device it was moving to died: the router recovers it (a
+                    # restart) or forgets it (its node is gone), and the session goes
+                    # to the device then picked.
+                    logger.warning("moving %s off %s: target %s failed (attempt %d)",
+                                   session_id, source, target, attempt + 1)
+                    await self.members.check(target, force=True)
+            else:
+                raise ConflictError(f"session {session_id!r} found no device to move to off "
+                                    f"{source} in {TARGET_ATTEMPTS} attempts; it stays there")
+            if not served:
+                return Moved(target=target, served=False, archived=archived)
+            self.state.move(session_id, target)
+            try:
+                await self.members.devices[source].release(chain, active, self.members.owner)
+            except (MemberGoneError, KeyError):
+                pass  # gone meanwhile: its references went with it
+            return Moved(
+                target=target, served=True, tokens_lost=tokens - current.tokens,
+                nbytes=sum(current.layout.block_nbytes(n)
+                           for n in block_token_count(current.layout, current.tokens)),
+                archived=archived)
 
     def _takers(self, device_id: str) -> list[str]:
         return [d for d in self.members.devices if d != device_id and self.state.is_live(d)]

@@ -114,6 +114,7 @@ class Members:
         """A device that answered ``info`` joins (or joins again)."""
         self.devices[device_id] = device
         self.archive_of[device_id] = info.archive
+        self.state.node_of[device_id] = info.node
         self.lost.pop(device_id, None)
         self.state.add_device(device_id, info.incarnation)
         self._checked[device_id] = time.monotonic()

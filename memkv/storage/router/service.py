@@ -88,6 +88,10 @@ class SessionRouter:
             change of an ``archive``-mode session, a suspend or a delete.
         journal: the journal itself (replaces ``journal_dir``: a router's
             journal on archives of other nodes).
+        archive_replicas, repair_interval_s: see :class:`ReplicaRepair` (shard 0).
+        rebalance_on_join: a device that registers for the first time takes
+            sessions from the busiest devices, in the background
+            (:meth:`rebalance_device`).
         default_ack: the acknowledgement mode of a session created without one.
         shard, shards: this router is shard ``shard`` of ``shards``
             (:mod:`memkv.protocol.shards`): it owns the sessions whose ids hash
@@ -115,6 +119,7 @@ class SessionRouter:
         default_ack: str = "memory",
         archive_replicas: int = 1,
         repair_interval_s: float = 10.0,
+        rebalance_on_join: bool = False,
         shard: int = 0,
         shards: int = 1,
         router_name: str = "memkv-router",
@@ -155,6 +160,8 @@ class SessionRouter:
         self.appends = Appends(self.state, self.members, self.collector, self.peers,
                                self._owner, self._durable)
         self.drainer = Drainer(self.state, self.members, self.appends)
+        self._rebalance_on_join = rebalance_on_join
+        self._rebalancing: set[asyncio.Task[int]] = set()
 
     # -- membership ----------------------------------------------------------------------
 
@@ -169,6 +176,11 @@ class SessionRouter:
         await self.members.rehome_orphans()
         await self._durable(True)
         self.background.ensure_running()
+        if self._rebalance_on_join and len(self.members.devices) > 1:
+            # In the background: registration (memkv up) answers at once.
+            task = asyncio.get_running_loop().create_task(self.rebalance_device(device_id))
+            self._rebalancing.add(task)
+            task.add_done_callback(self._rebalance_done)
 
     async def register_archive(self, archive_id: str, archive: Archive) -> None:
         await self._ready()
@@ -273,7 +285,7 @@ class SessionRouter:
                 elsewhere[tenant] = await self.peers.usage_elsewhere(session_id, quota)
             self.state.check_quota(session_id, max_sessions=quota[0], new_session=True,
                                    elsewhere=elsewhere[tenant])
-        return self.state.create(
+        record = self.state.create(
             session_id,
             msgspec_asdict(request.layout),
             request.namespace,
@@ -282,6 +294,12 @@ class SessionRouter:
             exact_only=request.exact_only,
             finite_only=request.finite_only,
         )
+        if request.near_node:
+            # Placed now, on that node if it has a live device (else as any session
+            # is, at its first append). Not journaled: a router restarted before the
+            # first append places it again, by load.
+            self.state.place_near(session_id, request.near_node)
+        return record
 
     async def adopt_session(self, request: CreateSession, chain: list[bytes], tokens: int,
                             turn: int) -> SessionView:
@@ -529,6 +547,21 @@ class SessionRouter:
         report = await self.drainer.drain(device_id)
         await self._durable(True)
         return report
+
+    async def rebalance_device(self, device_id: str) -> int:
+        """Move sessions to a device (one that joined) from the busiest until loads are
+        even; returns how many moved (the journal durable before the answer)."""
+        await self._ready()
+        if device_id not in self.members.devices:
+            raise InvalidInputError(f"unknown device {device_id!r}")
+        moved = await self.drainer.rebalance(device_id)
+        await self._durable(True)
+        return moved
+
+    def _rebalance_done(self, task: asyncio.Task[int]) -> None:
+        self._rebalancing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("rebalancing a joined device failed: %s", task.exception())
 
     async def retire_archive(self, archive_id: str) -> None:
         """An archive whose node is leaving: no longer counted as a replica (repair

@@ -105,6 +105,8 @@ class RouterState:
         # Devices and archives the journal knew (a restarted router finds them by name).
         self.known_devices: list[str] = []
         self.known_archives: list[str] = []
+        # Each device's Ray node, from its pings (placement near a node; not journaled).
+        self.node_of: dict[str, str] = {}
         self.journal = journal
         if journal is not None:
             self._replaying = True
@@ -220,6 +222,19 @@ class RouterState:
                 live,
                 key=lambda d: (self.devices[d].sessions, self.devices[d].hot_usage, d),
             )
+        record.device_id = choice
+        self.devices[choice].sessions += 1
+        return choice
+
+    def place_near(self, session_id: str, node: str) -> str | None:
+        """Place a new session on the least loaded live device of Ray node ``node``
+        (a prefix of its id will do); None, unplaced, when that node has none."""
+        record = self.get(session_id)
+        near = [d for d, load in self.devices.items() if load.live and self.node_of.get(d)
+                and (self.node_of[d].startswith(node) or node.startswith(self.node_of[d]))]
+        if record.device_id is not None or not near:
+            return record.device_id
+        choice = min(near, key=lambda d: (self.devices[d].sessions, self.devices[d].hot_usage, d))
         record.device_id = choice
         self.devices[choice].sessions += 1
         return choice
