@@ -190,6 +190,15 @@ def main(workdir: Path) -> dict[str, Any]:
             rejoined = connect(nodes.address, config=cfg, detached=False)
             new_device = next(d for d in ray.get(cluster.router.devices.remote())
                               if d.startswith(f"memkv-device-{joined.node_id[:12]}"))
+            # It takes sessions from the busiest devices in the background (rebalance).
+            deadline = time.monotonic() + 30
+            rebalanced: list[str] = []
+            while not rebalanced and time.monotonic() < deadline:
+                rebalanced = [s for s in written if not outcome.get(s, "").startswith("lost")
+                              and cluster.device_of(s) == new_device]
+                time.sleep(0.2)
+            out["rebalanced_to_joined"] = len(rebalanced)
+            out["rebalanced_exact"] = all(_read(cluster, s) == written[s] for s in rebalanced)
             for i in range(3):
                 sid = f"j{i}"
                 cluster.create_session(sid, layout, namespace="mn", ack="archive")

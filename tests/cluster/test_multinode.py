@@ -54,6 +54,7 @@ def test_sessions_spread_over_nodes_and_survive_node_losses_as_their_mode_promis
     # replays its journal from the archives, and archive-mode sessions read back
     # whole, those on the router's node's device included.
     assert seen["joined_device_registered"] and seen["joined_device_used"]
+    assert seen["rebalanced_to_joined"] > 0 and seen["rebalanced_exact"]
     # The other archive worker is drained and leaves: its sessions (memory mode
     # included) moved whole, its archive's blocks copied to the archives that stay.
     drain = seen["drain"]
