@@ -36,6 +36,7 @@ from memkv.api.context import (
     GatewayMetrics,
     this_node_id,
 )
+from memkv.api.engines.front_door import FrontDoor, RoutingMetrics
 from memkv.api.errors import install_error_handlers, openapi_with_errors
 from memkv.api.middleware import (
     AuthMiddleware,
@@ -44,7 +45,7 @@ from memkv.api.middleware import (
     MetricsMiddleware,
 )
 from memkv.api.observe import StatsSnapshot
-from memkv.api.routes import appends, cluster, health, leases, reads, sessions
+from memkv.api.routes import appends, cluster, health, leases, openai, reads, sessions
 from memkv.protocol.stats import ClusterStats
 from memkv.same_node import SegmentMaps
 from memkv.staging import PutStaging
@@ -130,6 +131,7 @@ def create_app(
             else 2 * max_body_bytes
         ),
         snapshot=StatsSnapshot(whole_table_stats),
+        door=FrontDoor(RoutingMetrics.create(metrics.registry)),
     )
     authenticator = auth if auth is not None else Authenticator.disabled()
 
@@ -141,7 +143,7 @@ def create_app(
     app.add_middleware(MetricsMiddleware, requests=metrics.requests, latency=metrics.latency,
                        errors=metrics.errors)
     install_error_handlers(app)
-    for module in (health, sessions, appends, reads, leases, cluster):
+    for module in (health, sessions, appends, reads, leases, cluster, openai):
         app.include_router(module.router)
 
     app.state.gateway = gw

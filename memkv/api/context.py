@@ -27,6 +27,7 @@ from memkv.api.body_budget import BodyBudget
 from memkv.api.client_leases import (
     ClientLeases,
 )
+from memkv.api.engines.front_door import FrontDoor
 from memkv.api.observe import StatsSnapshot
 from memkv.protocol.ids import (
     scoped_session_id,
@@ -225,6 +226,9 @@ class Gateway:
     unstaged: SessionLRU[bool] = field(default_factory=lambda: SessionLRU(SESSION_CACHE_ENTRIES))
     routes: RouteCache = field(default_factory=lambda: RouteCache(SESSION_CACHE_ENTRIES))
     devices_by_id: dict[str, ActorHandle] = field(default_factory=dict)
+    #: The OpenAI front door (engines, affinity, routing counters); None: not served.
+    door: FrontDoor | None = None
+    device_nodes: dict[str, str] = field(default_factory=dict)
     touches: Touches = field(init=False)
 
     def __post_init__(self) -> None:
@@ -235,6 +239,15 @@ class Gateway:
         if device_id not in self.devices_by_id:
             self.devices_by_id.update(await self.routers.first.devices.remote())
         return self.devices_by_id.get(device_id)
+
+    async def node_of_device(self, device_id: str) -> str | None:
+        """The Ray node a device runs on (asked once per device)."""
+        if device_id not in self.device_nodes:
+            device = await self.device_named(device_id)
+            if device is None:
+                return None
+            self.device_nodes[device_id] = str(await device.node.remote())
+        return self.device_nodes[device_id]
 
     async def let_go_of(self, sid: str) -> None:
         """Release the read plans this gateway holds on a session's blocks."""

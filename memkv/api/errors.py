@@ -145,6 +145,7 @@ def internal_response(exc: BaseException) -> JSONResponse:
 
 #: What each status of the error envelope means, for the OpenAPI document.
 _ERROR_DOCS = {
+    400: "A malformed OpenAI request (OpenAI's error shape: error.message, error.type).",
     401: "No valid bearer token.",
     403: "The token may not do this (role or namespace).",
     404: "No such session or block (another tenant's answers the same).",
@@ -174,6 +175,12 @@ _ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("delete", "/v1/blocks/lease/{lease_id}"): (404,),
     ("post", "/v1/match"): (),
     ("get", "/v1/stats"): (),
+    ("post", "/v1/chat/completions"): (400, 404, 413),
+    ("post", "/v1/completions"): (400, 404, 413),
+    ("get", "/v1/models"): (),
+    ("post", "/v1/engines"): (),
+    ("get", "/v1/engines"): (),
+    ("delete", "/v1/engines/{engine_id}"): (404,),
 }
 _ERROR_SCHEMA = {
     "type": "object",

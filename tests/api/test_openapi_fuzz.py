@@ -57,6 +57,11 @@ def api(tmp_path_factory):
     loop.close()
 
 
+#: Not fuzzed: registering an engine connects to the URL given, and generated URLs
+#: name hosts off this machine (tests/api/engines/test_front_door.py drives it).
+NOT_FUZZED = {("POST", "/v1/engines")}
+
+
 def _fuzz(op):
     """A hypothesis test of one operation, every built-in check on (but those the schema
     cannot say)."""
@@ -77,6 +82,8 @@ def test_every_route_answers_as_its_schema_says(api):
     operations = [result.ok() for result in api.get_all_operations()]
     assert len(operations) >= 13
     for op in operations:
+        if (op.method.upper(), op.path) in NOT_FUZZED:
+            continue
         try:
             _fuzz(op)()
         except BaseException as e:  # noqa: BLE001 - hypothesis raises groups of failures

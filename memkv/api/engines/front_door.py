@@ -1,0 +1,87 @@
+"""The gateway's front door for agent traffic: its engines, which session went where,
+and the routing counters.
+
+One :class:`FrontDoor` per gateway process. Its HTTP client and the registry's
+check loop are made on first use, inside the server's event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter
+
+from memkv.api.engines.policy import Reason, SpillThreshold
+from memkv.api.engines.registry import EngineRegistry
+
+__all__ = ["FrontDoor", "RoutingMetrics"]
+
+#: Sessions whose last engine is remembered (sticky routing), least recent dropped.
+AFFINITY_ENTRIES = 100_000
+#: Engines tried for one request before it fails (a failover needs a second).
+ATTEMPTS = 2
+
+
+@dataclass
+class RoutingMetrics:
+    """Per-engine routing counters (``/metrics``)."""
+
+    routed: Counter  # engine, reason (sticky, kv-node, least-loaded, spill)
+    failovers: Counter  # engine that failed before the request started
+    stream_errors: Counter  # engine that died mid-stream
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> RoutingMetrics:
+        return cls(
+            routed=Counter("memkv_routed_requests", "OpenAI requests routed, by engine and why",
+                           ["engine", "reason"], registry=registry),
+            failovers=Counter("memkv_routing_failovers",
+                              "Requests sent to another engine after one failed to start them",
+                              ["engine"], registry=registry),
+            stream_errors=Counter("memkv_routing_stream_errors",
+                                  "Streams ended with an error event (their engine failed)",
+                                  ["engine"], registry=registry),
+        )
+
+
+@dataclass
+class FrontDoor:
+    """Engines, affinity and counters of one gateway."""
+
+    metrics: RoutingMetrics
+    spill: SpillThreshold = field(default_factory=SpillThreshold)
+    request_timeout_s: float = 600.0
+    _client: httpx.AsyncClient | None = None
+    _registry: EngineRegistry | None = None
+    _affinity: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.request_timeout_s, connect=5.0),
+                limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
+        return self._client
+
+    @property
+    def registry(self) -> EngineRegistry:
+        if self._registry is None:
+            self._registry = EngineRegistry(self.client)
+        return self._registry
+
+    def engine_of(self, session_id: str) -> str | None:
+        return self._affinity.get(session_id)
+
+    def remember(self, session_id: str, engine_id: str, reason: Reason) -> None:
+        self._affinity.pop(session_id, None)
+        self._affinity[session_id] = engine_id  # (insertion order: oldest first)
+        while len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.pop(next(iter(self._affinity)))
+        self.metrics.routed.labels(engine_id, reason.value).inc()
+
+    async def close(self) -> None:
+        if self._registry is not None:
+            self._registry.stop()
+        if self._client is not None:
+            await self._client.aclose()

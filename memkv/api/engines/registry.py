@@ -1,0 +1,173 @@
+"""The engines the gateway routes OpenAI requests to, checked and measured.
+
+An engine (a ``vllm serve`` process) is registered by URL, with its model
+(asked of its ``/v1/models`` when not given) and the Ray node it runs on. Every
+``interval_s`` each is checked: ``/health`` must answer 200, and its
+``/metrics`` give its load (``vllm:num_requests_running`` +
+``vllm:num_requests_waiting``) and KV use (``vllm:kv_cache_usage_perc``, or the
+older ``vllm:gpu_cache_usage_perc``). ``failures_to_down`` failed checks in a
+row, or a request that could not reach it, take it out of routing; one good
+check brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from memkv.api.engines.policy import EngineLoad
+from memkv.errors import InvalidInputError
+
+__all__ = ["Engine", "EngineRegistry"]
+
+logger = logging.getLogger(__name__)
+
+_REQUESTS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+_KV_USE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+@dataclass
+class Engine:
+    """One registered engine and what its last check found."""
+
+    engine_id: str
+    url: str
+    model: str
+    node: str = ""
+    healthy: bool = False
+    requests: int = 0
+    kv_use: float = 0.0
+    failures: int = 0  # checks failed in a row
+    last_error: str = ""
+    checked_at: float = 0.0
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(self.engine_id, self.model, self.node, self.healthy, self.requests,
+                          self.kv_use)
+
+    def document(self) -> dict[str, object]:
+        return {"id": self.engine_id, "url": self.url, "model": self.model, "node": self.node,
+                "healthy": self.healthy, "requests": self.requests, "kv_use": self.kv_use,
+                "last_error": self.last_error}
+
+
+class EngineRegistry:
+    """Registered engines; a background task checks them while the gateway runs.
+
+    Args:
+        client: the gateway's HTTP client to the engines.
+        interval_s: seconds between checks.
+        failures_to_down: failed checks in a row before an engine leaves routing.
+        timeout_s: a check's time limit.
+    """
+
+    def __init__(self, client: httpx.AsyncClient, *, interval_s: float = 2.0,
+                 failures_to_down: int = 2, timeout_s: float = 2.0) -> None:
+        self.client = client
+        self.interval_s = interval_s
+        self.failures_to_down = failures_to_down
+        self.timeout_s = timeout_s
+        self._engines: dict[str, Engine] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def engines(self) -> list[Engine]:
+        return list(self._engines.values())
+
+    def get(self, engine_id: str) -> Engine | None:
+        return self._engines.get(engine_id)
+
+    async def register(self, url: str, *, model: str | None = None, node: str = "",
+                       engine_id: str | None = None) -> Engine:
+        """Add an engine and check it once now (it serves once healthy).
+
+        Raises:
+            InvalidInputError: the URL is not http(s), or no model was given and
+                the engine's ``/v1/models`` does not name one.
+        """
+        if not url.startswith(("http://", "https://")):
+            raise InvalidInputError(f"an engine URL is http:// or https://..., got {url!r}")
+        url = url.rstrip("/")
+        if model is None:
+            model = await self._model_of(url)
+        engine = Engine(engine_id or f"engine-{uuid.uuid4().hex[:8]}", url, model, node)
+        self._engines[engine.engine_id] = engine
+        await self.check(engine)
+        self.ensure_running()
+        logger.warning("engine %s registered: %s serving %s (%s)", engine.engine_id, url, model,
+                       "healthy" if engine.healthy else f"not yet healthy: {engine.last_error}")
+        return engine
+
+    def unregister(self, engine_id: str) -> None:
+        if self._engines.pop(engine_id, None) is None:
+            raise InvalidInputError(f"no engine {engine_id!r} is registered")
+
+    def mark_failed(self, engine_id: str, error: str) -> None:
+        """A request could not reach the engine: out of routing until a check passes."""
+        engine = self._engines.get(engine_id)
+        if engine is not None and engine.healthy:
+            logger.warning("engine %s failed a request (%s): out of routing until it "
+                           "answers its checks", engine_id, error)
+            engine.healthy, engine.last_error = False, error
+            engine.failures = max(engine.failures, self.failures_to_down)
+
+    async def check(self, engine: Engine) -> None:
+        try:
+            health = await self.client.get(f"{engine.url}/health", timeout=self.timeout_s)
+            health.raise_for_status()
+            metrics = await self.client.get(f"{engine.url}/metrics", timeout=self.timeout_s)
+            requests, kv_use = _load_of(metrics.text if metrics.status_code == 200 else "")
+        except (httpx.HTTPError, ValueError) as e:
+            engine.failures += 1
+            engine.last_error = f"{type(e).__name__}: {e}"
+            if engine.healthy and engine.failures >= self.failures_to_down:
+                engine.healthy = False
+                logger.warning("engine %s is down: %s", engine.engine_id, engine.last_error)
+        else:
+            if not engine.healthy:
+                logger.warning("engine %s is healthy", engine.engine_id)
+            engine.healthy, engine.failures, engine.last_error = True, 0, ""
+            engine.requests, engine.kv_use = requests, kv_use
+        engine.checked_at = time.monotonic()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(e) for e in self.engines()))
+
+    def ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.check_all()
+
+    async def _model_of(self, url: str) -> str:
+        try:
+            answer = await self.client.get(f"{url}/v1/models", timeout=self.timeout_s)
+            answer.raise_for_status()
+            return str(answer.json()["data"][0]["id"])
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+            raise InvalidInputError(
+                f"engine {url}: no model given and its /v1/models names none ({e})") from e
+
+
+def _load_of(text: str) -> tuple[int, float]:
+    """(running + waiting requests, KV use 0..1) from a vLLM /metrics page."""
+    requests, kv_use = 0.0, 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in _REQUESTS:
+                requests += sample.value
+            elif sample.name in _KV_USE:
+                kv_use = max(kv_use, sample.value)
+    return int(requests), float(kv_use)

@@ -1,0 +1,222 @@
+"""The OpenAI-compatible front door: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models``, forwarded to registered engines (``/v1/engines``).
+
+A request's session comes from the ``X-Memkv-Session`` header, the body's
+``memkv.session_id`` (the OpenAI client's ``extra_body={"memkv": {...}}``) or
+its ``user``; it is the caller's tenant's session, as on every other route, and
+goes to the engine as ``kv_transfer_params`` (the memkv connector appends each
+turn to it). The engine is chosen by :mod:`memkv.api.engines.policy`; one that
+cannot be reached before the request starts is taken out of routing and the
+request goes to another (its session's KV is loaded there from memkv). A
+stream whose engine fails midway ends with an error event. A client that goes
+away closes the engine's connection, and the engine drops the request.
+Errors answer in OpenAI's shape (``{"error": {"message": ...}}``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field
+
+from memkv.api.context import Caller, Gateway, GatewayState, scoped
+from memkv.api.engines.front_door import ATTEMPTS, FrontDoor
+from memkv.api.engines.policy import choose_engine
+from memkv.api.models import _Model
+from memkv.errors import MemkvError, NotFoundError
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["openai"])
+
+SESSION_HEADER = "x-memkv-session"
+#: Statuses of an engine that did not start the request (another may).
+_NOT_STARTED = (502, 503, 504)
+#: Headers of the caller's request that are not the engine's business.
+_HOP_HEADERS = {"host", "authorization", "content-length", "connection", "x-memkv-session",
+                "accept-encoding", "transfer-encoding"}
+
+
+class EngineIn(_Model):
+    url: str = Field(pattern=r"^https?://", description="The engine's base URL (vllm serve).")
+    model: str | None = Field(default=None, description="Its model (default: its /v1/models).")
+    node: str = Field(default="", description="The Ray node it runs on (for KV affinity).")
+    engine_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    """OpenAI's error shape (``error.message``, ``type``), with memkv's ``status`` too."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                   "code": None, "status": status}}, status_code=status)
+
+
+def _body_schema(needs: str) -> dict[str, Any]:
+    """The OpenAPI request body of a completion route (the engine checks the rest)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "required": ["model", needs], "additionalProperties": True,
+        "properties": {"model": {"type": "string", "minLength": 1},
+                       needs: {"type": "array"} if needs == "messages" else {},
+                       "stream": {"type": "boolean"},
+                       "user": {"type": "string"},
+                       "memkv": {"type": "object",
+                                 "properties": {"session_id": {"type": "string"}}}}}}}},
+        "responses": {"200": {"description": "The engine's answer (JSON, or server-sent "
+                                             "events when stream is true).",
+                              "content": {"application/json": {"schema": {"type": "object"}},
+                                          "text/event-stream": {"schema": {"type": "string"}}}}}}
+
+
+def _door(gw: Gateway) -> FrontDoor:
+    if gw.door is None:
+        raise MemkvError("this gateway has no front door")
+    return gw.door
+
+
+@router.post("/v1/engines", status_code=201, tags=["engines"])
+async def register_engine(body: EngineIn, gw: GatewayState, who: Caller) -> dict[str, Any]:
+    """Add an engine to route to (admin); checked now, then every few seconds."""
+    who.require("admin")
+    engine = await _door(gw).registry.register(body.url, model=body.model, node=body.node,
+                                               engine_id=body.engine_id)
+    return engine.document()
+
+
+@router.get("/v1/engines", tags=["engines"])
+async def list_engines(gw: GatewayState, who: Caller) -> dict[str, Any]:
+    who.require("admin")
+    return {"engines": [e.document() for e in _door(gw).registry.engines()]}
+
+
+@router.delete("/v1/engines/{engine_id}", status_code=204, tags=["engines"])
+async def unregister_engine(engine_id: str, gw: GatewayState, who: Caller) -> Response:
+    who.require("admin")
+    if _door(gw).registry.get(engine_id) is None:
+        raise NotFoundError(f"no engine {engine_id!r} is registered")
+    _door(gw).registry.unregister(engine_id)
+    return Response(status_code=204)
+
+
+@router.get("/v1/models")
+async def models(gw: GatewayState, who: Caller) -> dict[str, Any]:
+    """The models healthy engines serve (OpenAI's list shape)."""
+    who.require("read")
+    served = sorted({e.model for e in _door(gw).registry.engines() if e.healthy})
+    return {"object": "list",
+            "data": [{"id": m, "object": "model", "owned_by": "memkv"} for m in served]}
+
+
+@router.post("/v1/chat/completions", openapi_extra=_body_schema("messages"))
+async def chat_completions(request: Request, gw: GatewayState, who: Caller) -> Response:
+    return await _forward(request, gw, who, "/v1/chat/completions", "messages")
+
+
+@router.post("/v1/completions", openapi_extra=_body_schema("prompt"))
+async def completions(request: Request, gw: GatewayState, who: Caller) -> Response:
+    return await _forward(request, gw, who, "/v1/completions", "prompt")
+
+
+def _session_of(request: Request, body: dict[str, Any]) -> str | None:
+    header = request.headers.get(SESSION_HEADER)
+    if header:
+        return header
+    memkv = body.get("memkv")
+    if isinstance(memkv, dict) and isinstance(memkv.get("session_id"), str):
+        return str(memkv["session_id"])
+    user = body.get("user")
+    return user if isinstance(user, str) and user else None
+
+
+async def _kv_node(gw: Gateway, sid: str) -> tuple[str | None, str]:
+    """The node whose device holds the session's blocks, and its priority."""
+    try:
+        view = await gw.routers.service(sid).session(sid)
+    except MemkvError:
+        return None, "normal"  # a new session (or one memkv cannot say where it is)
+    node = await gw.node_of_device(view.device_id) if view.device_id else None
+    return node, view.priority.value
+
+
+async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: str) -> Response:
+    who.require("write")
+    door = _door(gw)
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        return _error(400, f"the body is not JSON: {e}")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        return _error(400, "'model' is required: a model name of GET /v1/models")
+    if needs not in body:
+        return _error(400, f"'{needs}' is required for {path}")
+    stream = body.get("stream") is True
+    engines = door.registry.engines()
+    if not any(e.model == model for e in engines):
+        return _error(404, f"the model {model!r} does not exist (GET /v1/models lists them)",
+                      "not_found_error")
+    session = _session_of(request, body)
+    sid = scoped(who, session, "write") if session else None
+    kv_node, priority = await _kv_node(gw, sid) if sid else (None, "normal")
+    body.pop("memkv", None)
+    if sid is not None:
+        body["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}),
+                                      "session_id": sid, "priority": priority,
+                                      "namespace": who.write_namespace(None)}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    tried: set[str] = set()
+    for _ in range(ATTEMPTS):
+        choice = choose_engine(model, [e.load() for e in door.registry.engines()],
+                               sticky=door.engine_of(sid) if sid else None, kv_node=kv_node,
+                               spill=door.spill, avoid=frozenset(tried))
+        engine = door.registry.get(choice.engine_id) if choice is not None else None
+        if choice is None or engine is None:
+            break
+        tried.add(engine.engine_id)
+        try:
+            sent = door.client.build_request("POST", engine.url + path, json=body,
+                                             headers=headers)
+            answer = await door.client.send(sent, stream=True)
+        except httpx.TransportError as e:
+            door.registry.mark_failed(engine.engine_id, f"{type(e).__name__}: {e}")
+            door.metrics.failovers.labels(engine.engine_id).inc()
+            continue
+        if answer.status_code in _NOT_STARTED:
+            await answer.aclose()
+            door.registry.mark_failed(engine.engine_id, f"HTTP {answer.status_code}")
+            door.metrics.failovers.labels(engine.engine_id).inc()
+            continue
+        if sid is not None:
+            door.remember(sid, engine.engine_id, choice.reason)
+        media = answer.headers.get("content-type", "application/json")
+        if not stream:
+            try:
+                content = await answer.aread()
+            finally:
+                await answer.aclose()
+            return Response(content, status_code=answer.status_code, media_type=media)
+        return StreamingResponse(_relay(answer, engine.engine_id, door),
+                                 status_code=answer.status_code, media_type=media)
+    return _error(503, f"no healthy engine could take a request for {model!r}"
+                  + (f" (tried {sorted(tried)})" if tried else ""), "service_unavailable")
+
+
+async def _relay(answer: httpx.Response, engine_id: str, door: FrontDoor) -> AsyncIterator[bytes]:
+    """The engine's events as they come; an engine failure midway ends the stream with an
+    error event (the client's own disconnect closes the engine's connection)."""
+    try:
+        async for chunk in answer.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as e:
+        door.metrics.stream_errors.labels(engine_id).inc()
+        door.registry.mark_failed(engine_id, f"{type(e).__name__}: {e}")
+        event = {"error": {"message": f"engine {engine_id} failed mid-stream ({e}); retry the "
+                           f"turn: its KV is in memkv", "type": "engine_error"}}
+        yield f"data: {json.dumps(event)}\n\n".encode()
+    finally:
+        await answer.aclose()

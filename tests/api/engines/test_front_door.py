@@ -1,0 +1,212 @@
+"""The gateway's OpenAI front door against two stand-in engines (real uvicorn servers
+speaking vLLM's OpenAI API, /health and /metrics), the gateway over a real router
+and device without Ray, driven with httpx and the official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from memkv.api.app import create_app
+from memkv.protocol.layout import KVLayout
+from memkv.protocol.services import CreateSession, LayoutSpec
+
+from ..fakes import FakeHandle, device_and_router
+from ..test_gateway_fakes import _Server
+
+MODEL = "agent-llama"
+LAYOUT = KVLayout("front-door", 2, 2, 8, block_tokens=4)
+
+
+class FakeEngine:
+    """What a ``vllm serve`` answers, with switches for faults."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.seen: list[dict[str, Any]] = []
+        self.healthy = True
+        self.die_mid_stream = False
+        self.running = 0
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> Any:
+            return PlainTextResponse("", status_code=200 if self.healthy else 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Any:
+            return PlainTextResponse(
+                "# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{model_name="{MODEL}"}} {self.running}\n'
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
+                "# TYPE vllm:kv_cache_usage_perc gauge\n"
+                f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.25\n')
+
+        @app.get("/v1/models")
+        async def models() -> Any:
+            return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Any:
+            body = await request.json()
+            self.seen.append(body)
+            if not body.get("stream"):
+                return JSONResponse({
+                    "id": f"cmpl-{self.name}", "object": "chat.completion", "created": 0,
+                    "model": MODEL, "choices": [{"index": 0, "finish_reason": "stop",
+                                                 "message": {"role": "assistant",
+                                                             "content": f"hi from {self.name}"}}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
+
+            async def events() -> Any:
+                for i, word in enumerate(["hi", " from", f" {self.name}"]):
+                    if self.die_mid_stream and i == 2:
+                        raise RuntimeError("the engine died")  # the connection drops
+                    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0,
+                             "model": MODEL, "choices": [{"index": 0, "delta": {"content": word},
+                                                          "finish_reason": None}]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                    await asyncio.sleep(0.01)
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        self.server = _Server(app)
+        self.url = self.server.url
+
+
+@pytest.fixture
+def door(tmp_path):
+    device, router, loop = device_and_router(tmp_path / "cold", "door-dev", unit=4096, blocks=8)
+    app = create_app(FakeHandle(router), max_body_bytes=1 << 20, same_node_reads=False,
+                     put_object=lambda payload: payload, node_id="gateway-node")
+    gateway = _Server(app)
+    engines = [FakeEngine("a"), FakeEngine("b")]
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            for engine, node in zip(engines, ("node-a", device.node_id), strict=True):
+                made = http.post("/v1/engines", json={"url": engine.url, "node": node,
+                                                      "engine_id": engine.name})
+                assert made.status_code == 201 and made.json()["healthy"], made.text
+            yield http, engines, router, loop, device
+    finally:
+        for engine in engines:
+            engine.server.stop()
+        gateway.stop()
+        device.close()
+        loop.close()
+
+
+def _chat(http: httpx.Client, session: str | None, **extra: Any) -> httpx.Response:
+    headers = {"X-Memkv-Session": session} if session else {}
+    return http.post("/v1/chat/completions", headers=headers, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hello"}], **extra})
+
+
+def test_models_and_a_session_sticking_to_its_engine_with_its_kv_params(door):
+    http, engines, *_ = door
+    assert http.get("/v1/models").json()["data"] == [
+        {"id": MODEL, "object": "model", "owned_by": "memkv"}]
+    first = _chat(http, "agent-1")
+    assert first.status_code == 200, first.text
+    served_by = first.json()["choices"][0]["message"]["content"].split()[-1]
+    for _ in range(3):  # every turn of the session on the same engine
+        assert _chat(http, "agent-1").json()["choices"][0]["message"]["content"].endswith(
+            served_by)
+    engine = next(e for e in engines if e.name == served_by)
+    params = engine.seen[-1]["kv_transfer_params"]
+    assert params["session_id"].endswith("agent-1") and params["priority"] == "normal"
+    assert "memkv" not in engine.seen[-1]
+    metrics = http.get("/metrics").text
+    assert f'memkv_routed_requests_total{{engine="{served_by}",reason="sticky"}} 3.0' in metrics
+
+
+def test_a_session_goes_to_the_engine_on_the_node_of_its_kv(door):
+    http, engines, router, loop, device = door
+    # A memkv session with blocks on the device (whose node engine b runs on).
+    sid = "kv-near"
+    loop.run_until_complete(router.create_session(CreateSession(
+        session_id=sid, layout=LayoutSpec.of(LAYOUT), namespace="default")))
+    from memkv.actors.payload import to_payload
+    from memkv.protocol.hashing import chain_hashes
+    from memkv.protocol.services import AppendTurn
+    from memkv.storage.layout import split_kv
+    from tests.kvdata import random_kv
+
+    keys, values = random_kv(LAYOUT, 8, 1)
+    chain = [bytes(k) for k in chain_hashes(list(range(8)), LAYOUT, "default")]
+    payloads = [to_payload(k, b) for k, b in zip(chain, split_kv(LAYOUT, keys, values),
+                                                  strict=True)]
+    loop.run_until_complete(router.put_blocks(
+        AppendTurn(session_id=sid, token_ids=AppendTurn.pack_tokens(list(range(8)))), payloads))
+    answer = _chat(http, sid)
+    assert answer.json()["choices"][0]["message"]["content"] == "hi from b"
+    assert 'reason="kv-node"' in http.get("/metrics").text
+
+
+def test_streams_are_relayed_and_an_engine_dying_midway_ends_with_an_error_event(door):
+    http, engines, *_ = door
+    with http.stream("POST", "/v1/chat/completions", headers={"X-Memkv-Session": "s1"},
+                     json={"model": MODEL, "messages": [], "stream": True}) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == 4
+    engine = next(e for e in engines if e.seen and e.seen[-1].get("stream"))
+    engine.die_mid_stream = True
+    with http.stream("POST", "/v1/chat/completions", headers={"X-Memkv-Session": "s1"},
+                     json={"model": MODEL, "messages": [], "stream": True}) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 3 and "engine_error" in events[-1]
+    assert "failed mid-stream" in json.loads(events[-1][6:])["error"]["message"]
+
+
+def test_a_request_to_a_dead_engine_goes_to_the_other_and_the_dead_one_leaves_routing(door):
+    http, engines, *_ = door
+    first = _chat(http, "agent-f")
+    served_by = first.json()["choices"][0]["message"]["content"].split()[-1]
+    dead = next(e for e in engines if e.name == served_by)
+    dead.server.stop()
+    answer = _chat(http, "agent-f")
+    assert answer.status_code == 200
+    assert not answer.json()["choices"][0]["message"]["content"].endswith(served_by)
+    listed = {e["id"]: e for e in http.get("/v1/engines").json()["engines"]}
+    assert not listed[served_by]["healthy"]
+    assert f'memkv_routing_failovers_total{{engine="{served_by}"}} 1.0' in http.get(
+        "/metrics").text
+
+
+def test_bad_requests_answer_in_openais_error_shape(door):
+    http, *_ = door
+    bad = http.post("/v1/chat/completions", content=b"{not json",
+                    headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
+    missing = http.post("/v1/chat/completions", json={"messages": []})
+    assert missing.status_code == 400 and "'model' is required" in missing.json()["error"][
+        "message"]
+    unknown = http.post("/v1/chat/completions", json={"model": "gpt-nope", "messages": []})
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+    no_prompt = http.post("/v1/completions", json={"model": MODEL})
+    assert no_prompt.status_code == 400 and "'prompt'" in no_prompt.json()["error"]["message"]
+    engine = http.post("/v1/engines", json={"url": "ftp://nope"})
+    assert engine.status_code == 422
+
+
+def test_the_official_openai_client_sync_and_streaming(door):
+    openai = pytest.importorskip("openai")
+    http, *_ = door
+    client = openai.OpenAI(base_url=str(http.base_url).rstrip("/") + "/v1", api_key="unused")
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}],
+        extra_body={"memkv": {"session_id": "sdk-agent"}})
+    assert reply.choices[0].message.content.startswith("hi from")
+    words = [chunk.choices[0].delta.content for chunk in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
+        user="sdk-agent") if chunk.choices]
+    assert "".join(w for w in words if w).startswith("hi from")
+    assert [m.id for m in client.models.list()] == [MODEL]
