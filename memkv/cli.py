@@ -46,6 +46,10 @@ def up(
     gateway: Annotated[
         bool, typer.Option(help="Serve the HTTP gateway here (worker nodes pass --no-gateway).")
     ] = True,
+    engine: Annotated[
+        list[str] | None,
+        typer.Option(help="An engine's URL (vllm serve) for the OpenAI front door; repeatable."),
+    ] = None,
 ) -> None:
     """Start memkv (embedded) or bring up its actors on a Ray cluster, and serve the gateway."""
     from memkv.api.auth import deployment_authenticator
@@ -78,6 +82,8 @@ def up(
         max_body_bytes=settings.max_body_bytes,
         put_staging_bytes=settings.put_staging_bytes,
         auth=auth,
+        engines=[(e.url, e.model, e.node) for e in settings.engines]
+        + [(url, None, "") for url in engine or ()],
     )
     summary["gateway"] = server.url
     summary["block_port"] = server.block_port

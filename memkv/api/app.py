@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -36,7 +36,7 @@ from memkv.api.context import (
     GatewayMetrics,
     this_node_id,
 )
-from memkv.api.engines.front_door import FrontDoor, RoutingMetrics
+from memkv.api.engines.front_door import EngineSpec, FrontDoor, RoutingMetrics
 from memkv.api.errors import install_error_handlers, openapi_with_errors
 from memkv.api.middleware import (
     AuthMiddleware,
@@ -67,6 +67,7 @@ def create_app(
     max_json_bytes: int = 16 << 20,
     max_inflight_body_bytes: int | None = None,
     client_lease_bytes: int = 1 << 30,
+    engines: Sequence[EngineSpec] = (),
 ) -> FastAPI:
     """The gateway app for a router actor handle, or a sharded table's routers.
 
@@ -95,6 +96,8 @@ def create_app(
             None sends every block through ``put_object``.
         client_lease_bytes: block bytes that clients on the gateway's host may
             keep pinned under leases (``/v1/blocks/lease``) at once.
+        engines: engines the OpenAI front door routes to (more register at
+            ``/v1/engines``).
     """
     app = FastAPI(
         title="memkv gateway",
@@ -131,7 +134,7 @@ def create_app(
             else 2 * max_body_bytes
         ),
         snapshot=StatsSnapshot(whole_table_stats),
-        door=FrontDoor(RoutingMetrics.create(metrics.registry)),
+        door=FrontDoor(RoutingMetrics.create(metrics.registry), configured=list(engines)),
     )
     authenticator = auth if auth is not None else Authenticator.disabled()
 

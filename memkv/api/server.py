@@ -6,6 +6,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
 import ray
@@ -16,6 +17,7 @@ from memkv.actors.router_shards import RouterShards
 from memkv.api.app import create_app
 from memkv.api.auth import Authenticator
 from memkv.api.block_port import BlockPortServer
+from memkv.api.engines.front_door import EngineSpec
 from memkv.staging import PutStaging, staging_for
 
 __all__ = ["UVICORN_SETTINGS", "GatewayServer", "UvicornSettings"]
@@ -100,6 +102,7 @@ class GatewayServer:
         body_timeout_s: float = 30.0,
         reuse_port: bool = False,
         worker: int = 0,
+        engines: Sequence[EngineSpec] = (),
     ) -> GatewayServer:
         """Bind ``host:port`` (0 = any free port) and serve until :meth:`stop`.
 
@@ -117,6 +120,7 @@ class GatewayServer:
                 worker processes of this gateway can bind them too and the
                 kernel spreads connections over them (memkv.api.workers).
             worker: this process's index among them (``/healthz`` and stats say it).
+            engines: engines the OpenAI front door routes to (``gateway.engines``).
         """
         routers = cluster if isinstance(cluster, RouterShards) else cluster.routers
         staging = staging_for(ray.get(routers.first.devices.remote()).values(),
@@ -129,6 +133,7 @@ class GatewayServer:
             staging=staging,
             auth=auth,
             body_timeout_s=body_timeout_s,
+            engines=engines,
         )
         app.state.worker = worker
         sock = _bound(host, port, reuse_port)

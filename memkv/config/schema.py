@@ -495,6 +495,14 @@ class AuthSettings(_Frozen):
     )
 
 
+class InferenceEngineSettings(_Frozen):
+    """An inference engine the gateway's OpenAI front door routes to (``vllm serve``)."""
+
+    url: str = Field(pattern=r"^https?://", description="Its base URL.")
+    model: str | None = Field(default=None, description="Its model; null: its /v1/models.")
+    node: str = Field(default="", description="The Ray node it runs on (KV affinity).")
+
+
 class GatewaySettings(_Frozen):
     """The FastAPI gateway."""
 
@@ -533,6 +541,11 @@ class GatewaySettings(_Frozen):
         "runs on the gateway's node.",
     )
     auth: AuthSettings = Field(default_factory=AuthSettings, description="Authentication.")
+    engines: list[InferenceEngineSettings] = Field(
+        default_factory=list,
+        description="Engines the OpenAI front door (/v1/chat/completions, /v1/completions) "
+        "routes to; more register at /v1/engines or with memkv up --engine URL.",
+    )
 
 
 class MemkvConfig(_Frozen):

@@ -7,6 +7,7 @@ check loop are made on first use, inside the server's event loop.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import httpx
@@ -14,8 +15,14 @@ from prometheus_client import CollectorRegistry, Counter
 
 from memkv.api.engines.policy import Reason, SpillThreshold
 from memkv.api.engines.registry import EngineRegistry
+from memkv.errors import InvalidInputError
 
-__all__ = ["FrontDoor", "RoutingMetrics"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineSpec", "FrontDoor", "RoutingMetrics"]
+
+#: An engine of the configuration: (url, model or None to ask it, Ray node or "").
+EngineSpec = tuple[str, str | None, str]
 
 #: Sessions whose last engine is remembered (sticky routing), least recent dropped.
 AFFINITY_ENTRIES = 100_000
@@ -55,6 +62,22 @@ class FrontDoor:
     _client: httpx.AsyncClient | None = None
     _registry: EngineRegistry | None = None
     _affinity: dict[str, str] = field(default_factory=dict)
+    configured: list[EngineSpec] = field(default_factory=list)
+    _pending: list[EngineSpec] | None = None  # configured engines not registered yet
+
+    async def ready(self) -> None:
+        """Register the configured engines (once; one that does not answer yet is tried
+        again on the next request)."""
+        if self._pending is None:
+            self._pending = list(self.configured)
+        left: list[EngineSpec] = []
+        for url, model, node in self._pending:
+            try:
+                await self.registry.register(url, model=model, node=node)
+            except InvalidInputError as e:
+                logger.warning("configured engine %s not registered yet: %s", url, e)
+                left.append((url, model, node))
+        self._pending = left
 
     @property
     def client(self) -> httpx.AsyncClient:

@@ -71,9 +71,10 @@ def _body_schema(needs: str) -> dict[str, Any]:
                                           "text/event-stream": {"schema": {"type": "string"}}}}}}
 
 
-def _door(gw: Gateway) -> FrontDoor:
+async def _door(gw: Gateway) -> FrontDoor:
     if gw.door is None:
         raise MemkvError("this gateway has no front door")
+    await gw.door.ready()
     return gw.door
 
 
@@ -81,7 +82,7 @@ def _door(gw: Gateway) -> FrontDoor:
 async def register_engine(body: EngineIn, gw: GatewayState, who: Caller) -> dict[str, Any]:
     """Add an engine to route to (admin); checked now, then every few seconds."""
     who.require("admin")
-    engine = await _door(gw).registry.register(body.url, model=body.model, node=body.node,
+    engine = await (await _door(gw)).registry.register(body.url, model=body.model, node=body.node,
                                                engine_id=body.engine_id)
     return engine.document()
 
@@ -89,15 +90,15 @@ async def register_engine(body: EngineIn, gw: GatewayState, who: Caller) -> dict
 @router.get("/v1/engines", tags=["engines"])
 async def list_engines(gw: GatewayState, who: Caller) -> dict[str, Any]:
     who.require("admin")
-    return {"engines": [e.document() for e in _door(gw).registry.engines()]}
+    return {"engines": [e.document() for e in (await _door(gw)).registry.engines()]}
 
 
 @router.delete("/v1/engines/{engine_id}", status_code=204, tags=["engines"])
 async def unregister_engine(engine_id: str, gw: GatewayState, who: Caller) -> Response:
     who.require("admin")
-    if _door(gw).registry.get(engine_id) is None:
+    if (await _door(gw)).registry.get(engine_id) is None:
         raise NotFoundError(f"no engine {engine_id!r} is registered")
-    _door(gw).registry.unregister(engine_id)
+    (await _door(gw)).registry.unregister(engine_id)
     return Response(status_code=204)
 
 
@@ -105,7 +106,7 @@ async def unregister_engine(engine_id: str, gw: GatewayState, who: Caller) -> Re
 async def models(gw: GatewayState, who: Caller) -> dict[str, Any]:
     """The models healthy engines serve (OpenAI's list shape)."""
     who.require("read")
-    served = sorted({e.model for e in _door(gw).registry.engines() if e.healthy})
+    served = sorted({e.model for e in (await _door(gw)).registry.engines() if e.healthy})
     return {"object": "list",
             "data": [{"id": m, "object": "model", "owned_by": "memkv"} for m in served]}
 
@@ -143,7 +144,7 @@ async def _kv_node(gw: Gateway, sid: str) -> tuple[str | None, str]:
 
 async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: str) -> Response:
     who.require("write")
-    door = _door(gw)
+    door = await _door(gw)
     try:
         body = json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as e:

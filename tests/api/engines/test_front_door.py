@@ -210,3 +210,24 @@ def test_the_official_openai_client_sync_and_streaming(door):
         user="sdk-agent") if chunk.choices]
     assert "".join(w for w in words if w).startswith("hi from")
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_engines_of_the_configuration_are_registered_on_first_use(tmp_path):
+    device, router, loop = device_and_router(tmp_path / "cold", "door-cfg", unit=4096, blocks=8)
+    engine = FakeEngine("configured")
+    down = "http://127.0.0.1:9"  # nothing listens: tried again on the next request
+    app = create_app(FakeHandle(router), max_body_bytes=1 << 20, same_node_reads=False,
+                     put_object=lambda payload: payload,
+                     engines=[(engine.url, None, ""), (down, None, "")])
+    gateway = _Server(app)
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL]
+            assert _chat(http, "cfg").json()["choices"][0]["message"]["content"] == (
+                "hi from configured")
+            assert [e["url"] for e in http.get("/v1/engines").json()["engines"]] == [engine.url]
+    finally:
+        engine.server.stop()
+        gateway.stop()
+        device.close()
+        loop.close()
