@@ -35,6 +35,8 @@ __all__ = ["router"]
 router = APIRouter(tags=["openai"])
 
 SESSION_HEADER = "x-memkv-session"
+#: Which engine served the request (the answer's header).
+ENGINE_HEADER = "X-Memkv-Engine"
 #: Statuses of an engine that did not start the request (another may).
 _NOT_STARTED = (502, 503, 504)
 #: Headers of the caller's request that are not the engine's business.
@@ -165,9 +167,11 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
     sid = scoped(who, session, "write") if session else None
     kv_node, priority = await _kv_node(gw, sid) if sid else (None, "normal")
     body.pop("memkv", None)
-    if sid is not None:
+    if session is not None:
+        # The caller's own id: the engine's connector is a client of memkv with its own
+        # token, which scopes it (the engines of a tenant hold that tenant's token).
         body["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}),
-                                      "session_id": sid, "priority": priority,
+                                      "session_id": session, "priority": priority,
                                       "namespace": who.write_namespace(None)}
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     tried: set[str] = set()
@@ -200,9 +204,11 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
                 content = await answer.aread()
             finally:
                 await answer.aclose()
-            return Response(content, status_code=answer.status_code, media_type=media)
+            return Response(content, status_code=answer.status_code, media_type=media,
+                            headers={ENGINE_HEADER: engine.engine_id})
         return StreamingResponse(_relay(answer, engine.engine_id, door),
-                                 status_code=answer.status_code, media_type=media)
+                                 status_code=answer.status_code, media_type=media,
+                                 headers={ENGINE_HEADER: engine.engine_id})
     return _error(503, f"no healthy engine could take a request for {model!r}"
                   + (f" (tried {sorted(tried)})" if tried else ""), "service_unavailable")
 

@@ -122,7 +122,7 @@ def test_models_and_a_session_sticking_to_its_engine_with_its_kv_params(door):
             served_by)
     engine = next(e for e in engines if e.name == served_by)
     params = engine.seen[-1]["kv_transfer_params"]
-    assert params["session_id"].endswith("agent-1") and params["priority"] == "normal"
+    assert params["session_id"] == "agent-1" and params["priority"] == "normal"
     assert "memkv" not in engine.seen[-1]
     metrics = http.get("/metrics").text
     assert f'memkv_routed_requests_total{{engine="{served_by}",reason="sticky"}} 3.0' in metrics
