@@ -119,6 +119,29 @@ def main(workdir: Path) -> dict[str, Any]:
             device_of = {sid: cluster.device_of(sid) for sid in written}
             out["devices_used"] = len(set(device_of.values()))
             out["exact_across_nodes"] = all(_read(cluster, s) == written[s] for s in written)
+            # Gateways on two nodes (the head, and a worker as a gateway process there):
+            # every session reads back exact over HTTP from each, same-node or not.
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            from memkv.api.workers import GatewayWorker
+
+            remote_gateway: Any = GatewayWorker.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(workers[-1].node_id,
+                                                                   soft=False)).remote(
+                cluster.routers, 1, {"host": "127.0.0.1", "port": 0, "block_port": None,
+                                     "put_staging_bytes": 0, "same_node_reads": True})
+            remote_url = ray.get(remote_gateway.info.remote()).url
+            with GatewayServer.start(cluster, port=0, block_port=None, put_staging_bytes=0,
+                                     same_node_reads=False) as head_gateway:
+                seen_exact: set[str] = set()
+                for url in (head_gateway.url, remote_url):
+                    with Client(url, block_port=False) as reader:
+                        seen_exact |= {"exact" if [b.array.tobytes() for b in
+                                                   reader.read_blocks(s)] == written[s]
+                                       else "differs" for s in written}
+                out["gateways_exact"] = sorted(seen_exact)
+            ray.get(remote_gateway.stop.remote())
+            ray.kill(remote_gateway)
             # Asked near a node (an engine's): placed on that node's device, whatever the load.
             target = workers[-1].node_id
             near_devices = set()

@@ -29,6 +29,7 @@ def test_sessions_spread_over_nodes_and_survive_node_losses_as_their_mode_promis
     # One device per worker node, every one used; reads from the head exact.
     assert seen["device_nodes"] == 3 and seen["devices_used"] == 3
     assert seen["exact_across_nodes"]
+    assert seen["gateways_exact"] == ["exact"]  # over HTTP from gateways on two nodes
     assert seen["near_node_placed"]  # create_session(near_node=...) lands on that node
     # The lost node's archive-mode sessions read back whole from another device;
     # its memory-mode ones answer BlockLostError (410) naming the device; the rest
