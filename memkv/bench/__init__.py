@@ -3,7 +3,7 @@
 Usage::
 
     memkv bench [all|resume|dataplane|codecs|eviction|eviction-agents|scale|prefetch|
-                 kernels|vllm|fleet|cluster]
+                 kernels|vllm|fleet|cluster|front-door]
                 [--quick] [--trace PATH] [--model PATH] [--out benchmarks/results]
                 [--markdown BENCHMARKS.md]
 
@@ -33,5 +33,7 @@ SUITES: dict[str, str] = {
     "fleet": "memkv.bench.fleet",
     # Six Ray nodes of this machine (their own Ray, in a process of their own).
     "cluster": "memkv.bench.cluster",
+    # The OpenAI front door's cost per request, against a stand-in engine.
+    "front-door": "memkv.bench.front_door",
 }
 ALL = "all"

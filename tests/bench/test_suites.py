@@ -325,8 +325,16 @@ def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:
         run("eviction", trace=tmp_path / "absent.jsonl")
     assert set(SUITES) == {
         "resume", "dataplane", "codecs", "eviction", "eviction-agents", "scale", "prefetch",
-        "kernels", "vllm", "fleet", "cluster",
+        "kernels", "vllm", "fleet", "cluster", "front-door",
     }
+
+
+def test_front_door_quick(ctx: BenchContext) -> None:
+    run_suite("front-door", ctx)
+    doc = _written(ctx, "front-door")
+    p50 = doc["figures"]["p50_ms"]
+    assert set(p50) == {"direct", "gateway", "gateway, with a session"}
+    assert all(v > 0 for v in p50.values()) and doc["figures"]["gap_p99_ms"]["gateway"] > 0
 
 
 @pytest.mark.slow
