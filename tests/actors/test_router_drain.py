@@ -15,10 +15,9 @@ from memkv.errors import ConflictError, InvalidInputError
 from memkv.protocol.enums import AckMode
 from memkv.protocol.services import CreateSession, LayoutSpec
 from memkv.storage.config import ArchiveConfig, CodecConfig
-from memkv.storage.router.service import SessionRouter
 from memkv.storage.tiers import ColdTier
 
-from .test_router_lost_device import LAYOUT, _device, _Node, _turn
+from .test_router_lost_device import LAYOUT, _Node, _turn, devices_sharing
 
 
 class _Archive(ColdTier):
@@ -29,20 +28,14 @@ class _Archive(ColdTier):
         return None
 
 
+def _archive(tmp_path) -> _Archive:
+    return _Archive(ArchiveConfig(directory=tmp_path / "cold", fsync="never"), CodecConfig())
+
+
 @pytest.fixture
 def cluster(tmp_path):
-    cold = _Archive(ArchiveConfig(directory=tmp_path / "cold", fsync="never"), CodecConfig())
-    devices = [_device(n, cold, tmp_path.name) for n in ("dev-a", "dev-b")]
-    nodes = [_Node(d) for d in devices]
-    router = SessionRouter(background_prefetch_interval_s=3600)
-    loop = asyncio.new_event_loop()
-    loop.run_until_complete(router.register_device("dev-a", nodes[0]))
-    yield router, nodes, devices, loop
-    router.background.cancel()
-    loop.run_until_complete(asyncio.sleep(0))
-    for d in devices:
-        d.close()
-    loop.close()
+    with devices_sharing(_archive(tmp_path), tmp_path.name) as made:
+        yield made
 
 
 def _payload_bytes(payloads) -> list[bytes]:
@@ -133,29 +126,25 @@ class _DiesOnSecondAdopt(_Node):
 
 
 def test_a_drain_whose_target_dies_moves_the_rest_elsewhere_and_loses_nothing(tmp_path):
-    cold = _Archive(ArchiveConfig(directory=tmp_path / "cold", fsync="never"), CodecConfig())
-    devices = [_device(n, cold, tmp_path.name) for n in ("dev-a", "dev-b", "dev-c")]
-    nodes = [_Node(devices[0]), _DiesOnSecondAdopt(devices[1]), _Node(devices[2])]
-    router = SessionRouter(background_prefetch_interval_s=3600)
-    loop = asyncio.new_event_loop()
+    names = ("dev-a", "dev-c", "dev-b")  # dev-b (last: dies on cue) is the first target
+    with devices_sharing(_archive(tmp_path), tmp_path.name, names,
+                         node=_DiesOnSecondAdopt) as (router, nodes, devices, loop):
+        node_of = dict(zip(names, nodes, strict=True))
 
-    async def scenario():
-        await router.register_device("dev-a", nodes[0])
-        written = {}
-        for i in range(4):
-            sid = f"s{i}"
-            await router.create_session(CreateSession(
-                session_id=sid, layout=LayoutSpec.of(LAYOUT), namespace="n",
-                ack=AckMode.MEMORY))
-            request, payloads, chain = _turn(sid, [i * 1000 + t for t in range(10)])
-            await router.put_blocks(request, payloads)
-            written[sid] = (chain, _payload_bytes(payloads))
-        await router.register_device("dev-b", nodes[1])
-        await router.register_device("dev-c", nodes[2])
-        report = await router.drain_device("dev-a")
-        return written, report
+        async def scenario():
+            written = {}
+            for i in range(4):
+                sid = f"s{i}"
+                await router.create_session(CreateSession(
+                    session_id=sid, layout=LayoutSpec.of(LAYOUT), namespace="n",
+                    ack=AckMode.MEMORY))
+                request, payloads, chain = _turn(sid, [i * 1000 + t for t in range(10)])
+                await router.put_blocks(request, payloads)
+                written[sid] = (chain, _payload_bytes(payloads))
+            await router.register_device("dev-b", node_of["dev-b"])
+            await router.register_device("dev-c", node_of["dev-c"])
+            return written, await router.drain_device("dev-a")
 
-    try:
         written, report = loop.run_until_complete(scenario())
         # dev-b took a session, then died with it: that session went on from the
         # archive (the drain archived it first), to dev-c like the rest.
@@ -164,38 +153,27 @@ def test_a_drain_whose_target_dies_moves_the_rest_elsewhere_and_loses_nothing(tm
         for sid, (chain, data) in written.items():
             record = router.state.get(sid)
             assert record.device_id == "dev-c" and record.tokens == 10 and not record.lost
-            assert [p.data.tobytes() for p in devices[2].get_blocks(chain)] == data
-    finally:
-        router.background.cancel()
-        loop.run_until_complete(asyncio.sleep(0))
-        for d in devices:
-            d.close()
-        loop.close()
+            assert [p.data.tobytes() for p in devices[1].get_blocks(chain)] == data
 
 
 def test_a_device_that_joins_takes_sessions_until_loads_are_even(tmp_path):
-    cold = _Archive(ArchiveConfig(directory=tmp_path / "cold", fsync="never"), CodecConfig())
-    devices = [_device(n, cold, tmp_path.name) for n in ("dev-a", "dev-b")]
-    nodes = [_Node(d) for d in devices]
-    router = SessionRouter(background_prefetch_interval_s=3600, rebalance_on_join=True)
-    loop = asyncio.new_event_loop()
+    with devices_sharing(_archive(tmp_path), tmp_path.name,
+                         rebalance_on_join=True) as (router, nodes, devices, loop):
 
-    async def scenario():
-        await router.register_device("dev-a", nodes[0])
-        written = {}
-        for i in range(5):
-            sid = f"s{i}"
-            await router.create_session(CreateSession(
-                session_id=sid, layout=LayoutSpec.of(LAYOUT), namespace="n"))
-            request, payloads, chain = _turn(sid, [i * 1000 + t for t in range(10)])
-            await router.put_blocks(request, payloads)
-            written[sid] = (chain, _payload_bytes(payloads))
-        await router.suspend("s3", False)  # idle sessions move first
-        await router.register_device("dev-b", nodes[1])  # answers before the moves
-        await asyncio.gather(*router._rebalancing)
-        return written
+        async def scenario():
+            written = {}
+            for i in range(5):
+                sid = f"s{i}"
+                await router.create_session(CreateSession(
+                    session_id=sid, layout=LayoutSpec.of(LAYOUT), namespace="n"))
+                request, payloads, chain = _turn(sid, [i * 1000 + t for t in range(10)])
+                await router.put_blocks(request, payloads)
+                written[sid] = (chain, _payload_bytes(payloads))
+            await router.suspend("s3", False)  # idle sessions move first
+            await router.register_device("dev-b", nodes[1])  # answers before the moves
+            await asyncio.gather(*router._rebalancing)
+            return written
 
-    try:
         written = loop.run_until_complete(scenario())
         on = {sid: router.state.get(sid).device_id for sid in written}
         assert sorted(on.values()).count("dev-b") == 2  # 5 sessions: 3 and 2
@@ -206,9 +184,3 @@ def test_a_device_that_joins_takes_sessions_until_loads_are_even(tmp_path):
             assert router.state.get(sid).tokens == 10
         # Even already: a second pass moves nothing.
         assert loop.run_until_complete(router.rebalance_device("dev-b")) == 0
-    finally:
-        router.background.cancel()
-        loop.run_until_complete(asyncio.sleep(0))
-        for d in devices:
-            d.close()
-        loop.close()

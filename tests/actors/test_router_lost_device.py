@@ -9,6 +9,7 @@ does (``ActorUnschedulableError``). No Ray.
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -69,20 +70,35 @@ def _turn(sid: str, tokens: list[int]) -> tuple[AppendTurn, list, list[bytes]]:
     return AppendTurn(session_id=sid, token_ids=AppendTurn.pack_tokens(tokens)), payloads, chain
 
 
+@contextmanager
+def devices_sharing(cold: ColdTier, scope: str, names: tuple[str, ...] = ("dev-a", "dev-b"),
+                    node: type[_Node] | None = None, **router_options):
+    """A real router over real devices sharing ``cold``; the first device registered.
+
+    ``node``: the class of the last device's handle (a device that dies on cue).
+    Yields ``(router, nodes, devices, loop)``.
+    """
+    devices = [_device(n, cold, scope) for n in names]
+    nodes = [(node if node is not None and i == len(names) - 1 else _Node)(d)
+             for i, d in enumerate(devices)]
+    router = SessionRouter(background_prefetch_interval_s=3600, **router_options)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(router.register_device(names[0], nodes[0]))
+    try:
+        yield router, nodes, devices, loop
+    finally:
+        router.background.cancel()
+        loop.run_until_complete(asyncio.sleep(0))  # let the cancelled task end
+        for d in devices:
+            d.close()
+        loop.close()
+
+
 @pytest.fixture
 def cluster(tmp_path):
     cold = ColdTier(ArchiveConfig(directory=tmp_path / "cold", fsync="never"), CodecConfig())
-    devices = [_device(n, cold, tmp_path.name) for n in ("dev-a", "dev-b")]
-    nodes = [_Node(d) for d in devices]
-    router = SessionRouter(background_prefetch_interval_s=3600)
-    loop = asyncio.new_event_loop()
-    loop.run_until_complete(router.register_device("dev-a", nodes[0]))
-    yield router, nodes, devices, loop
-    router.background.cancel()
-    loop.run_until_complete(asyncio.sleep(0))  # let the cancelled task end
-    for d in devices:
-        d.close()
-    loop.close()
+    with devices_sharing(cold, tmp_path.name) as made:
+        yield made
 
 
 def test_archive_mode_sessions_of_a_lost_device_move_whole_and_memory_ones_say_why(cluster):

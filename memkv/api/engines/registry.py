@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from memkv.api.engines.policy import EngineLoad
 from memkv.errors import InvalidInputError
+from memkv.periodic import Periodic
 
 __all__ = ["Engine", "EngineRegistry"]
 
@@ -74,7 +75,13 @@ class EngineRegistry:
         self.failures_to_down = failures_to_down
         self.timeout_s = timeout_s
         self._engines: dict[str, Engine] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._checks = Periodic(self.check_all, interval_s, "engine checks")
+
+    def ensure_running(self) -> None:
+        self._checks.ensure_running()
+
+    def stop(self) -> None:
+        self._checks.cancel()
 
     def engines(self) -> list[Engine]:
         return list(self._engines.values())
@@ -137,19 +144,6 @@ class EngineRegistry:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(e) for e in self.engines()))
-
-    def ensure_running(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.check_all()
 
     async def _model_of(self, url: str) -> str:
         try:

@@ -4,10 +4,10 @@ ending, in the router, and block N being read, in the device's read-ahead)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from memkv.errors import MemkvError
+from memkv.periodic import Periodic
 from memkv.storage.router.members import Members
 from memkv.storage.router.state import RouterState
 
@@ -32,20 +32,13 @@ class BackgroundPrefetch:
         self.hot_idle_fraction = hot_idle_fraction
         self.head_blocks = head_blocks
         self.prefetched = 0  # blocks, over the router's life
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic(self.round, interval_s, "background prefetch")
 
     def ensure_running(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._rounds.ensure_running()
 
     def cancel(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.round()
+        self._rounds.cancel()
 
     async def round(self) -> int:
         """One pass over the devices; returns the blocks prefetched."""

@@ -24,7 +24,8 @@ from collections import defaultdict
 
 import msgspec
 
-from memkv.errors import MemberLostError, MemkvError
+from memkv.errors import MemberLostError
+from memkv.periodic import Periodic
 from memkv.protocol.stats import RepairStats
 from memkv.storage.router.collector import Collector
 
@@ -57,10 +58,17 @@ class ReplicaRepair:
             passes=0,
             last_pass_s=0.0,
         )
-        self._task: asyncio.Task[None] | None = None
+        # (an archive lost mid-pass: the next pass goes on)
+        self._passes = Periodic(self.run, interval_s, "replica repair")
         self._lock = asyncio.Lock()  # one pass at a time
         #: Archives whose node is leaving (drained): read from, never counted.
         self.leaving: set[str] = set()
+
+    def ensure_running(self) -> None:
+        self._passes.ensure_running()
+
+    def cancel(self) -> None:
+        self._passes.cancel()
 
     @property
     def stats(self) -> RepairStats:
@@ -69,22 +77,6 @@ class ReplicaRepair:
             live_archives=len(self.collector.archives),
             lost_archives=sorted(self.collector.lost_archives),
         )
-
-    def ensure_running(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    def cancel(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.run()
-            except MemkvError as e:  # an archive lost mid-pass: the next pass goes on
-                logger.warning("replica repair pass failed: %s", e)
 
     async def run(self) -> RepairStats:
         """One pass: list every live archive, copy what is short. Returns the stats.
