@@ -88,6 +88,7 @@ class ArchiveJournal:
         self._local = local
         self._lock = threading.Lock()  # appends, and what is sent in which order
         self._pending: list[bytes] = []
+        self._unsynced = False  # records flushed to the replicas but not fsynced there
         self.lost: set[str] = set()
         self.records_since_snapshot = 0
         # A new epoch starts with a snapshot to every reachable archive (it fences).
@@ -134,6 +135,15 @@ class ArchiveJournal:
             self.records_since_snapshot += 1
             return self.seq
 
+    @property
+    def buffered(self) -> bool:
+        return bool(self._pending)
+
+    def flush(self) -> None:
+        """Send buffered records to every replica, written there (not fsynced): they
+        survive this process's crash (a change of a ``memory``-mode session)."""
+        self._send(fsync=False)
+
     def sync(self, upto: int | None = None) -> None:
         """Send buffered records to every replica; return once each has fsynced them.
 
@@ -141,14 +151,20 @@ class ArchiveJournal:
             SupersededError: a newer router owns the journal (this one must stop).
             MemberLostError: no archive is left.
         """
+        self._send(fsync=True)
+
+    def _send(self, *, fsync: bool) -> None:
         with self._lock:
-            if not self._pending:
+            if not self._pending and not (fsync and self._unsynced):
                 return
+            # (nothing pending but records flushed unsynced: an empty batch fsyncs them)
             payloads, self._pending = self._pending, []
+            self._unsynced = not fsync
             first = self.seq - len(payloads) + 1
             targets = self._targets()
             sent = {a: self._archives[a].journal_append.remote(self.name, self.epoch, first,
-                                                                payloads) for a in targets}
+                                                                payloads, fsync)
+                    for a in targets}
             for archive, ref in sent.items():
                 try:
                     self._resolve(ref)
@@ -179,6 +195,7 @@ class ArchiveJournal:
             if not written:
                 raise MemberLostError(f"no archive took router journal {self.name!r}")
             self._fence_all = False
+            self._unsynced = False
             self.wants_snapshot = False
             self.records_since_snapshot = 0
 

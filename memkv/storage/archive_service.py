@@ -190,9 +190,9 @@ class ArchiveService:
         return self._journal(name).read()
 
     def journal_append(self, name: str, epoch: int, first_seq: int,
-                       payloads: list[bytes]) -> tuple[int, int]:
+                       payloads: list[bytes], fsync: bool = True) -> tuple[int, int]:
         with self._journals_lock:
-            return self._journal(name).append(epoch, first_seq, payloads)
+            return self._journal(name).append(epoch, first_seq, payloads, fsync)
 
     def journal_snapshot(self, name: str, epoch: int, seq: int,
                          payloads: list[bytes]) -> tuple[int, int]:

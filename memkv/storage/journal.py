@@ -53,8 +53,14 @@ class TableJournal(Protocol):
     records_since_snapshot: int
     #: The journal asks for a snapshot now, whatever the count (a new replica needs it).
     wants_snapshot: bool
+    #: Records wait in this process: :meth:`flush` before answering the change.
+    buffered: bool
 
     def append(self, record: dict[str, Any]) -> int: ...
+
+    def flush(self) -> None:
+        """Records out of this process (they survive its crash), not fsynced."""
+        ...
 
     def sync(self, upto: int | None = None) -> None: ...
 
@@ -87,6 +93,7 @@ class Journal:
         self._fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         self.records_since_snapshot = 0
         self.wants_snapshot = False  # (a local journal never asks)
+        self.buffered = False  # appends go to the OS at once
 
     # -- writing ---------------------------------------------------------------------
 
@@ -99,6 +106,9 @@ class Journal:
             self._written += 1
             self.records_since_snapshot += 1
             return self._written
+
+    def flush(self) -> None:
+        """Nothing to do: :meth:`append` writes to the OS."""
 
     def sync(self, upto: int | None = None) -> None:
         """Make records up to ``upto`` (default: all appended so far) durable."""

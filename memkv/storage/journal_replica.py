@@ -64,8 +64,11 @@ class JournalReplica:
         """The position and every record since the last snapshot (the snapshot's first)."""
         return self.epoch, self.seq, list(self._records)
 
-    def append(self, epoch: int, first_seq: int, payloads: list[bytes]) -> tuple[int, int]:
-        """Records ``first_seq..`` of router ``epoch``; durable when this returns.
+    def append(self, epoch: int, first_seq: int, payloads: list[bytes],
+               fsync: bool = True) -> tuple[int, int]:
+        """Records ``first_seq..`` of router ``epoch``: fsynced when this returns, or
+        (``fsync`` False) written to the OS (they survive the router's crash, not a
+        power loss of this node).
 
         Raises:
             SupersededError: ``epoch`` is older than this replica's (a newer router owns it).
@@ -80,7 +83,8 @@ class JournalReplica:
             )
         for i, payload in enumerate(payloads):
             self._journal.append({"e": epoch, "s": first_seq + i, "r": payload})
-        self._journal.sync()
+        if fsync:
+            self._journal.sync()
         self.seq = first_seq + len(payloads) - 1
         self._records.extend(payloads)
         return self.position

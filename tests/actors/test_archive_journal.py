@@ -161,3 +161,22 @@ def test_journal_names_carry_the_shard_count(nodes) -> None:
     nodes[0].service.journal_position(journal_name("r", 1, 4))
     nodes[0].service.journal_position(journal_name("other", 0, 2))
     assert journal_shard_counts(nodes[0].service.journal_names(), "r") == {4}
+
+
+def test_a_change_flushed_before_its_answer_survives_the_routers_crash(nodes) -> None:
+    """A memory-mode change is not fsynced, but it leaves the router's process before
+    the router answers: a crash right after the answer keeps it."""
+    state = RouterState(journal=_journal(nodes))
+    state.add_archive("flushed")
+    assert state.journal.buffered
+    state.journal.flush()
+    assert not state.journal.buffered
+    assert _positions(nodes)[1:] == [(1, 1), (1, 1)]
+    # The router dies here (its object is dropped unsynced); a new one replays it.
+    again = RouterState(journal=_journal(nodes))
+    assert again.known_archives == ["flushed"]
+    # A later sync with nothing pending still fsyncs what was flushed (an empty batch).
+    again.add_device("d")
+    again.journal.flush()
+    again.journal.sync()
+    assert not again.journal._unsynced

@@ -455,6 +455,7 @@ class SessionRouter:
         )
         if not record.active:
             self.state.record_state(session_id, SessionState.ACTIVE)
+            await self._durable(False)
         self.state.touch(session_id)
         # The device that answered: the session moved if its own was lost meanwhile.
         device_id = record.device_id or device_id
@@ -484,6 +485,7 @@ class SessionRouter:
     async def set_priority(self, session_id: str, priority: Priority | str) -> SessionView:
         await self._ready()
         record = self.state.set_priority(session_id, Priority(priority).value)
+        await self._durable(False)
         device_id = record.device_id
         if device_id is not None and device_id in self.members.devices and record.chain:
             chain, value = list(record.chain), record.priority.value
@@ -654,6 +656,8 @@ class SessionRouter:
             return
         if needed:
             await asyncio.to_thread(journal.sync)
+        elif journal.buffered:  # out of this process before the answer (a crash keeps it)
+            await asyncio.to_thread(journal.flush)
         self.state.compact_journal(every=JOURNAL_SNAPSHOT_RECORDS)
 
 
