@@ -133,7 +133,23 @@ def status_tables(document: dict[str, Any]) -> Group:
         parts.append(_archives(stats.archives))
     if stats.tenants:
         parts.append(_tenants(stats.tenants))
+    engines = (document.get("gateway") or {}).get("engines")
+    if engines:
+        parts.append(_engines(engines))
     return Group(*parts)
+
+
+def _engines(engines: list[dict[str, Any]]) -> Table:
+    """The OpenAI front door's engines (a gateway's stats): state, load, what was routed."""
+    table = Table(title="engines (OpenAI front door)", title_justify="left")
+    for column in ("engine", "model", "node", "healthy", "requests", "KV use", "routed"):
+        table.add_column(column, justify="right" if column in ("requests", "KV use") else "left")
+    for e in engines:
+        routed = ", ".join(f"{k} {v}" for k, v in sorted(e.get("routed", {}).items())) or "-"
+        table.add_row(str(e["id"]), str(e["model"]), str(e["node"] or "-"),
+                      "yes" if e["healthy"] else f"no: {e.get('last_error', '')}"[:40],
+                      str(e["requests"]), f"{e['kv_use']:.0%}", routed)
+    return table
 
 
 def print_status(stats: dict[str, Any], console: Console | None = None) -> None:

@@ -103,6 +103,20 @@ class FrontDoor:
             self._affinity.pop(next(iter(self._affinity)))
         self.metrics.routed.labels(engine_id, reason.value).inc()
 
+    def routed_counts(self) -> dict[str, dict[str, int]]:
+        """Requests routed per engine, by reason (and failovers, stream errors)."""
+        out: dict[str, dict[str, int]] = {}
+        for counter, key in ((self.metrics.routed, None), (self.metrics.failovers, "failovers"),
+                             (self.metrics.stream_errors, "stream_errors")):
+            for family in counter.collect():
+                for sample in family.samples:
+                    if not sample.name.endswith("_total"):
+                        continue
+                    engine = sample.labels["engine"]
+                    name = key or sample.labels["reason"]
+                    out.setdefault(engine, {})[name] = int(sample.value)
+        return out
+
     async def close(self) -> None:
         if self._registry is not None:
             self._registry.stop()

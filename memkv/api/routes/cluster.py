@@ -70,6 +70,11 @@ async def stats(request: Request, gw: GatewayState, who: Caller) -> dict[str, An
         "staging_bytes": gw.staging.capacity_bytes if gw.staging is not None else 0,
         "http": _route_figures(gw.metrics.requests, gw.metrics.latency),
     }
+    if gw.door is not None and gw.door.registry.engines():
+        # The OpenAI front door: each engine's state and what was routed to it.
+        routed = gw.door.routed_counts()
+        out["gateway"]["engines"] = [{**e.document(), "routed": routed.get(e.engine_id, {})}
+                                     for e in gw.door.registry.engines()]
     port = getattr(request.app.state, "block_port", None)
     if port is not None:
         out["gateway"]["block_port"] = asdict(port.stats)  # a copy: a snapshot, not live counters

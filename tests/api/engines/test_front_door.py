@@ -231,3 +231,20 @@ def test_engines_of_the_configuration_are_registered_on_first_use(tmp_path):
         gateway.stop()
         device.close()
         loop.close()
+
+
+def test_the_stats_and_memkv_status_show_each_engine_and_what_was_routed_to_it(door):
+    from rich.console import Console
+
+    from memkv.status_view import status_tables
+
+    http, *_ = door
+    assert _chat(http, "shown").status_code == 200
+    stats = http.get("/v1/stats").json()
+    engines = {e["id"]: e for e in stats["gateway"]["engines"]}
+    assert set(engines) == {"a", "b"} and all(e["healthy"] for e in engines.values())
+    assert sum(sum(e["routed"].values()) for e in engines.values()) == 1
+    console = Console(record=True, width=160)
+    console.print(status_tables(stats))
+    shown = console.export_text()
+    assert "engines (OpenAI front door)" in shown and "least-loaded 1" in shown
