@@ -82,8 +82,8 @@ def up(
         max_body_bytes=settings.max_body_bytes,
         put_staging_bytes=settings.put_staging_bytes,
         auth=auth,
-        engines=[(e.url, e.model, e.node) for e in settings.engines]
-        + [(url, None, "") for url in engine or ()],
+        engines=[(e.url, e.model, e.node, e.priority_scheduling) for e in settings.engines]
+        + [(url, None, "", False) for url in engine or ()],
     )
     summary["gateway"] = server.url
     summary["block_port"] = server.block_port

@@ -501,6 +501,9 @@ class InferenceEngineSettings(_Frozen):
     url: str = Field(pattern=r"^https?://", description="Its base URL.")
     model: str | None = Field(default=None, description="Its model; null: its /v1/models.")
     node: str = Field(default="", description="The Ray node it runs on (KV affinity).")
+    priority_scheduling: bool = Field(
+        default=False, description="It runs vLLM's priority scheduler (--scheduling-policy "
+        "priority): a session's priority goes with its requests.")
 
 
 class GatewaySettings(_Frozen):

@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["EngineSpec", "FrontDoor", "RoutingMetrics"]
 
-#: An engine of the configuration: (url, model or None to ask it, Ray node or "").
-EngineSpec = tuple[str, str | None, str]
+#: An engine of the configuration: (url, model or None to ask it, Ray node or "",
+#: whether it runs vLLM's priority scheduler).
+EngineSpec = tuple[str, str | None, str, bool]
 
 #: Sessions whose last engine is remembered (sticky routing), least recent dropped.
 AFFINITY_ENTRIES = 100_000
@@ -71,12 +72,14 @@ class FrontDoor:
         if self._pending is None:
             self._pending = list(self.configured)
         left: list[EngineSpec] = []
-        for url, model, node in self._pending:
+        for spec in self._pending:
+            url, model, node, priority_scheduling = spec
             try:
-                await self.registry.register(url, model=model, node=node)
+                await self.registry.register(url, model=model, node=node,
+                                             priority_scheduling=priority_scheduling)
             except InvalidInputError as e:
                 logger.warning("configured engine %s not registered yet: %s", url, e)
-                left.append((url, model, node))
+                left.append(spec)
         self._pending = left
 
     @property

@@ -41,6 +41,9 @@ class Engine:
     url: str
     model: str
     node: str = ""
+    #: The engine runs vLLM's priority scheduler (``--scheduling-policy priority``):
+    #: a session's priority goes with its requests.
+    priority_scheduling: bool = False
     healthy: bool = False
     requests: int = 0
     kv_use: float = 0.0
@@ -54,8 +57,8 @@ class Engine:
 
     def document(self) -> dict[str, object]:
         return {"id": self.engine_id, "url": self.url, "model": self.model, "node": self.node,
-                "healthy": self.healthy, "requests": self.requests, "kv_use": self.kv_use,
-                "last_error": self.last_error}
+                "priority_scheduling": self.priority_scheduling, "healthy": self.healthy,
+                "requests": self.requests, "kv_use": self.kv_use, "last_error": self.last_error}
 
 
 class EngineRegistry:
@@ -90,7 +93,8 @@ class EngineRegistry:
         return self._engines.get(engine_id)
 
     async def register(self, url: str, *, model: str | None = None, node: str = "",
-                       engine_id: str | None = None) -> Engine:
+                       engine_id: str | None = None,
+                       priority_scheduling: bool = False) -> Engine:
         """Add an engine and check it once now (it serves once healthy).
 
         Raises:
@@ -102,7 +106,8 @@ class EngineRegistry:
         url = url.rstrip("/")
         if model is None:
             model = await self._model_of(url)
-        engine = Engine(engine_id or f"engine-{uuid.uuid4().hex[:8]}", url, model, node)
+        engine = Engine(engine_id or f"engine-{uuid.uuid4().hex[:8]}", url, model, node,
+                        priority_scheduling)
         self._engines[engine.engine_id] = engine
         await self.check(engine)
         self.ensure_running()

@@ -35,6 +35,8 @@ __all__ = ["router"]
 router = APIRouter(tags=["openai"])
 
 SESSION_HEADER = "x-memkv-session"
+#: A session's priority as vLLM's scheduler takes it (lower first).
+VLLM_PRIORITY = {"high": -1, "normal": 0, "background": 1}
 #: Which engine served the request (the answer's header).
 ENGINE_HEADER = "X-Memkv-Engine"
 #: Statuses of an engine that did not start the request (another may).
@@ -49,6 +51,9 @@ class EngineIn(_Model):
     model: str | None = Field(default=None, description="Its model (default: its /v1/models).")
     node: str = Field(default="", description="The Ray node it runs on (for KV affinity).")
     engine_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    priority_scheduling: bool = Field(
+        default=False, description="It runs vLLM's priority scheduler: a session's priority "
+        "goes with its requests (high first, background last).")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -84,8 +89,9 @@ async def _door(gw: Gateway) -> FrontDoor:
 async def register_engine(body: EngineIn, gw: GatewayState, who: Caller) -> dict[str, Any]:
     """Add an engine to route to (admin); checked now, then every few seconds."""
     who.require("admin")
-    engine = await (await _door(gw)).registry.register(body.url, model=body.model, node=body.node,
-                                               engine_id=body.engine_id)
+    engine = await (await _door(gw)).registry.register(
+        body.url, model=body.model, node=body.node, engine_id=body.engine_id,
+        priority_scheduling=body.priority_scheduling)
     return engine.document()
 
 
@@ -183,8 +189,11 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
         if choice is None or engine is None:
             break
         tried.add(engine.engine_id)
+        sent_body = body
+        if engine.priority_scheduling and sid is not None and "priority" not in body:
+            sent_body = {**body, "priority": VLLM_PRIORITY.get(priority, 0)}
         try:
-            sent = door.client.build_request("POST", engine.url + path, json=body,
+            sent = door.client.build_request("POST", engine.url + path, json=sent_body,
                                              headers=headers)
             answer = await door.client.send(sent, stream=True)
         except httpx.TransportError as e:

@@ -218,7 +218,7 @@ def test_engines_of_the_configuration_are_registered_on_first_use(tmp_path):
     down = "http://127.0.0.1:9"  # nothing listens: tried again on the next request
     app = create_app(FakeHandle(router), max_body_bytes=1 << 20, same_node_reads=False,
                      put_object=lambda payload: payload,
-                     engines=[(engine.url, None, ""), (down, None, "")])
+                     engines=[(engine.url, None, "", False), (down, None, "", False)])
     gateway = _Server(app)
     try:
         with httpx.Client(base_url=gateway.url, timeout=30) as http:
@@ -248,3 +248,21 @@ def test_the_stats_and_memkv_status_show_each_engine_and_what_was_routed_to_it(d
     console.print(status_tables(stats))
     shown = console.export_text()
     assert "engines (OpenAI front door)" in shown and "least-loaded 1" in shown
+
+
+def test_a_sessions_priority_goes_to_an_engine_that_schedules_by_priority(door):
+    http, engines, router, loop, _ = door
+    for sid, priority in (("vip", "high"), ("batch", "background")):
+        loop.run_until_complete(router.create_session(CreateSession(
+            session_id=sid, layout=LayoutSpec.of(LAYOUT), namespace="default")))
+        loop.run_until_complete(router.set_priority(sid, priority))
+    http.delete("/v1/engines/a")
+    http.delete("/v1/engines/b")
+    made = http.post("/v1/engines", json={"url": engines[0].url, "engine_id": "prio",
+                                          "priority_scheduling": True})
+    assert made.status_code == 201 and made.json()["priority_scheduling"]
+    for sid, expected in (("vip", -1), ("batch", 1), ("unknown-session", 0)):
+        assert _chat(http, sid).status_code == 200
+        assert engines[0].seen[-1]["priority"] == expected, sid
+        assert engines[0].seen[-1]["kv_transfer_params"]["priority"] in (
+            "high", "background", "normal")
