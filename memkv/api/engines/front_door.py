@@ -8,6 +8,7 @@ check loop are made on first use, inside the server's event loop.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -29,6 +30,8 @@ EngineSpec = tuple[str, str | None, str, bool]
 AFFINITY_ENTRIES = 100_000
 #: Engines tried for one request before it fails (a failover needs a second).
 ATTEMPTS = 2
+#: How long a session's KV node and priority, asked of the router, are used again.
+KV_LOOKUP_TTL_S = 5.0
 
 
 @dataclass
@@ -63,6 +66,7 @@ class FrontDoor:
     _client: httpx.AsyncClient | None = None
     _registry: EngineRegistry | None = None
     _affinity: dict[str, str] = field(default_factory=dict)
+    _kv: dict[str, tuple[float, str | None, str]] = field(default_factory=dict)
     configured: list[EngineSpec] = field(default_factory=list)
     _pending: list[EngineSpec] | None = None  # configured engines not registered yet
 
@@ -95,6 +99,19 @@ class FrontDoor:
         if self._registry is None:
             self._registry = EngineRegistry(self.client)
         return self._registry
+
+    def kv_of(self, session_id: str) -> tuple[str | None, str] | None:
+        """The session's KV node and priority, if looked up within KV_LOOKUP_TTL_S."""
+        entry = self._kv.get(session_id)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1], entry[2]
+
+    def remember_kv(self, session_id: str, found: tuple[str | None, str]) -> None:
+        self._kv.pop(session_id, None)
+        self._kv[session_id] = (time.monotonic() + KV_LOOKUP_TTL_S, *found)
+        while len(self._kv) > AFFINITY_ENTRIES:
+            self._kv.pop(next(iter(self._kv)))
 
     def engine_of(self, session_id: str) -> str | None:
         return self._affinity.get(session_id)

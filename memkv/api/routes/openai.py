@@ -140,14 +140,22 @@ def _session_of(request: Request, body: dict[str, Any]) -> str | None:
     return user if isinstance(user, str) and user else None
 
 
-async def _kv_node(gw: Gateway, sid: str) -> tuple[str | None, str]:
-    """The node whose device holds the session's blocks, and its priority."""
+async def _kv_node(gw: Gateway, door: FrontDoor, sid: str) -> tuple[str | None, str]:
+    """The node whose device holds the session's blocks, and its priority (asked of the
+    router at most every KV_LOOKUP_TTL_S per session: both change rarely, and a turn
+    that finds them stale only loses locality, never data)."""
+    known = door.kv_of(sid)
+    if known is not None:
+        return known
     try:
         view = await gw.routers.service(sid).session(sid)
     except MemkvError:
-        return None, "normal"  # a new session (or one memkv cannot say where it is)
-    node = await gw.node_of_device(view.device_id) if view.device_id else None
-    return node, view.priority.value
+        found: tuple[str | None, str] = (None, "normal")  # new (or not locatable now)
+    else:
+        node = await gw.node_of_device(view.device_id) if view.device_id else None
+        found = (node, view.priority.value)
+    door.remember_kv(sid, found)
+    return found
 
 
 async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: str) -> Response:
@@ -171,7 +179,7 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
                       "not_found_error")
     session = _session_of(request, body)
     sid = scoped(who, session, "write") if session else None
-    kv_node, priority = await _kv_node(gw, sid) if sid else (None, "normal")
+    kv_node, priority = await _kv_node(gw, door, sid) if sid else (None, "normal")
     body.pop("memkv", None)
     if session is not None:
         # The caller's own id: the engine's connector is a client of memkv with its own
