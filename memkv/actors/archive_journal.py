@@ -22,6 +22,7 @@ router's first), each an :class:`~memkv.storage.journal_replica.JournalReplica`:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -89,6 +90,7 @@ class ArchiveJournal:
         self._lock = threading.Lock()  # appends, and what is sent in which order
         self._pending: list[bytes] = []
         self._unsynced = False  # records flushed to the replicas but not fsynced there
+        self._commit_lock: asyncio.Lock | None = None  # made in the router's event loop
         self.lost: set[str] = set()
         self.records_since_snapshot = 0
         # A new epoch starts with a snapshot to every reachable archive (it fences).
@@ -153,29 +155,59 @@ class ArchiveJournal:
         """
         self._send(fsync=True)
 
+    async def commit(self, *, fsync: bool) -> None:
+        """:meth:`sync` (``fsync``) or :meth:`flush` for the router's event loop: the
+        replicas' answers are awaited, not blocked on. One commit at a time; the
+        records of those that wait meanwhile go out together in the next (a group
+        commit, as the local journal's fsync is)."""
+        if self._commit_lock is None:
+            self._commit_lock = asyncio.Lock()
+        async with self._commit_lock:
+            sent = self._start(fsync)
+            if sent is not None:
+                answers = await asyncio.gather(*sent.values(), return_exceptions=True)
+                self._settle(dict(zip(sent, answers, strict=True)))
+
     def _send(self, *, fsync: bool) -> None:
+        sent = self._start(fsync)
+        if sent is None:
+            return
+        answers: dict[str, object] = {}
+        for archive, ref in sent.items():
+            try:
+                answers[archive] = self._resolve(ref)
+            except Exception as e:  # noqa: BLE001 - settled below, as the async path does
+                answers[archive] = e
+        self._settle(answers)
+
+    def _start(self, fsync: bool) -> dict[str, Any] | None:
+        """Send what is buffered to the replicas; their answers' references (None: nothing
+        to send)."""
         with self._lock:
             if not self._pending and not (fsync and self._unsynced):
-                return
+                return None
             # (nothing pending but records flushed unsynced: an empty batch fsyncs them)
             payloads, self._pending = self._pending, []
             self._unsynced = not fsync
             first = self.seq - len(payloads) + 1
-            targets = self._targets()
-            sent = {a: self._archives[a].journal_append.remote(self.name, self.epoch, first,
+            return {a: self._archives[a].journal_append.remote(self.name, self.epoch, first,
                                                                 payloads, fsync)
-                    for a in targets}
-            for archive, ref in sent.items():
-                try:
-                    self._resolve(ref)
-                except ActorUnschedulableError as e:
-                    self._lose(archive, e)
-                    self.wants_snapshot = True  # its stand-in needs the whole table
-                except SupersededError:
-                    raise
-                except InvalidInputError as e:  # it missed records
-                    logger.warning("router journal replica %s: %s", archive, e)
-                    self.wants_snapshot = True
+                    for a in self._targets()}
+
+    def _settle(self, answers: dict[str, object]) -> None:
+        """A lost replica or one that missed records asks for a snapshot; a newer router
+        stops this one; anything else is raised."""
+        for archive, answer in answers.items():
+            if isinstance(answer, ActorUnschedulableError):
+                self._lose(archive, answer)
+                self.wants_snapshot = True  # its stand-in needs the whole table
+            elif isinstance(answer, SupersededError):
+                raise answer
+            elif isinstance(answer, InvalidInputError):  # it missed records
+                logger.warning("router journal replica %s: %s", archive, answer)
+                self.wants_snapshot = True
+            elif isinstance(answer, BaseException):
+                raise answer
 
     def snapshot(self, records: list[dict[str, Any]]) -> None:
         """The whole table, to the replicas (to every reachable archive at a new epoch)."""

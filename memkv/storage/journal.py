@@ -20,6 +20,7 @@ covered returns at once, so concurrent writers share one fsync.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import struct
 import threading
@@ -60,6 +61,10 @@ class TableJournal(Protocol):
 
     def flush(self) -> None:
         """Records out of this process (they survive its crash), not fsynced."""
+        ...
+
+    async def commit(self, *, fsync: bool) -> None:
+        """:meth:`sync` (``fsync``) or :meth:`flush`, from an event loop without blocking it."""
         ...
 
     def sync(self, upto: int | None = None) -> None: ...
@@ -109,6 +114,11 @@ class Journal:
 
     def flush(self) -> None:
         """Nothing to do: :meth:`append` writes to the OS."""
+
+    async def commit(self, *, fsync: bool) -> None:
+        """:meth:`sync` in a thread (an fsync blocks); nothing to do without ``fsync``."""
+        if fsync:
+            await asyncio.to_thread(self.sync)
 
     def sync(self, upto: int | None = None) -> None:
         """Make records up to ``upto`` (default: all appended so far) durable."""

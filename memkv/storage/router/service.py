@@ -654,10 +654,8 @@ class SessionRouter:
         journal = self.state.journal
         if journal is None:
             return
-        if needed:
-            await asyncio.to_thread(journal.sync)
-        elif journal.buffered:  # out of this process before the answer (a crash keeps it)
-            await asyncio.to_thread(journal.flush)
+        if needed or journal.buffered:  # buffered: out of this process before the answer
+            await journal.commit(fsync=needed)
         self.state.compact_journal(every=JOURNAL_SNAPSHOT_RECORDS)
 
 
