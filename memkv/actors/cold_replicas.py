@@ -204,23 +204,24 @@ class ArchiveReplicas:
 
     # -- reads ----------------------------------------------------------------------
 
-    def _frames(self, keys: list[bytes]) -> list[bytes | None]:
-        """Each key's frame from the first live archive that has it whole."""
-        found: list[bytes | None] = [None] * len(keys)
+    def _per_key(self, method: str, keys: list[bytes], *, reads: bool = False) -> list[Any]:
+        """Each key's answer from the first live archive that has one (its ``method``
+        answers None for a key it lacks); None where no live archive does. ``reads``:
+        count the blocks answered by an archive other than the first."""
+        found: list[Any] = [None] * len(keys)
         wanted = list(range(len(keys)))
         for rank, (name, _) in enumerate(self._live()):
             if not wanted:
                 break
-            asked = [keys[i] for i in wanted]
             try:
-                frames = self._get(name, "get_frames", asked, True)
+                answers = self._get(name, method, [keys[i] for i in wanted], True)
             except ActorUnschedulableError as e:
                 self._lose(name, e)
                 continue
-            for i, frame in zip(wanted, frames, strict=True):
-                if frame is not None:
-                    found[i] = frame
-                    self.fallback_reads += rank > 0
+            for i, answer in zip(wanted, answers, strict=True):
+                if answer is not None:
+                    found[i] = answer
+                    self.fallback_reads += reads and rank > 0
             wanted = [i for i in wanted if found[i] is None]
         return found
 
@@ -232,7 +233,7 @@ class ArchiveReplicas:
             UnknownBlockError: no live archive holds a block whole.
         """
         wanted = [bytes(k) for k in keys]
-        frames = self._frames(wanted)
+        frames: list[bytes | None] = self._per_key("get_frames", wanted, reads=True)
         absent = [k for k, f in zip(wanted, frames, strict=True) if f is None]
         if absent:
             raise UnknownBlockError(
@@ -264,22 +265,10 @@ class ArchiveReplicas:
     def codecs(self, keys: Sequence[bytes]) -> list[str]:
         """Each block's codec, from the first live archive that holds it."""
         wanted = [bytes(k) for k in keys]
-        found: list[str | None] = [None] * len(wanted)
-        todo = list(range(len(wanted)))
-        for name, _ in self._live():
-            if not todo:
-                break
-            asked = [wanted[i] for i in todo]
-            try:
-                names = self._get(name, "codecs", asked, True)
-            except ActorUnschedulableError as e:
-                self._lose(name, e)
-                continue
-            for i, codec in zip(todo, names, strict=True):
-                found[i] = codec
-            todo = [i for i in todo if found[i] is None]
-        if todo:
-            raise UnknownBlockError(f"block {wanted[todo[0]].hex()[:16]} is in no live archive")
+        found: list[str | None] = self._per_key("codecs", wanted)
+        absent = [k for k, c in zip(wanted, found, strict=True) if c is None]
+        if absent:
+            raise UnknownBlockError(f"block {absent[0].hex()[:16]} is in no live archive")
         return [c for c in found if c is not None]
 
     def remove(self, key: bytes) -> None:
