@@ -53,6 +53,8 @@ def up(
 ) -> None:
     """Start memkv (embedded) or bring up its actors on a Ray cluster, and serve the gateway."""
     from memkv.api.auth import deployment_authenticator
+    from memkv.api.engines.front_door import EngineSpec, FrontDoorOptions
+    from memkv.api.engines.policy import SpillThreshold
     from memkv.api.workers import Gateway
     from memkv.cluster import connect
     from memkv.config import data_dir
@@ -82,8 +84,14 @@ def up(
         max_body_bytes=settings.max_body_bytes,
         put_staging_bytes=settings.put_staging_bytes,
         auth=auth,
-        engines=[(e.url, e.model, e.node, e.priority_scheduling) for e in settings.engines]
-        + [(url, None, "", False) for url in engine or ()],
+        engines=[EngineSpec(e.url, e.model, e.node, e.priority_scheduling, e.max_requests)
+                 for e in settings.engines] + [EngineSpec(url) for url in engine or ()],
+        routing=FrontDoorOptions(
+            SpillThreshold(settings.routing.spill_requests, settings.routing.spill_kv_use),
+            check_interval_s=settings.routing.check_interval_s,
+            failures_to_down=settings.routing.failures_to_down,
+            request_timeout_s=settings.routing.request_timeout_s,
+        ),
     )
     summary["gateway"] = server.url
     summary["block_port"] = server.block_port

@@ -36,7 +36,12 @@ from memkv.api.context import (
     GatewayMetrics,
     this_node_id,
 )
-from memkv.api.engines.front_door import EngineSpec, FrontDoor, RoutingMetrics
+from memkv.api.engines.front_door import (
+    EngineSpec,
+    FrontDoor,
+    FrontDoorOptions,
+    RoutingMetrics,
+)
 from memkv.api.errors import install_error_handlers, openapi_with_errors
 from memkv.api.middleware import (
     AuthMiddleware,
@@ -68,6 +73,7 @@ def create_app(
     max_inflight_body_bytes: int | None = None,
     client_lease_bytes: int = 1 << 30,
     engines: Sequence[EngineSpec] = (),
+    routing: FrontDoorOptions | None = None,
 ) -> FastAPI:
     """The gateway app for a router actor handle, or a sharded table's routers.
 
@@ -98,6 +104,7 @@ def create_app(
             keep pinned under leases (``/v1/blocks/lease``) at once.
         engines: engines the OpenAI front door routes to (more register at
             ``/v1/engines``).
+        routing: how it chooses and checks them (spill bounds, check interval).
     """
     app = FastAPI(
         title="memkv gateway",
@@ -134,7 +141,8 @@ def create_app(
             else 2 * max_body_bytes
         ),
         snapshot=StatsSnapshot(whole_table_stats),
-        door=FrontDoor(RoutingMetrics.create(metrics.registry), configured=list(engines)),
+        door=FrontDoor(RoutingMetrics.create(metrics.registry),
+                       options=routing or FrontDoorOptions(), configured=list(engines)),
     )
     authenticator = auth if auth is not None else Authenticator.disabled()
 

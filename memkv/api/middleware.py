@@ -3,7 +3,6 @@ block-read fast path ahead of FastAPI's routing."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import re
@@ -121,7 +120,7 @@ class BodyLimitMiddleware:
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                await self._app(scope, _replay([], message), send)
+                await self._app(scope, _replay([], message, receive), send)
                 return
             chunk = message.get("body", b"")
             seen += len(chunk)
@@ -132,25 +131,25 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self._app(scope, _replay(chunks, None), send)
+        await self._app(scope, _replay(chunks, None, receive), send)
 
 
-def _replay(chunks: list[bytes], then: Any) -> Callable[[], Any]:
-    """An ASGI ``receive`` that hands over a body already read, then waits as the real one."""
+def _replay(chunks: list[bytes], then: Any, receive: Any) -> Callable[[], Any]:
+    """An ASGI ``receive`` that hands over a body already read (or the message that came
+    instead), then is the real one again: a client that goes away is still seen (a
+    streamed answer stops, and the engine's request with it)."""
     body = b"".join(chunks)
     sent = False
 
-    async def receive() -> Any:
+    async def replayed() -> Any:
         nonlocal sent
-        if then is not None:
-            return then
         if not sent:
             sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # nothing more will come; the app stops asking
-        return {"type": "http.disconnect"}
+            return then if then is not None else {"type": "http.request", "body": body,
+                                                  "more_body": False}
+        return await receive()
 
-    return receive
+    return replayed
 
 
 class AuthMiddleware:

@@ -17,7 +17,7 @@ from memkv.actors.router_shards import RouterShards
 from memkv.api.app import create_app
 from memkv.api.auth import Authenticator
 from memkv.api.block_port import BlockPortServer
-from memkv.api.engines.front_door import EngineSpec
+from memkv.api.engines.front_door import EngineSpec, FrontDoorOptions
 from memkv.staging import PutStaging, staging_for
 
 __all__ = ["UVICORN_SETTINGS", "GatewayServer", "UvicornSettings"]
@@ -103,6 +103,7 @@ class GatewayServer:
         reuse_port: bool = False,
         worker: int = 0,
         engines: Sequence[EngineSpec] = (),
+        routing: FrontDoorOptions | None = None,
     ) -> GatewayServer:
         """Bind ``host:port`` (0 = any free port) and serve until :meth:`stop`.
 
@@ -121,6 +122,7 @@ class GatewayServer:
                 kernel spreads connections over them (memkv.api.workers).
             worker: this process's index among them (``/healthz`` and stats say it).
             engines: engines the OpenAI front door routes to (``gateway.engines``).
+            routing: how it chooses and checks them (``gateway.routing``).
         """
         routers = cluster if isinstance(cluster, RouterShards) else cluster.routers
         staging = staging_for(ray.get(routers.first.devices.remote()).values(),
@@ -134,6 +136,7 @@ class GatewayServer:
             auth=auth,
             body_timeout_s=body_timeout_s,
             engines=engines,
+            routing=routing,
         )
         app.state.worker = worker
         sock = _bound(host, port, reuse_port)

@@ -55,8 +55,10 @@ from memkv.config.schema import (
     ClusterSettings,
     DeviceSettings,
     GatewaySettings,
+    InferenceEngineSettings,
     MemkvConfig,
     RouterSettings,
+    RoutingSettings,
 )
 
 __all__ = [
@@ -71,8 +73,10 @@ __all__ = [
     "ClusterSettings",
     "DeviceSettings",
     "GatewaySettings",
+    "InferenceEngineSettings",
     "MemkvConfig",
     "RouterSettings",
+    "RoutingSettings",
     "data_dir",
     "dump_config",
     "load_config",

@@ -504,6 +504,29 @@ class InferenceEngineSettings(_Frozen):
     priority_scheduling: bool = Field(
         default=False, description="It runs vLLM's priority scheduler (--scheduling-policy "
         "priority): a session's priority goes with its requests.")
+    max_requests: int | None = Field(
+        default=None, ge=1, description="Its spill bound: running + waiting requests at which "
+        "sessions move to another engine; null: gateway.routing.spill_requests.")
+
+
+class RoutingSettings(_Frozen):
+    """How the OpenAI front door chooses an engine for a session's turn and checks engines."""
+
+    spill_requests: int = Field(
+        default=32, ge=1, description="An engine with this many running + waiting requests "
+        "is passed over while another is under its bounds: the session's turn goes there and "
+        "its KV follows from memkv (an engine's max_requests overrides it).")
+    spill_kv_use: float = Field(
+        default=0.95, gt=0, le=1, description="Likewise for the share of the engine's KV "
+        "cache in use (its /metrics).")
+    check_interval_s: float = Field(
+        default=2.0, gt=0, description="Seconds between an engine's checks (/health, /metrics).")
+    failures_to_down: int = Field(
+        default=2, ge=1, description="Failed checks in a row that take an engine out of "
+        "routing (one failed request does at once); one good check brings it back.")
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="A forwarded request's time limit (the engine's "
+        "connection is closed after it, which aborts the request there).")
 
 
 class GatewaySettings(_Frozen):
@@ -548,6 +571,9 @@ class GatewaySettings(_Frozen):
         default_factory=list,
         description="Engines the OpenAI front door (/v1/chat/completions, /v1/completions) "
         "routes to; more register at /v1/engines or with memkv up --engine URL.",
+    )
+    routing: RoutingSettings = Field(
+        default_factory=RoutingSettings, description="The front door's engine choice and checks."
     )
 
 

@@ -92,6 +92,24 @@ def test_gateway_workers_are_a_value_and_checked_by_the_schema():
         render({"gateway": {"workers": 0}})
 
 
+def test_engines_and_routing_reach_the_front_door_config(tmp_path):
+    from memkv.config import load_config
+
+    values = {"gateway": {
+        "engines": [{"url": "http://vllm-0.vllm:8000", "model": "llama", "maxRequests": 8},
+                    {"url": "http://vllm-1.vllm:8000", "priorityScheduling": True}],
+        "routing": {"spillRequests": 16, "spillKvUse": 0.9}}}
+    path = tmp_path / "memkv.yaml"
+    path.write_text(one(render(values), "ConfigMap")["data"]["memkv.yaml"])
+    gateway = load_config(path, environ={}).gateway
+    assert [(e.url, e.model, e.priority_scheduling, e.max_requests) for e in gateway.engines] == [
+        ("http://vllm-0.vllm:8000", "llama", False, 8),
+        ("http://vllm-1.vllm:8000", None, True, None)]
+    assert (gateway.routing.spill_requests, gateway.routing.spill_kv_use) == (16, 0.9)
+    with pytest.raises(Exception, match="url"):
+        render({"gateway": {"engines": [{"model": "llama"}]}})
+
+
 def test_the_block_port_is_served_beside_http_or_turned_off():
     docs = render(None)
     service = one(docs, "Service")

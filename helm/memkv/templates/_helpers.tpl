@@ -95,6 +95,20 @@ JSON (which is YAML): values arrive as float64, and toYaml would write a size su
 {{- dig "cluster" "namespace" "memkv" (default dict .Values.memkv.config) }}
 {{- end }}
 
+{{/* gateway.engines: the values' engines in memkv's config shape (only keys given). */}}
+{{- define "memkv.engines" -}}
+{{- $engines := list }}
+{{- range .Values.gateway.engines }}
+{{- $engine := dict "url" .url }}
+{{- if .model }}{{- $_ := set $engine "model" .model }}{{- end }}
+{{- if .node }}{{- $_ := set $engine "node" .node }}{{- end }}
+{{- if .priorityScheduling }}{{- $_ := set $engine "priority_scheduling" true }}{{- end }}
+{{- if .maxRequests }}{{- $_ := set $engine "max_requests" (int .maxRequests) }}{{- end }}
+{{- $engines = append $engines $engine }}
+{{- end }}
+{{- toJson $engines }}
+{{- end }}
+
 {{- define "memkv.config" -}}
 {{- $config := deepCopy (default dict .Values.memkv.config) }}
 {{- $chart := dict
@@ -106,6 +120,11 @@ JSON (which is YAML): values arrive as float64, and toYaml would write a size su
     "workers" (int .Values.gateway.workers)
     "block_port" (ternary (int .Values.gateway.blockPort) nil (gt (int .Values.gateway.blockPort) 0))
     "max_body_bytes" (int64 .Values.gateway.maxBodyBytes)
+    "engines" (include "memkv.engines" . | fromJsonArray)
+    "routing" (dict
+      "spill_requests" (int .Values.gateway.routing.spillRequests)
+      "spill_kv_use" (float64 .Values.gateway.routing.spillKvUse)
+    )
     "auth" (dict
       "enabled" .Values.auth.enabled
       "open_metrics" .Values.auth.openMetrics

@@ -20,11 +20,28 @@ from memkv.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineSpec", "FrontDoor", "RoutingMetrics"]
+__all__ = ["EngineSpec", "FrontDoor", "FrontDoorOptions", "RoutingMetrics"]
 
-#: An engine of the configuration: (url, model or None to ask it, Ray node or "",
-#: whether it runs vLLM's priority scheduler).
-EngineSpec = tuple[str, str | None, str, bool]
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """An engine of the configuration (``gateway.engines``, ``memkv up --engine``)."""
+
+    url: str
+    model: str | None = None  # None: ask its /v1/models
+    node: str = ""  # the Ray node it runs on ("": none of memkv's)
+    priority_scheduling: bool = False  # it runs vLLM's priority scheduler
+    max_requests: int | None = None  # its spill bound (None: the gateway's)
+
+
+@dataclass(frozen=True)
+class FrontDoorOptions:
+    """``gateway.routing``: the spill bounds, the engines' checks, the request limit."""
+
+    spill: SpillThreshold = field(default_factory=SpillThreshold)
+    check_interval_s: float = 2.0
+    failures_to_down: int = 2
+    request_timeout_s: float = 600.0
 
 #: Sessions whose last engine is remembered (sticky routing), least recent dropped.
 AFFINITY_ENTRIES = 100_000
@@ -61,8 +78,7 @@ class FrontDoor:
     """Engines, affinity and counters of one gateway."""
 
     metrics: RoutingMetrics
-    spill: SpillThreshold = field(default_factory=SpillThreshold)
-    request_timeout_s: float = 600.0
+    options: FrontDoorOptions = field(default_factory=FrontDoorOptions)
     _client: httpx.AsyncClient | None = None
     _registry: EngineRegistry | None = None
     _affinity: dict[str, str] = field(default_factory=dict)
@@ -77,27 +93,33 @@ class FrontDoor:
             self._pending = list(self.configured)
         left: list[EngineSpec] = []
         for spec in self._pending:
-            url, model, node, priority_scheduling = spec
             try:
-                await self.registry.register(url, model=model, node=node,
-                                             priority_scheduling=priority_scheduling)
+                await self.registry.register(spec.url, model=spec.model, node=spec.node,
+                                             priority_scheduling=spec.priority_scheduling,
+                                             max_requests=spec.max_requests)
             except InvalidInputError as e:
-                logger.warning("configured engine %s not registered yet: %s", url, e)
+                logger.warning("configured engine %s not registered yet: %s", spec.url, e)
                 left.append(spec)
         self._pending = left
+
+    @property
+    def spill(self) -> SpillThreshold:
+        return self.options.spill
 
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.request_timeout_s, connect=5.0),
+                timeout=httpx.Timeout(self.options.request_timeout_s, connect=5.0),
                 limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
         return self._client
 
     @property
     def registry(self) -> EngineRegistry:
         if self._registry is None:
-            self._registry = EngineRegistry(self.client)
+            self._registry = EngineRegistry(
+                self.client, interval_s=self.options.check_interval_s,
+                failures_to_down=self.options.failures_to_down)
         return self._registry
 
     def kv_of(self, session_id: str) -> tuple[str | None, str] | None:

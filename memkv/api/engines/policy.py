@@ -39,19 +39,22 @@ class EngineLoad:
     model: str
     node: str  # the Ray node it runs on ("" when not on a memkv node)
     healthy: bool
-    requests: int  # running + waiting, from its /metrics
+    requests: int  # running + waiting: its /metrics, or what this gateway has sent it
     kv_use: float  # 0..1 of its KV cache in use
+    max_requests: int | None = None  # its own spill bound (None: the threshold's)
 
 
 @dataclass(frozen=True, slots=True)
 class SpillThreshold:
-    """An engine at or over either bound is passed over while another is under both."""
+    """An engine at or over either bound is passed over while another is under both (an
+    engine's own ``max_requests``, where it has one, is its request bound)."""
 
     max_requests: int = 32
     max_kv_use: float = 0.95
 
     def over(self, engine: EngineLoad) -> bool:
-        return engine.requests >= self.max_requests or engine.kv_use >= self.max_kv_use
+        bound = engine.max_requests if engine.max_requests is not None else self.max_requests
+        return engine.requests >= bound or engine.kv_use >= self.max_kv_use
 
 
 @dataclass(frozen=True, slots=True)

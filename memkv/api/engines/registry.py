@@ -44,21 +44,27 @@ class Engine:
     #: The engine runs vLLM's priority scheduler (``--scheduling-policy priority``):
     #: a session's priority goes with its requests.
     priority_scheduling: bool = False
+    max_requests: int | None = None  # its spill bound (None: the gateway's)
     healthy: bool = False
-    requests: int = 0
+    requests: int = 0  # running + waiting, from its last /metrics
+    inflight: int = 0  # requests this gateway has sent it and not seen answered
     kv_use: float = 0.0
     failures: int = 0  # checks failed in a row
     last_error: str = ""
     checked_at: float = 0.0
 
     def load(self) -> EngineLoad:
-        return EngineLoad(self.engine_id, self.model, self.node, self.healthy, self.requests,
-                          self.kv_use)
+        # Its /metrics count every gateway's requests but are up to a check old; what
+        # this gateway sent is current: the larger of the two.
+        return EngineLoad(self.engine_id, self.model, self.node, self.healthy,
+                          max(self.requests, self.inflight), self.kv_use, self.max_requests)
 
     def document(self) -> dict[str, object]:
         return {"id": self.engine_id, "url": self.url, "model": self.model, "node": self.node,
-                "priority_scheduling": self.priority_scheduling, "healthy": self.healthy,
-                "requests": self.requests, "kv_use": self.kv_use, "last_error": self.last_error}
+                "priority_scheduling": self.priority_scheduling,
+                "max_requests": self.max_requests, "healthy": self.healthy,
+                "requests": self.requests, "inflight": self.inflight, "kv_use": self.kv_use,
+                "last_error": self.last_error}
 
 
 class EngineRegistry:
@@ -93,8 +99,8 @@ class EngineRegistry:
         return self._engines.get(engine_id)
 
     async def register(self, url: str, *, model: str | None = None, node: str = "",
-                       engine_id: str | None = None,
-                       priority_scheduling: bool = False) -> Engine:
+                       engine_id: str | None = None, priority_scheduling: bool = False,
+                       max_requests: int | None = None) -> Engine:
         """Add an engine and check it once now (it serves once healthy).
 
         Raises:
@@ -107,7 +113,7 @@ class EngineRegistry:
         if model is None:
             model = await self._model_of(url)
         engine = Engine(engine_id or f"engine-{uuid.uuid4().hex[:8]}", url, model, node,
-                        priority_scheduling)
+                        priority_scheduling, max_requests)
         self._engines[engine.engine_id] = engine
         await self.check(engine)
         self.ensure_running()

@@ -23,10 +23,12 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
+from starlette.background import BackgroundTask
 
 from memkv.api.context import Caller, Gateway, GatewayState, scoped
 from memkv.api.engines.front_door import ATTEMPTS, FrontDoor
 from memkv.api.engines.policy import choose_engine
+from memkv.api.engines.registry import Engine
 from memkv.api.models import _Model
 from memkv.errors import MemkvError, NotFoundError
 
@@ -54,6 +56,9 @@ class EngineIn(_Model):
     priority_scheduling: bool = Field(
         default=False, description="It runs vLLM's priority scheduler: a session's priority "
         "goes with its requests (high first, background last).")
+    max_requests: int | None = Field(
+        default=None, ge=1, description="Its spill bound: running + waiting requests at which "
+        "sessions move to another engine (default: gateway.routing.spill_requests).")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -91,7 +96,7 @@ async def register_engine(body: EngineIn, gw: GatewayState, who: Caller) -> dict
     who.require("admin")
     engine = await (await _door(gw)).registry.register(
         body.url, model=body.model, node=body.node, engine_id=body.engine_id,
-        priority_scheduling=body.priority_scheduling)
+        priority_scheduling=body.priority_scheduling, max_requests=body.max_requests)
     return engine.document()
 
 
@@ -200,15 +205,21 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
         sent_body = body
         if engine.priority_scheduling and sid is not None and "priority" not in body:
             sent_body = {**body, "priority": VLLM_PRIORITY.get(priority, 0)}
+        engine.inflight += 1  # until its answer is read or its stream ends
         try:
             sent = door.client.build_request("POST", engine.url + path, json=sent_body,
                                              headers=headers)
             answer = await door.client.send(sent, stream=True)
         except httpx.TransportError as e:
+            engine.inflight -= 1
             door.registry.mark_failed(engine.engine_id, f"{type(e).__name__}: {e}")
             door.metrics.failovers.labels(engine.engine_id).inc()
             continue
+        except BaseException:  # the caller went away (cancelled) while it connected
+            engine.inflight -= 1
+            raise
         if answer.status_code in _NOT_STARTED:
+            engine.inflight -= 1
             await answer.aclose()
             door.registry.mark_failed(engine.engine_id, f"HTTP {answer.status_code}")
             door.metrics.failovers.labels(engine.engine_id).inc()
@@ -220,27 +231,44 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
             try:
                 content = await answer.aread()
             finally:
+                engine.inflight -= 1
                 await answer.aclose()
             return Response(content, status_code=answer.status_code, media_type=media,
                             headers={ENGINE_HEADER: engine.engine_id})
-        return StreamingResponse(_relay(answer, engine.engine_id, door),
-                                 status_code=answer.status_code, media_type=media,
-                                 headers={ENGINE_HEADER: engine.engine_id})
+        relay = _Relay(answer, engine, door)
+        return StreamingResponse(relay.events(), status_code=answer.status_code,
+                                 media_type=media, headers={ENGINE_HEADER: engine.engine_id},
+                                 background=BackgroundTask(relay.close))
     return _error(503, f"no healthy engine could take a request for {model!r}"
                   + (f" (tried {sorted(tried)})" if tried else ""), "service_unavailable")
 
 
-async def _relay(answer: httpx.Response, engine_id: str, door: FrontDoor) -> AsyncIterator[bytes]:
-    """The engine's events as they come; an engine failure midway ends the stream with an
-    error event (the client's own disconnect closes the engine's connection)."""
-    try:
-        async for chunk in answer.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as e:
-        door.metrics.stream_errors.labels(engine_id).inc()
-        door.registry.mark_failed(engine_id, f"{type(e).__name__}: {e}")
-        event = {"error": {"message": f"engine {engine_id} failed mid-stream ({e}); retry the "
-                           f"turn: its KV is in memkv", "type": "engine_error"}}
-        yield f"data: {json.dumps(event)}\n\n".encode()
-    finally:
-        await answer.aclose()
+class _Relay:
+    """An engine's stream relayed to the caller: the engine's events as they come; an
+    engine failure midway ends the stream with an error event. :meth:`close` runs once,
+    when the stream ends or the caller goes away (then closing the engine's connection
+    makes the engine drop the request), even if the caller left before it began."""
+
+    def __init__(self, answer: httpx.Response, engine: Engine, door: FrontDoor) -> None:
+        self.answer, self.engine, self.door = answer, engine, door
+        self._open = True
+
+    async def events(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.answer.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            engine_id = self.engine.engine_id
+            self.door.metrics.stream_errors.labels(engine_id).inc()
+            self.door.registry.mark_failed(engine_id, f"{type(e).__name__}: {e}")
+            event = {"error": {"message": f"engine {engine_id} failed mid-stream ({e}); "
+                               "retry the turn: its KV is in memkv", "type": "engine_error"}}
+            yield f"data: {json.dumps(event)}\n\n".encode()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.engine.inflight -= 1
+            await self.answer.aclose()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from typing import Any
 
 import httpx
@@ -14,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from memkv.api.app import create_app
+from memkv.api.engines.front_door import EngineSpec
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.services import CreateSession, LayoutSpec
 
@@ -33,6 +36,10 @@ class FakeEngine:
         self.healthy = True
         self.die_mid_stream = False
         self.running = 0
+        #: Set: streams go on past their first event; clear: they wait there.
+        self.gate = threading.Event()
+        self.gate.set()
+        self.stream_cancelled = threading.Event()
         app = FastAPI()
 
         @app.get("/health")
@@ -66,15 +73,22 @@ class FakeEngine:
                     "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
 
             async def events() -> Any:
-                for i, word in enumerate(["hi", " from", f" {self.name}"]):
-                    if self.die_mid_stream and i == 2:
-                        raise RuntimeError("the engine died")  # the connection drops
-                    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0,
-                             "model": MODEL, "choices": [{"index": 0, "delta": {"content": word},
-                                                          "finish_reason": None}]}
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                    await asyncio.sleep(0.01)
-                yield "data: [DONE]\n\n"
+                try:
+                    for i, word in enumerate(["hi", " from", f" {self.name}"]):
+                        if self.die_mid_stream and i == 2:
+                            raise RuntimeError("the engine died")  # the connection drops
+                        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0,
+                                 "model": MODEL, "choices": [{"index": 0,
+                                                              "delta": {"content": word},
+                                                              "finish_reason": None}]}
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                        while not self.gate.is_set():  # (a thread sets it; nothing to await)
+                            await asyncio.sleep(0.005)
+                        await asyncio.sleep(0.01)
+                    yield "data: [DONE]\n\n"
+                except asyncio.CancelledError:  # the caller (the gateway) went away
+                    self.stream_cancelled.set()
+                    raise
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -218,7 +232,7 @@ def test_engines_of_the_configuration_are_registered_on_first_use(tmp_path):
     down = "http://127.0.0.1:9"  # nothing listens: tried again on the next request
     app = create_app(FakeHandle(router), max_body_bytes=1 << 20, same_node_reads=False,
                      put_object=lambda payload: payload,
-                     engines=[(engine.url, None, "", False), (down, None, "", False)])
+                     engines=[EngineSpec(engine.url), EngineSpec(down)])
     gateway = _Server(app)
     try:
         with httpx.Client(base_url=gateway.url, timeout=30) as http:
@@ -266,3 +280,33 @@ def test_a_sessions_priority_goes_to_an_engine_that_schedules_by_priority(door):
         assert engines[0].seen[-1]["priority"] == expected, sid
         assert engines[0].seen[-1]["kv_transfer_params"]["priority"] in (
             "high", "background", "normal")
+
+
+def test_requests_in_flight_spill_a_session_past_its_engine_s_bound_and_leaving_cancels(door):
+    http, engines, *_ = door
+    a, b = engines
+    # Engine a takes one request at a time (its own bound, under the gateway's 32).
+    again = http.post("/v1/engines", json={"url": a.url, "node": "node-a", "engine_id": "a",
+                                           "max_requests": 1})
+    assert again.status_code == 201 and again.json()["max_requests"] == 1
+    assert "hi from a" in _chat(http, "agent-s").text  # least loaded: a (by name)
+    a.gate.clear()
+    with http.stream("POST", "/v1/chat/completions", headers={"X-Memkv-Session": "agent-s"},
+                     json={"model": MODEL, "messages": [], "stream": True}) as held:
+        lines = held.iter_lines()  # (kept: dropping the iterator closes the connection)
+        assert next(lines).startswith("data: ")  # a is busy with it
+        listed = {e["id"]: e for e in http.get("/v1/engines").json()["engines"]}
+        assert listed["a"]["inflight"] == 1
+        spilled = _chat(http, "agent-s")  # a is at its bound: the turn goes to b
+        assert spilled.headers["x-memkv-engine"] == "b", spilled.text
+    # The caller left mid-stream: the gateway closed a's connection, a dropped it.
+    assert a.stream_cancelled.wait(10), "the engine's stream was not cancelled"
+    deadline = time.monotonic() + 10
+    while http.get("/v1/engines").json()["engines"][0]["inflight"] != 0:
+        assert time.monotonic() < deadline, "the in-flight count never came back to 0"
+        time.sleep(0.02)
+    a.gate.set()
+    assert 'memkv_routed_requests_total{engine="b",reason="spill"} 1.0' in http.get(
+        "/metrics").text
+    # Now on b, the session stays there (sticky) even with a free again.
+    assert _chat(http, "agent-s").headers["x-memkv-engine"] == "b"

@@ -53,3 +53,13 @@ def test_unhealthy_and_already_tried_engines_are_passed_over():
     choice = choose_engine("m", fleet, sticky="e1", kv_node="n1", avoid=frozenset({"e2"}))
     assert choice is not None and choice.engine_id == "e3"
     assert choose_engine("m", fleet, avoid=frozenset({"e2", "e3"})) is None
+
+
+def test_an_engine_s_own_bound_overrides_the_threshold():
+    small = EngineLoad("e1", "m", "", True, 2, 0.0, max_requests=2)
+    big = EngineLoad("e2", "m", "", True, 6, 0.0)  # under the default 32
+    choice = choose_engine("m", [small, big], sticky="e1")
+    assert choice is not None and (choice.engine_id, choice.reason) == ("e2", Reason.SPILL)
+    roomy = EngineLoad("e1", "m", "", True, 40, 0.0, max_requests=64)
+    choice = choose_engine("m", [roomy, big], sticky="e1")
+    assert choice is not None and (choice.engine_id, choice.reason) == ("e1", Reason.STICKY)
