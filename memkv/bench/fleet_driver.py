@@ -1,16 +1,25 @@
-"""One ``vllm serve`` and a fleet of agent sessions against it, for ``memkv bench fleet``.
+"""``vllm serve`` engines and a fleet of agent sessions against them, for ``memkv bench fleet``.
 
     python -m memkv.bench.fleet_driver MODEL_DIR OUT_JSON SPEC_JSON   (in the vLLM venv)
 
-Starts ``vllm serve`` (the OpenAI server, token-id prompts, its KV space set
-to ``kv_blocks`` blocks, vLLM's own prefix cache on, memkv's connector when
-``connector`` is given), waits for ``/health``, then runs ``sessions`` agent
-sessions at once, each ``turns`` turns in sequence: a turn sends the whole
-conversation so far (the previous prompt, the reply, ``turn_tokens`` new
-tokens) with ``kv_transfer_params.session_id``, streamed, greedy. Writes each
-request's time to first token, latency, cached tokens (vLLM's
-``prompt_tokens_details``) and output token ids, the wall time of the fleet,
-and the connector's counters; stops the server's process group.
+Starts ``engines`` (default 1) ``vllm serve`` processes (the OpenAI server,
+token-id prompts, each with a KV space of ``kv_blocks`` blocks, vLLM's own
+prefix cache on, memkv's connector when ``connector`` is given), waits for
+their ``/health``, then runs ``sessions`` agent sessions at once, each
+``turns`` turns in sequence: a turn sends the whole conversation so far (the
+previous prompt, the reply, ``turn_tokens`` new tokens), streamed, greedy.
+
+``route`` says where the requests go: ``direct`` to the one engine (the
+session in ``kv_transfer_params``), ``round-robin`` through a plain proxy
+(:mod:`memkv.bench.round_robin_proxy`), or ``gateway``: memkv's front door at
+``gateway_url``, where the engines are registered for the run (the session in
+``extra_body.memkv``; the gateway passes it on). With ``kill_after_turn`` the
+last engine is killed once every session has finished that turn.
+
+Writes each request's time to first token, latency, cached tokens (vLLM's
+``prompt_tokens_details``), output token ids and the engine that served it,
+the wall time of the fleet, the connector's counters and the gateway's
+routing counters; stops the engines' process groups.
 """
 
 from __future__ import annotations
@@ -63,47 +72,62 @@ def _wait_healthy(proc: subprocess.Popen, port: int) -> float:
     raise TimeoutError(f"vllm serve did not answer /health within {STARTUP_TIMEOUT_S} s")
 
 
-def _session(client, sid: str, spec: dict, rng: random.Random, out: list[dict]) -> None:
+def _session(client, sid: str, spec: dict, rng: random.Random, out: list[dict],
+             barrier: threading.Barrier | None) -> None:
     vocab = spec["vocab_size"]
     prompt = [rng.randrange(1, vocab) for _ in range(spec["first_tokens"])]
+    through_gateway = spec.get("route") == "gateway"
     for turn in range(spec["turns"]):
+        extra: dict = {"return_token_ids": True, "ignore_eos": True}
+        if through_gateway:
+            extra["memkv"] = {"session_id": sid}  # the gateway sends it to the engine
+        else:
+            extra["kv_transfer_params"] = {"session_id": sid}
         t0 = time.perf_counter()
-        stream = client.completions.create(
+        raw = client.completions.with_raw_response.create(
             model="fleet", prompt=prompt, max_tokens=spec["reply_tokens"], temperature=0,
-            stream=True, stream_options={"include_usage": True},
-            extra_body={"return_token_ids": True, "ignore_eos": True,
-                        "kv_transfer_params": {"session_id": sid}},
+            stream=True, stream_options={"include_usage": True}, extra_body=extra,
         )
+        engine = raw.headers.get("x-memkv-engine", "")
         ttft = None
         reply: list[int] = []
         cached = 0
-        for event in stream:
+        for event in raw.parse():
             if event.choices:
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 reply += list(getattr(event.choices[0], "token_ids", None) or [])
             if event.usage is not None and event.usage.prompt_tokens_details is not None:
                 cached = int(event.usage.prompt_tokens_details.cached_tokens or 0)
+        if len(reply) != spec["reply_tokens"]:
+            raise RuntimeError(f"{sid} turn {turn}: {len(reply)} tokens of "
+                               f"{spec['reply_tokens']} came back (an error event?)")
         out.append({"session": sid, "turn": turn, "prompt_tokens": len(prompt),
                     "ttft_s": ttft, "latency_s": time.perf_counter() - t0,
-                    "cached_tokens": cached, "reply": reply})
+                    "cached_tokens": cached, "reply": reply, "engine": engine})
         prompt = prompt + reply + [rng.randrange(1, vocab) for _ in range(spec["turn_tokens"])]
+        if barrier is not None and turn == spec["kill_after_turn"]:
+            barrier.wait(timeout=REQUEST_TIMEOUT_S)
 
 
-def _fleet(port: int, spec: dict) -> tuple[list[dict], float]:
+def _fleet(base_url: str, spec: dict, kill) -> tuple[list[dict], float, list[str]]:
     import openai
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+    client = openai.OpenAI(base_url=base_url, api_key=spec.get("token") or "none",
                            timeout=REQUEST_TIMEOUT_S, max_retries=0)
     requests: list[dict] = []
     errors: list[BaseException] = []
+    barrier = (threading.Barrier(spec["sessions"], action=kill)
+               if spec.get("kill_after_turn") is not None else None)
 
     def one(i: int) -> None:
         try:
             _session(client, f"{spec['run']}-s{i}", spec, random.Random(spec["seed"] * 1000 + i),
-                     requests)
+                     requests, barrier)
         except BaseException as e:  # noqa: BLE001 - reported below, with the others
             errors.append(e)
+            if barrier is not None:
+                barrier.abort()  # the others must not wait for this one
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(spec["sessions"])]
     t0 = time.perf_counter()
@@ -112,37 +136,94 @@ def _fleet(port: int, spec: dict) -> tuple[list[dict], float]:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"{len(errors)} sessions failed; the first: {errors[0]!r}")
-    return requests, wall
+    return requests, wall, [repr(e) for e in errors]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _gateway(spec: dict, method: str, path: str, body: dict | None = None) -> dict:
+    request = urllib.request.Request(
+        spec["gateway_url"].rstrip("/") + path, method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json",
+                 **({"Authorization": f"Bearer {spec['token']}"} if spec.get("token") else {})})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        text = answer.read()
+    return json.loads(text) if text else {}
 
 
 def main(model: str, out_path: str, spec: dict) -> None:
-    port = int(spec["port"])
-    stats_path = out_path + ".connector.json"
-    if spec.get("connector") is not None:
-        spec = {**spec, "connector": {**spec["connector"], "stats_path": stats_path}}
-    proc = _serve(model, port, spec, out_path + ".log")
+    route = spec.get("route", "direct")
+    ports = spec["ports"]
+    stats_paths = [f"{out_path}.connector-{i}.json" for i in range(len(ports))]
+    procs: list[subprocess.Popen] = []
+    extra: list[subprocess.Popen] = []
+    registered: list[str] = []
+    routing: dict = {}
     try:
-        start_s = _wait_healthy(proc, port)
-        requests, wall = _fleet(port, spec)
+        for port, stats_path in zip(ports, stats_paths, strict=True):
+            one = spec
+            if spec.get("connector") is not None:
+                one = {**spec, "connector": {**spec["connector"], "stats_path": stats_path}}
+            procs.append(_serve(model, port, one, out_path + ".log"))
+        start_s = max(_wait_healthy(proc, port) for proc, port in zip(procs, ports, strict=True))
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        if route == "direct":
+            base_url = urls[0] + "/v1"
+        elif route == "round-robin":
+            proxy_port = spec["proxy_port"]
+            extra.append(subprocess.Popen(
+                [sys.executable, "-m", "memkv.bench.round_robin_proxy", str(proxy_port), *urls],
+                start_new_session=True))
+            _wait_healthy(extra[-1], proxy_port)  # (its /health is the first engine's)
+            base_url = f"http://127.0.0.1:{proxy_port}/v1"
+        else:
+            for i, url in enumerate(urls):
+                engine_id = f"{spec['run']}-e{i}"
+                _gateway(spec, "POST", "/v1/engines",
+                         {"url": url, "model": "fleet", "engine_id": engine_id, "node": ""})
+                registered.append(engine_id)
+            base_url = spec["gateway_url"].rstrip("/") + "/v1"
+
+        def kill() -> None:  # the last engine dies between two turns of every session
+            os.killpg(procs[-1].pid, signal.SIGKILL)
+            procs[-1].wait()
+
+        requests, wall, errors = _fleet(base_url, spec, kill)
+        if registered:
+            stats = _gateway(spec, "GET", "/v1/stats")
+            routing = {e["id"]: e.get("routed", {})
+                       for e in stats.get("gateway", {}).get("engines", [])
+                       if e["id"] in registered}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        for engine_id in registered:
+            try:
+                _gateway(spec, "DELETE", f"/v1/engines/{engine_id}")
+            except OSError:
+                pass  # the gateway went away with the run: nothing to tidy
+        for proc in extra + procs:
+            _stop(proc)
     counters: dict = {}
-    if spec.get("connector") is not None:
+    for stats_path in stats_paths:
         try:
             with open(stats_path) as f:
-                counters = json.load(f)
+                for name, value in json.load(f).items():
+                    if isinstance(value, int | float):
+                        counters[name] = counters.get(name, 0) + value
         except (OSError, ValueError):
-            counters = {}
+            pass  # no connector, or a killed engine that never wrote its counters
     with open(out_path, "w") as f:
         json.dump({"server_start_s": start_s, "wall_s": wall, "requests": requests,
-                   "connector": counters}, f)
+                   "connector": counters, "routing": routing, "errors": errors}, f)
 
 
 if __name__ == "__main__":

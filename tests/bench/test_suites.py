@@ -303,8 +303,9 @@ def test_vllm_quick(ctx: BenchContext) -> None:
 )
 @pytest.mark.slow
 def test_fleet_quick(ctx: BenchContext) -> None:
-    """Two real `vllm serve`s driven over the OpenAI API: with memkv the resumed turns load
-    what the small KV space lost, recompute less, and reply exactly as vLLM alone."""
+    """Real `vllm serve`s driven over the OpenAI API: with memkv the resumed turns load
+    what the small KV space lost, recompute less, and reply exactly as vLLM alone; through
+    the gateway a killed engine's sessions go on on the other."""
     result = run_suite("fleet", ctx)
     doc = _written(ctx, "fleet")
     runs = {r["engine"]: r for r in doc["figures"]["runs"]}
@@ -316,6 +317,14 @@ def test_fleet_quick(ctx: BenchContext) -> None:
     assert all(r["requests_per_s"] > 0 and r["ttft_p50_s"] > 0 for r in runs.values())
     assert "requests_per_s_vs_vllm_alone_not_fitting" in doc["figures"]["targets"]
     assert any("LMCache" in str(row[1]) and "not measured" in str(row[-1]) for row in result.rows)
+    # Two engines behind memkv's gateway, one killed between turns: no session lost, the
+    # ones it served go on on the other engine with their prefix loaded from memkv.
+    failover = runs["memkv gateway, one engine killed"]
+    assert failover["requests"] == 6 and failover["sessions_lost"] == 0
+    assert failover["sessions_moved"] >= 1 and failover["moved_tokens_loaded"] > 0
+    assert failover["killed_engine"] not in failover["moved_turn_served_by"]
+    assert failover["same_replies"]
+    assert failover["routing"][failover["killed_engine"]].get("failovers", 0) >= 1
 
 
 def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:
