@@ -84,7 +84,8 @@ def up(
         max_body_bytes=settings.max_body_bytes,
         put_staging_bytes=settings.put_staging_bytes,
         auth=auth,
-        engines=[EngineSpec(e.url, e.model, e.node, e.priority_scheduling, e.max_requests)
+        engines=[EngineSpec(e.url, e.model, e.node, e.priority_scheduling, e.max_requests,
+                            None if e.tenants is None else frozenset(e.tenants))
                  for e in settings.engines] + [EngineSpec(url) for url in engine or ()],
         routing=FrontDoorOptions(
             SpillThreshold(settings.routing.spill_requests, settings.routing.spill_kv_use),

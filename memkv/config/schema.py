@@ -507,6 +507,9 @@ class InferenceEngineSettings(_Frozen):
     max_requests: int | None = Field(
         default=None, ge=1, description="Its spill bound: running + waiting requests at which "
         "sessions move to another engine; null: gateway.routing.spill_requests.")
+    tenants: list[str] | None = Field(
+        default=None, description="The tenants whose requests it takes (its connector holds "
+        "a token of theirs and stores what it computes as theirs); null: every tenant's.")
 
 
 class RoutingSettings(_Frozen):

@@ -96,7 +96,8 @@ def test_engines_and_routing_reach_the_front_door_config(tmp_path):
     from memkv.config import load_config
 
     values = {"gateway": {
-        "engines": [{"url": "http://vllm-0.vllm:8000", "model": "llama", "maxRequests": 8},
+        "engines": [{"url": "http://vllm-0.vllm:8000", "model": "llama", "maxRequests": 8,
+                     "tenants": ["acme"]},
                     {"url": "http://vllm-1.vllm:8000", "priorityScheduling": True}],
         "routing": {"spillRequests": 16, "spillKvUse": 0.9}}}
     path = tmp_path / "memkv.yaml"
@@ -105,6 +106,7 @@ def test_engines_and_routing_reach_the_front_door_config(tmp_path):
     assert [(e.url, e.model, e.priority_scheduling, e.max_requests) for e in gateway.engines] == [
         ("http://vllm-0.vllm:8000", "llama", False, 8),
         ("http://vllm-1.vllm:8000", None, True, None)]
+    assert gateway.engines[0].tenants == ["acme"] and gateway.engines[1].tenants is None
     assert (gateway.routing.spill_requests, gateway.routing.spill_kv_use) == (16, 0.9)
     with pytest.raises(Exception, match="url"):
         render({"gateway": {"engines": [{"model": "llama"}]}})

@@ -104,6 +104,7 @@ JSON (which is YAML): values arrive as float64, and toYaml would write a size su
 {{- if .node }}{{- $_ := set $engine "node" .node }}{{- end }}
 {{- if .priorityScheduling }}{{- $_ := set $engine "priority_scheduling" true }}{{- end }}
 {{- if .maxRequests }}{{- $_ := set $engine "max_requests" (int .maxRequests) }}{{- end }}
+{{- if .tenants }}{{- $_ := set $engine "tenants" .tenants }}{{- end }}
 {{- $engines = append $engines $engine }}
 {{- end }}
 {{- toJson $engines }}

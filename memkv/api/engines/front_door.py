@@ -32,6 +32,7 @@ class EngineSpec:
     node: str = ""  # the Ray node it runs on ("": none of memkv's)
     priority_scheduling: bool = False  # it runs vLLM's priority scheduler
     max_requests: int | None = None  # its spill bound (None: the gateway's)
+    tenants: frozenset[str] | None = None  # whose requests it takes (None: everyone's)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ class FrontDoor:
             try:
                 await self.registry.register(spec.url, model=spec.model, node=spec.node,
                                              priority_scheduling=spec.priority_scheduling,
-                                             max_requests=spec.max_requests)
+                                             max_requests=spec.max_requests,
+                                             tenants=spec.tenants)
             except InvalidInputError as e:
                 logger.warning("configured engine %s not registered yet: %s", spec.url, e)
                 left.append(spec)

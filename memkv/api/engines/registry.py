@@ -45,6 +45,9 @@ class Engine:
     #: a session's priority goes with its requests.
     priority_scheduling: bool = False
     max_requests: int | None = None  # its spill bound (None: the gateway's)
+    #: The tenants whose requests it takes (its connector holds a token of theirs, and
+    #: stores what it computes as theirs); None: every tenant's.
+    tenants: frozenset[str] | None = None
     healthy: bool = False
     requests: int = 0  # running + waiting, from its last /metrics
     inflight: int = 0  # requests this gateway has sent it and not seen answered
@@ -59,8 +62,12 @@ class Engine:
         return EngineLoad(self.engine_id, self.model, self.node, self.healthy,
                           max(self.requests, self.inflight), self.kv_use, self.max_requests)
 
+    def serves(self, tenant: str | None) -> bool:
+        return self.tenants is None or tenant in self.tenants
+
     def document(self) -> dict[str, object]:
         return {"id": self.engine_id, "url": self.url, "model": self.model, "node": self.node,
+                "tenants": None if self.tenants is None else sorted(self.tenants),
                 "priority_scheduling": self.priority_scheduling,
                 "max_requests": self.max_requests, "healthy": self.healthy,
                 "requests": self.requests, "inflight": self.inflight, "kv_use": self.kv_use,
@@ -95,12 +102,17 @@ class EngineRegistry:
     def engines(self) -> list[Engine]:
         return list(self._engines.values())
 
+    def serving(self, tenant: str | None) -> list[Engine]:
+        """The engines that take ``tenant``'s requests."""
+        return [e for e in self._engines.values() if e.serves(tenant)]
+
     def get(self, engine_id: str) -> Engine | None:
         return self._engines.get(engine_id)
 
     async def register(self, url: str, *, model: str | None = None, node: str = "",
                        engine_id: str | None = None, priority_scheduling: bool = False,
-                       max_requests: int | None = None) -> Engine:
+                       max_requests: int | None = None,
+                       tenants: frozenset[str] | None = None) -> Engine:
         """Add an engine and check it once now (it serves once healthy).
 
         Raises:
@@ -113,7 +125,7 @@ class EngineRegistry:
         if model is None:
             model = await self._model_of(url)
         engine = Engine(engine_id or f"engine-{uuid.uuid4().hex[:8]}", url, model, node,
-                        priority_scheduling, max_requests)
+                        priority_scheduling, max_requests, tenants)
         self._engines[engine.engine_id] = engine
         await self.check(engine)
         self.ensure_running()

@@ -15,6 +15,7 @@ Errors answer in OpenAI's shape (``{"error": {"message": ...}}``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -59,6 +60,10 @@ class EngineIn(_Model):
     max_requests: int | None = Field(
         default=None, ge=1, description="Its spill bound: running + waiting requests at which "
         "sessions move to another engine (default: gateway.routing.spill_requests).")
+    tenants: list[str] | None = Field(
+        default=None, description="The tenants whose requests it takes: its connector holds a "
+        "token of theirs and stores what it computes as theirs. Default: the registering "
+        "token's tenant; [\"*\"]: every tenant (an engine with no connector, or auth off).")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -94,9 +99,12 @@ async def _door(gw: Gateway) -> FrontDoor:
 async def register_engine(body: EngineIn, gw: GatewayState, who: Caller) -> dict[str, Any]:
     """Add an engine to route to (admin); checked now, then every few seconds."""
     who.require("admin")
+    tenants = body.tenants if body.tenants is not None else (
+        [who.tenant] if who.tenant is not None else ["*"])
     engine = await (await _door(gw)).registry.register(
         body.url, model=body.model, node=body.node, engine_id=body.engine_id,
-        priority_scheduling=body.priority_scheduling, max_requests=body.max_requests)
+        priority_scheduling=body.priority_scheduling, max_requests=body.max_requests,
+        tenants=None if "*" in tenants else frozenset(tenants))
     return engine.document()
 
 
@@ -117,9 +125,10 @@ async def unregister_engine(engine_id: str, gw: GatewayState, who: Caller) -> Re
 
 @router.get("/v1/models")
 async def models(gw: GatewayState, who: Caller) -> dict[str, Any]:
-    """The models healthy engines serve (OpenAI's list shape)."""
+    """The models the caller's healthy engines serve (OpenAI's list shape)."""
     who.require("read")
-    served = sorted({e.model for e in (await _door(gw)).registry.engines() if e.healthy})
+    served = sorted({e.model for e in (await _door(gw)).registry.serving(who.tenant)
+                     if e.healthy})
     return {"object": "list",
             "data": [{"id": m, "object": "model", "owned_by": "memkv"} for m in served]}
 
@@ -143,6 +152,15 @@ def _session_of(request: Request, body: dict[str, Any]) -> str | None:
         return str(memkv["session_id"])
     user = body.get("user")
     return user if isinstance(user, str) and user else None
+
+
+def _cache_salt(tenant: str, theirs: Any) -> str:
+    """The engine's prefix-cache salt for the tenant (vLLM's ``cache_salt``): engines
+    share their prefix caches between requests with the same salt only, so one tenant's
+    prompts never hit blocks another's computed. The caller's own salt, if any, divides
+    its tenant's cache further; it can never name another tenant's."""
+    salt = hashlib.sha256(f"memkv-tenant\0{tenant}".encode()).hexdigest()[:32]
+    return f"{salt}:{theirs}" if isinstance(theirs, str) and theirs else salt
 
 
 async def _kv_node(gw: Gateway, door: FrontDoor, sid: str) -> tuple[str | None, str]:
@@ -178,8 +196,7 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
     if needs not in body:
         return _error(400, f"'{needs}' is required for {path}")
     stream = body.get("stream") is True
-    engines = door.registry.engines()
-    if not any(e.model == model for e in engines):
+    if not any(e.model == model for e in door.registry.serving(who.tenant)):
         return _error(404, f"the model {model!r} does not exist (GET /v1/models lists them)",
                       "not_found_error")
     session = _session_of(request, body)
@@ -192,10 +209,12 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
         body["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}),
                                       "session_id": session, "priority": priority,
                                       "namespace": who.write_namespace(None)}
+    if who.tenant is not None:
+        body["cache_salt"] = _cache_salt(who.tenant, body.get("cache_salt"))
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     tried: set[str] = set()
     for _ in range(ATTEMPTS):
-        choice = choose_engine(model, [e.load() for e in door.registry.engines()],
+        choice = choose_engine(model, [e.load() for e in door.registry.serving(who.tenant)],
                                sticky=door.engine_of(sid) if sid else None, kv_node=kv_node,
                                spill=door.spill, avoid=frozenset(tried))
         engine = door.registry.get(choice.engine_id) if choice is not None else None

@@ -310,3 +310,52 @@ def test_requests_in_flight_spill_a_session_past_its_engine_s_bound_and_leaving_
         "/metrics").text
     # Now on b, the session stays there (sticky) even with a free again.
     assert _chat(http, "agent-s").headers["x-memkv-engine"] == "b"
+
+
+def test_engines_take_their_tenants_requests_only_each_under_its_own_cache_salt(tmp_path):
+    from memkv.api.auth import Authenticator, TokenEntry, hash_token
+
+    auth = Authenticator([
+        TokenEntry(hash_token("tok-acme"), "acme", frozenset({"write", "read", "admin"})),
+        TokenEntry(hash_token("tok-ops"), "ops", frozenset({"write", "read", "admin"})),
+        TokenEntry(hash_token("tok-evil"), "evil", frozenset({"write", "read"})),
+    ])
+    device, router, loop = device_and_router(tmp_path / "cold", "door-auth", unit=4096, blocks=8)
+    gateway = _Server(create_app(FakeHandle(router), max_body_bytes=1 << 20, auth=auth,
+                                 same_node_reads=False, put_object=lambda payload: payload))
+    acme_engine, shared = FakeEngine("acme-only"), FakeEngine("shared")
+
+    def as_(token: str) -> httpx.Client:
+        return httpx.Client(base_url=gateway.url, timeout=30,
+                            headers={"Authorization": f"Bearer {token}"})
+
+    try:
+        with as_("tok-acme") as acme, as_("tok-ops") as ops, as_("tok-evil") as evil:
+            # acme's engine serves acme (the registering token's tenant, by default).
+            made = acme.post("/v1/engines", json={"url": acme_engine.url,
+                                                  "engine_id": "acme-only"})
+            assert made.status_code == 201 and made.json()["tenants"] == ["acme"]
+            assert evil.post("/v1/engines", json={"url": shared.url}).status_code == 403
+            assert httpx.post(f"{gateway.url}/v1/chat/completions", json={
+                "model": MODEL, "messages": []}).status_code == 401
+            assert evil.get("/v1/models").json()["data"] == []
+            refused = _chat(evil, "agent-1")
+            assert refused.status_code == 404 and refused.json()["error"]["type"] == (
+                "not_found_error")
+            assert acme_engine.seen == []  # nothing of evil's reached acme's engine
+            # A shared engine (ops registers it for every tenant) takes both, each tenant's
+            # prompts under a salt of its own, which no caller's salt can reach across.
+            made = ops.post("/v1/engines", json={"url": shared.url, "engine_id": "shared",
+                                                 "tenants": ["*"]})
+            assert made.status_code == 201 and made.json()["tenants"] is None
+            assert _chat(evil, "agent-1").headers["x-memkv-engine"] == "shared"
+            assert _chat(ops, "agent-1", cache_salt="mine").headers["x-memkv-engine"] == (
+                "shared")
+            evil_salt, ops_salt = (body["cache_salt"] for body in shared.seen[-2:])
+            assert evil_salt != ops_salt.split(":")[0] and ops_salt.endswith(":mine")
+    finally:
+        for engine in (acme_engine, shared):
+            engine.server.stop()
+        gateway.stop()
+        device.close()
+        loop.close()
