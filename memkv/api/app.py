@@ -36,6 +36,7 @@ from memkv.api.context import (
     GatewayMetrics,
     this_node_id,
 )
+from memkv.api.engines.book import EngineBook, LocalBook
 from memkv.api.engines.front_door import (
     EngineSpec,
     FrontDoor,
@@ -74,6 +75,7 @@ def create_app(
     client_lease_bytes: int = 1 << 30,
     engines: Sequence[EngineSpec] = (),
     routing: FrontDoorOptions | None = None,
+    engine_book: EngineBook | None = None,
 ) -> FastAPI:
     """The gateway app for a router actor handle, or a sharded table's routers.
 
@@ -105,6 +107,8 @@ def create_app(
         engines: engines the OpenAI front door routes to (more register at
             ``/v1/engines``).
         routing: how it chooses and checks them (spill bounds, check interval).
+        engine_book: where engine registrations are shared with the deployment's other
+            gateway processes (default: this process's own).
     """
     app = FastAPI(
         title="memkv gateway",
@@ -142,7 +146,8 @@ def create_app(
         ),
         snapshot=StatsSnapshot(whole_table_stats),
         door=FrontDoor(RoutingMetrics.create(metrics.registry),
-                       options=routing or FrontDoorOptions(), configured=list(engines)),
+                       options=routing or FrontDoorOptions(), configured=list(engines),
+                       book=engine_book if engine_book is not None else LocalBook()),
     )
     authenticator = auth if auth is not None else Authenticator.disabled()
 

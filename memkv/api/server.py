@@ -17,6 +17,7 @@ from memkv.actors.router_shards import RouterShards
 from memkv.api.app import create_app
 from memkv.api.auth import Authenticator
 from memkv.api.block_port import BlockPortServer
+from memkv.api.engines.book import RayKvBook
 from memkv.api.engines.front_door import EngineSpec, FrontDoorOptions
 from memkv.staging import PutStaging, staging_for
 
@@ -137,6 +138,9 @@ class GatewayServer:
             body_timeout_s=body_timeout_s,
             engines=engines,
             routing=routing,
+            # Every gateway process of the Ray cluster (workers, other nodes' gateways)
+            # routes to the same engines.
+            engine_book=RayKvBook(ray.get_runtime_context().namespace),
         )
         app.state.worker = worker
         sock = _bound(host, port, reuse_port)

@@ -110,3 +110,48 @@ def test_the_status_page_shows_live_figures_that_follow_traffic(
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     if os.environ.get("MEMKV_STATUS_SCREENSHOT"):
         shutil.copy(shot, Path(os.environ["MEMKV_STATUS_SCREENSHOT"]))
+
+
+def test_the_status_page_shows_each_engine_and_what_was_routed_to_it(secured_gateway, browser):
+    import httpx
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from .engines.test_front_door import MODEL, FakeEngine
+
+    wait = WebDriverWait(browser, WAIT_S, poll_frequency=0.2)
+
+    def engine_rows() -> list[list[str]]:
+        # In one script: the page replaces the rows at every poll (elements go stale).
+        return browser.execute_script(
+            "return [...document.querySelectorAll('#engines tbody tr')]"
+            ".map(tr => [...tr.cells].map(td => td.textContent))")
+
+    browser.get(secured_gateway.url + "/?interval=0.5")
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    browser.find_element(By.ID, "connect").click()
+    wait.until(lambda _: engine_rows() and "no engines registered" in engine_rows()[0][0])
+    engine = FakeEngine("page-engine")
+    with httpx.Client(base_url=secured_gateway.url, timeout=30,
+                      headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        try:
+            made = http.post("/v1/engines", json={"url": engine.url, "engine_id": "page-engine",
+                                                  "node": "node-p"})
+            assert made.status_code == 201, made.text
+            for _ in range(3):  # a session's first turn, then two that stick to the engine
+                answer = http.post("/v1/chat/completions", headers={"X-Memkv-Session": "pg"},
+                                   json={"model": MODEL, "messages": []})
+                assert answer.status_code == 200, answer.text
+            wait.until(lambda _: engine_rows()[0][0] == "page-engine")
+            row = dict(zip(["engine", "model", "node", "state", "requests", "kv", "sticky",
+                            "kv-node", "least-loaded", "spill", "failovers", "stream errors"],
+                           engine_rows()[0], strict=True))
+            assert row["model"] == MODEL and row["node"] == "node-p"
+            assert row["state"] == "healthy" and row["kv"] == "25%"
+            assert (row["least-loaded"], row["sticky"], row["failovers"]) == ("1", "2", "0")
+            # The engine goes down: the page says so at the next check.
+            engine.healthy = False
+            wait.until(lambda _: engine_rows()[0][3].startswith("down"))
+        finally:
+            http.delete("/v1/engines/page-engine")
+            engine.server.stop()

@@ -7,6 +7,7 @@ check loop are made on first use, inside the server's event loop.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -14,25 +15,15 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import CollectorRegistry, Counter
 
+from memkv.api.engines.book import EngineBook, LocalBook
 from memkv.api.engines.policy import Reason, SpillThreshold
 from memkv.api.engines.registry import EngineRegistry
+from memkv.api.engines.spec import EngineSpec
 from memkv.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineSpec", "FrontDoor", "FrontDoorOptions", "RoutingMetrics"]
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """An engine of the configuration (``gateway.engines``, ``memkv up --engine``)."""
-
-    url: str
-    model: str | None = None  # None: ask its /v1/models
-    node: str = ""  # the Ray node it runs on ("": none of memkv's)
-    priority_scheduling: bool = False  # it runs vLLM's priority scheduler
-    max_requests: int | None = None  # its spill bound (None: the gateway's)
-    tenants: frozenset[str] | None = None  # whose requests it takes (None: everyone's)
+__all__ = ["EngineSpec", "FrontDoor", "FrontDoorOptions", "RoutingMetrics", "configured_engine_id"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +41,10 @@ AFFINITY_ENTRIES = 100_000
 ATTEMPTS = 2
 #: How long a session's KV node and priority, asked of the router, are used again.
 KV_LOOKUP_TTL_S = 5.0
+
+
+def configured_engine_id(url: str) -> str:
+    return "engine-" + hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:8]
 
 
 @dataclass
@@ -85,6 +80,8 @@ class FrontDoor:
     _affinity: dict[str, str] = field(default_factory=dict)
     _kv: dict[str, tuple[float, str | None, str]] = field(default_factory=dict)
     configured: list[EngineSpec] = field(default_factory=list)
+    #: Where registrations are kept for every gateway process (LocalBook: this one's).
+    book: EngineBook = field(default_factory=LocalBook)
     _pending: list[EngineSpec] | None = None  # configured engines not registered yet
 
     async def ready(self) -> None:
@@ -95,10 +92,13 @@ class FrontDoor:
         left: list[EngineSpec] = []
         for spec in self._pending:
             try:
+                # One id per URL: every gateway process registers the configured
+                # engines, and they share one book.
                 await self.registry.register(spec.url, model=spec.model, node=spec.node,
                                              priority_scheduling=spec.priority_scheduling,
                                              max_requests=spec.max_requests,
-                                             tenants=spec.tenants)
+                                             tenants=spec.tenants,
+                                             engine_id=configured_engine_id(spec.url))
             except InvalidInputError as e:
                 logger.warning("configured engine %s not registered yet: %s", spec.url, e)
                 left.append(spec)
@@ -121,7 +121,7 @@ class FrontDoor:
         if self._registry is None:
             self._registry = EngineRegistry(
                 self.client, interval_s=self.options.check_interval_s,
-                failures_to_down=self.options.failures_to_down)
+                failures_to_down=self.options.failures_to_down, book=self.book)
         return self._registry
 
     def kv_of(self, session_id: str) -> tuple[str | None, str] | None:

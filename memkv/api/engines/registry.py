@@ -8,6 +8,11 @@ An engine (a ``vllm serve`` process) is registered by URL, with its model
 older ``vllm:gpu_cache_usage_perc``). ``failures_to_down`` failed checks in a
 row, or a request that could not reach it, take it out of routing; one good
 check brings it back.
+
+Registrations go into an :class:`~memkv.api.engines.book.EngineBook` too, and
+each round of checks first takes from it what other gateway processes
+registered or removed: every process routes to the same engines, each a check
+interval after the change at most.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from memkv.api.engines.book import EngineBook, LocalBook
 from memkv.api.engines.policy import EngineLoad
+from memkv.api.engines.spec import EngineSpec
 from memkv.errors import InvalidInputError
 from memkv.periodic import Periodic
 
@@ -62,6 +69,10 @@ class Engine:
         return EngineLoad(self.engine_id, self.model, self.node, self.healthy,
                           max(self.requests, self.inflight), self.kv_use, self.max_requests)
 
+    def spec(self) -> EngineSpec:
+        return EngineSpec(self.url, self.model, self.node, self.priority_scheduling,
+                          self.max_requests, self.tenants)
+
     def serves(self, tenant: str | None) -> bool:
         return self.tenants is None or tenant in self.tenants
 
@@ -82,11 +93,14 @@ class EngineRegistry:
         interval_s: seconds between checks.
         failures_to_down: failed checks in a row before an engine leaves routing.
         timeout_s: a check's time limit.
+        book: where registrations are shared with the other gateway processes.
     """
 
     def __init__(self, client: httpx.AsyncClient, *, interval_s: float = 2.0,
-                 failures_to_down: int = 2, timeout_s: float = 2.0) -> None:
+                 failures_to_down: int = 2, timeout_s: float = 2.0,
+                 book: EngineBook | None = None) -> None:
         self.client = client
+        self.book: EngineBook = book if book is not None else LocalBook()
         self.interval_s = interval_s
         self.failures_to_down = failures_to_down
         self.timeout_s = timeout_s
@@ -126,16 +140,49 @@ class EngineRegistry:
             model = await self._model_of(url)
         engine = Engine(engine_id or f"engine-{uuid.uuid4().hex[:8]}", url, model, node,
                         priority_scheduling, max_requests, tenants)
-        self._engines[engine.engine_id] = engine
+        await self.book.put(engine.engine_id, engine.spec())
+        self._adopt(engine)
         await self.check(engine)
         self.ensure_running()
         logger.warning("engine %s registered: %s serving %s (%s)", engine.engine_id, url, model,
                        "healthy" if engine.healthy else f"not yet healthy: {engine.last_error}")
         return engine
 
-    def unregister(self, engine_id: str) -> None:
+    async def unregister(self, engine_id: str) -> None:
         if self._engines.pop(engine_id, None) is None:
             raise InvalidInputError(f"no engine {engine_id!r} is registered")
+        await self.book.remove(engine_id)
+
+    def _adopt(self, engine: Engine) -> None:
+        """Route to ``engine`` (replacing one of its id: what this gateway has in flight
+        there and its last check carry over)."""
+        old = self._engines.get(engine.engine_id)
+        if old is not None and old.url == engine.url:
+            engine.inflight, engine.healthy = old.inflight, old.healthy
+            engine.requests, engine.kv_use = old.requests, old.kv_use
+        self._engines[engine.engine_id] = engine
+
+    async def sync(self) -> None:
+        """Take what other gateway processes registered or removed from the book."""
+        try:
+            entries = await self.book.entries()
+        except Exception as e:  # noqa: BLE001 - the book is unreachable: route as before
+            logger.warning("engine registrations not read (%s); routing to the known ones", e)
+            return
+        for engine_id in set(self._engines) - set(entries):
+            logger.warning("engine %s unregistered (by another gateway process)", engine_id)
+            del self._engines[engine_id]
+        for engine_id, spec in entries.items():
+            known = self._engines.get(engine_id)
+            if known is not None and known.spec() == spec:
+                continue
+            if spec.model is None:
+                continue  # (registrations always name the model they found)
+            self._adopt(Engine(engine_id, spec.url, spec.model, spec.node,
+                               spec.priority_scheduling, spec.max_requests, spec.tenants))
+            if known is None:
+                logger.warning("engine %s registered (by another gateway process): %s",
+                               engine_id, spec.url)
 
     def mark_failed(self, engine_id: str, error: str) -> None:
         """A request could not reach the engine: out of routing until a check passes."""
@@ -166,6 +213,7 @@ class EngineRegistry:
         engine.checked_at = time.monotonic()
 
     async def check_all(self) -> None:
+        await self.sync()
         await asyncio.gather(*(self.check(e) for e in self.engines()))
 
     async def _model_of(self, url: str) -> str:

@@ -119,7 +119,7 @@ async def unregister_engine(engine_id: str, gw: GatewayState, who: Caller) -> Re
     who.require("admin")
     if (await _door(gw)).registry.get(engine_id) is None:
         raise NotFoundError(f"no engine {engine_id!r} is registered")
-    (await _door(gw)).registry.unregister(engine_id)
+    await (await _door(gw)).registry.unregister(engine_id)
     return Response(status_code=204)
 
 
