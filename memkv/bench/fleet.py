@@ -59,9 +59,10 @@ DRIVER_TIMEOUT_S = 1800
 NOT_FITTING, FITTING = "KV space < fleet", "KV space > fleet"
 ROUTED = "KV space of each engine = half the fleet + 1 session"
 ONE_ENGINE = "one engine, direct (+ memkv)"
-ROUND_ROBIN = "2 engines, round-robin proxy (+ memkv)"
-AFFINITY = "2 engines, memkv gateway (affinity)"
-FAILOVER = "2 engines, memkv gateway, one killed"
+ONE_ENGINE_CORE = "one engine on one core, direct (+ memkv)"
+ROUND_ROBIN = "2 engines (a core each), round-robin proxy (+ memkv)"
+AFFINITY = "2 engines (a core each), memkv gateway (affinity)"
+FAILOVER = "2 engines (a core each), memkv gateway, one killed"
 
 
 def _free_port() -> int:
@@ -177,7 +178,8 @@ def run(ctx: BenchContext) -> SuiteResult:
                 "model_id": f"fleet-{shape['name']}-{uuid.uuid4().hex[:8]}"}
 
     one: dict[str, Any] = {"engines": 1, "route": "direct"}
-    two: dict[str, Any] = {"engines": 2}
+    # Two engines, a core each (the CPU analog of an engine per device).
+    two: dict[str, Any] = {"engines": 2, "cpus_per_engine": ["0", "1"]}
     kill_after = fleet["turns"] // 2 - 1 if fleet["turns"] > 1 else None
     plan: list[tuple[str, str, int, dict[str, Any] | None, dict[str, Any]]] = [
         (NOT_FITTING, "vLLM alone", small, None, one),
@@ -189,6 +191,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             (FITTING, "vLLM alone", large, None, one),
             (FITTING, "vLLM + memkv (same node)", large, memkv(True), one),
             (ROUTED, ONE_ENGINE, half, memkv(True), one),
+            (ROUTED, ONE_ENGINE_CORE, half, memkv(True), {**one, "cpus_per_engine": ["0"]}),
             (ROUTED, ROUND_ROBIN, half, memkv(True), {**two, "route": "round-robin"}),
             (ROUTED, AFFINITY, half, memkv(True), {**two, "route": "gateway"}),
         ]
@@ -259,6 +262,10 @@ def run(ctx: BenchContext) -> SuiteResult:
         "routed_requests_per_s_vs_best_single_engine": {
             "measured": ratio(rate(ROUTED, AFFINITY), max(singles) if singles else None),
             "target": TARGET_ROUTED_VS_ONE},
+        # Per unit of compute: two engines with a core each over one engine with one.
+        "routed_requests_per_s_vs_one_engine_on_one_core": {
+            "measured": ratio(rate(ROUTED, AFFINITY), rate(ROUTED, ONE_ENGINE_CORE)),
+            "target": TARGET_ROUTED_VS_ONE},
     }
     failover = next((r for r in runs if r["engine"] == FAILOVER), None)
     kv_per_token = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"]
@@ -273,15 +280,19 @@ def run(ctx: BenchContext) -> SuiteResult:
         f"token); KV space {small} blocks of {BLOCK_SIZE} tokens when the fleet does not fit, "
         f"{large} when it does. Each row a fresh vllm serve (vLLM's prefix cache on) on this "
         "2-core machine, beside the memkv cluster and gateway.",
-        f"Routed ({ROUTED}, {half} blocks): one vllm serve called directly, then two, each "
+        f"Routed ({ROUTED}, {half} blocks): one vllm serve called directly (on both cores, "
+        "then with its compute threads bound to one), then two with a core each "
+        "(VLLM_CPU_OMP_THREADS_BIND: the CPU analog of an engine per device), each "
         "with memkv's connector (same node, one model id: either engine loads what the "
         "other saved). Round-robin: a plain proxy (memkv.bench.round_robin_proxy, the "
         "gateway's uvicorn + httpx) sends each request to the next engine; memkv gateway: "
         "the front door keeps a session on its engine (sticky, then the KV's node, then the "
         "least loaded; spill past its bound). 'vs vLLM alone' is against vLLM alone where "
         "the fleet does not fit; targets ([5/5]): routed >= 1.3x round-robin and >= 1.7x "
-        "the best single-engine row. Both engines share this machine's 2 cores (one engine "
-        "already computes on both), so two cannot compute twice what one does here.",
+        "the best single-engine row. This machine has 2 cores: one engine unbound already "
+        "computes on both, so two cannot compute twice what it does; the per-core ratio "
+        "says what a second device adds. The memkv cluster, gateway and client share the "
+        "same 2 cores.",
         "TTFT p50/p99 over resumed turns (turn > 0) from the streamed response's first chunk; "
         "recomputed = prompt tokens minus vLLM's cached_tokens (its prefix cache plus what the "
         "connector loaded); 'same replies' compares every turn's greedy tokens with vLLM "
