@@ -14,9 +14,7 @@ session in ``kv_transfer_params``), ``round-robin`` through a plain proxy
 (:mod:`memkv.bench.round_robin_proxy`), or ``gateway``: memkv's front door at
 ``gateway_url``, where the engines are registered for the run (the session in
 ``extra_body.memkv``; the gateway passes it on). With ``kill_after_turn`` the
-last engine is killed once every session has finished that turn. With
-``cpus_per_engine`` each engine's compute threads are bound to its cores
-(``VLLM_CPU_OMP_THREADS_BIND``: the CPU analog of an engine per device).
+last engine is killed once every session has finished that turn.
 
 Writes each request's time to first token, latency, cached tokens (vLLM's
 ``prompt_tokens_details``), output token ids and the engine that served it,
@@ -57,10 +55,7 @@ def _serve(model: str, port: int, spec: dict, log_path: str) -> subprocess.Popen
             "kv_connector_extra_config": spec["connector"],
         })]
     log = open(log_path, "ab")  # noqa: SIM115 - the server holds it
-    env = dict(os.environ)
-    if spec.get("cpus") is not None:  # its compute threads on these cores only
-        env["VLLM_CPU_OMP_THREADS_BIND"] = spec["cpus"]
-    return subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True, env=env)
+    return subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
 
 
 def _wait_healthy(proc: subprocess.Popen, port: int) -> float:
@@ -175,10 +170,10 @@ def main(model: str, out_path: str, spec: dict) -> None:
     registered: list[str] = []
     routing: dict = {}
     try:
-        for i, (port, stats_path) in enumerate(zip(ports, stats_paths, strict=True)):
-            one = {**spec, "cpus": (spec.get("cpus_per_engine") or [None] * len(ports))[i]}
+        for port, stats_path in zip(ports, stats_paths, strict=True):
+            one = spec
             if spec.get("connector") is not None:
-                one["connector"] = {**spec["connector"], "stats_path": stats_path}
+                one = {**spec, "connector": {**spec["connector"], "stats_path": stats_path}}
             procs.append(_serve(model, port, one, out_path + ".log"))
         start_s = max(_wait_healthy(proc, port) for proc, port in zip(procs, ports, strict=True))
         urls = [f"http://127.0.0.1:{port}" for port in ports]

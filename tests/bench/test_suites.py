@@ -319,7 +319,7 @@ def test_fleet_quick(ctx: BenchContext) -> None:
     assert any("LMCache" in str(row[1]) and "not measured" in str(row[-1]) for row in result.rows)
     # Two engines behind memkv's gateway, one killed between turns: no session lost, the
     # ones it served go on on the other engine with their prefix loaded from memkv.
-    failover = runs["2 engines (a core each), memkv gateway, one killed"]
+    failover = runs["2 engines, memkv gateway, one killed"]
     assert failover["requests"] == 6 and failover["sessions_lost"] == 0
     assert failover["sessions_moved"] >= 1 and failover["moved_tokens_loaded"] > 0
     assert failover["killed_engine"] not in failover["moved_turn_served_by"]
