@@ -42,4 +42,8 @@ class Periodic:
             try:
                 await self.work()
             except Exception as e:  # noqa: BLE001 - one round's failure must not end the loop
-                logger.warning("%s round failed: %s", self.name, e)
+                # An actor's error carries its whole remote traceback: one line is enough
+                # (a round that fails while the deployment stops is expected).
+                cause = getattr(e, "cause", None) or e
+                logger.warning("%s round failed: %s: %s", self.name, type(cause).__name__,
+                               str(cause).splitlines()[0] if str(cause) else "")
