@@ -25,7 +25,7 @@ from memkv.protocol.stats import ArchiveStats
 from memkv.storage.codecs import verify_frame
 from memkv.storage.codecs.frame import CODEC_NAMES
 from memkv.storage.config import ArchiveConfig
-from memkv.storage.journal_replica import JOURNALS_DIR, JournalReplica
+from memkv.storage.journal_replica import JOURNALS_DIR, JournalReplica, check_journal_name
 from memkv.storage.segments import CompactionStats, SegmentStore
 
 __all__ = ["ArchiveService"]
@@ -184,29 +184,42 @@ class ArchiveService:
 
     def journal_position(self, name: str) -> tuple[int, int]:
         """``(epoch, seq)`` of router shard ``name``'s journal here ((0, 0): none)."""
-        return self._journal(name).position
+        replica = self._journal(name, create=False)
+        return (0, 0) if replica is None else replica.position
 
     def journal_read(self, name: str) -> tuple[int, int, list[bytes]]:
-        return self._journal(name).read()
+        replica = self._journal(name, create=False)
+        return (0, 0, []) if replica is None else replica.read()
 
     def journal_append(self, name: str, epoch: int, first_seq: int,
                        payloads: list[bytes], fsync: bool = True) -> tuple[int, int]:
         with self._journals_lock:
-            return self._journal(name).append(epoch, first_seq, payloads, fsync)
+            return self._writable(name).append(epoch, first_seq, payloads, fsync)
 
     def journal_snapshot(self, name: str, epoch: int, seq: int,
                          payloads: list[bytes]) -> tuple[int, int]:
         with self._journals_lock:
-            return self._journal(name).snapshot(epoch, seq, payloads)
+            return self._writable(name).snapshot(epoch, seq, payloads)
 
-    def _journal(self, name: str) -> JournalReplica:
+    def _journal(self, name: str, *, create: bool = True) -> JournalReplica | None:
+        """Router shard ``name``'s journal here; one not on disk yet is made only to write
+        it (``create``): asking after a journal leaves no trace, so the names listed
+        (and the shard counts read from them) are only those of journals written."""
         with self._journals_lock:
             replica = self._journals.get(name)
             if replica is None:
+                check_journal_name(name)
+                if not create and not (self._segments.directory / JOURNALS_DIR / name).is_dir():
+                    return None
                 replica = JournalReplica(self._segments.directory, name,
                                          fsync=self._config.fsync != "never")
                 self._journals[name] = replica
             return replica
+
+    def _writable(self, name: str) -> JournalReplica:
+        replica = self._journal(name)
+        assert replica is not None  # (made when missing)
+        return replica
 
     def close(self) -> None:
         for replica in self._journals.values():

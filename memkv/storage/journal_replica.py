@@ -27,10 +27,20 @@ from typing import Any
 from memkv.errors import ClosedError, InvalidInputError
 from memkv.storage.journal import Journal
 
-__all__ = ["JOURNALS_DIR", "JournalReplica", "SupersededError"]
+__all__ = ["JOURNALS_DIR", "JournalReplica", "SupersededError", "check_journal_name"]
 
 JOURNALS_DIR = "journals"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def check_journal_name(name: str) -> None:
+    """A journal's name is its directory's: no path separators, no dots alone.
+
+    Raises:
+        InvalidInputError: anything else.
+    """
+    if not _NAME.match(name) or name in (".", ".."):
+        raise InvalidInputError(f"journal names are 1-128 of [A-Za-z0-9_.-], got {name!r}")
 
 
 class SupersededError(ClosedError):
@@ -47,8 +57,7 @@ class JournalReplica:
     """
 
     def __init__(self, directory: Path, name: str, *, fsync: bool = True) -> None:
-        if not _NAME.match(name):
-            raise InvalidInputError(f"journal names are 1-128 of [A-Za-z0-9_.-], got {name!r}")
+        check_journal_name(name)
         self._journal = Journal(directory / JOURNALS_DIR / name, fsync=fsync)
         self.epoch, self.seq = 0, 0
         self._records: list[bytes] = []  # the table's records, as the router packed them

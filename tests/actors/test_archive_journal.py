@@ -158,9 +158,19 @@ def test_no_archive_left(nodes) -> None:
 
 
 def test_journal_names_carry_the_shard_count(nodes) -> None:
-    nodes[0].service.journal_position(journal_name("r", 1, 4))
-    nodes[0].service.journal_position(journal_name("other", 0, 2))
+    nodes[0].service.journal_snapshot(journal_name("r", 1, 4), 1, 1, [])
+    nodes[0].service.journal_snapshot(journal_name("other", 0, 2), 1, 1, [])
     assert journal_shard_counts(nodes[0].service.journal_names(), "r") == {4}
+
+
+def test_asking_after_a_journal_leaves_no_trace(nodes) -> None:
+    """A router that looks for the journals of another shard count (or a typo) must not
+    make them appear: the next start would read a shard count from them."""
+    assert nodes[0].service.journal_position(journal_name("r", 0, 8)) == (0, 0)
+    assert nodes[0].service.journal_read(journal_name("r", 0, 8)) == (0, 0, [])
+    assert nodes[0].service.journal_names() == []
+    with pytest.raises(InvalidInputError, match="1-128"):
+        nodes[0].service.journal_read("..")
 
 
 def test_a_change_flushed_before_its_answer_survives_the_routers_crash(nodes) -> None:
