@@ -30,9 +30,9 @@ from typing import Any
 
 import msgpack
 import ray
-from ray.exceptions import ActorUnschedulableError, RayActorError
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
+from ray.exceptions import ActorUnschedulableError
 
+from memkv.actors.restarts import through_restarts
 from memkv.errors import InvalidInputError, MemberLostError
 from memkv.storage.journal import TableJournal
 from memkv.storage.journal_replica import SupersededError
@@ -247,15 +247,9 @@ class ArchiveJournal:
 
     def _ask(self, archive: str, method: str, *args: Any) -> Any:
         """An archive's answer, waiting out a restart (Ray restarts a crashed archive)."""
-        for attempt in Retrying(
-            retry=retry_if_exception_type(RayActorError),
-            stop=stop_after_delay(ARCHIVE_RESTART_WAIT_S),
-            wait=wait_fixed(0.2),
-            reraise=True,
-        ):
-            with attempt:
-                return self._resolve(getattr(self._archives[archive], method).remote(*args))
-        raise AssertionError("unreachable: Retrying reraises")  # pragma: no cover
+        return through_restarts(
+            lambda: self._resolve(getattr(self._archives[archive], method).remote(*args)),
+            timeout_s=ARCHIVE_RESTART_WAIT_S)
 
     def _lose(self, archive: str, error: BaseException) -> None:
         if archive not in self.lost:

@@ -29,8 +29,8 @@ from typing import Any
 import ray
 import torch
 from ray.exceptions import ActorUnschedulableError, RayActorError
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
+from memkv.actors.restarts import through_restarts
 from memkv.errors import MemberLostError, UnknownBlockError
 from memkv.protocol.enums import Tier
 from memkv.protocol.stats import ArchiveStats
@@ -129,15 +129,8 @@ class ArchiveReplicas:
                 raise
             except RayActorError:
                 pass  # restarting: ask again below
-        for attempt in Retrying(
-            retry=retry_if_exception_type(RayActorError),
-            stop=stop_after_delay(self._restart_timeout_s),
-            wait=wait_fixed(_ARCHIVE_RETRY_S),
-            reraise=True,
-        ):
-            with attempt:
-                return self._resolve(getattr(archive, method).remote(*args))
-        raise AssertionError("unreachable: Retrying reraises")  # pragma: no cover
+        return through_restarts(lambda: self._resolve(getattr(archive, method).remote(*args)),
+                                timeout_s=self._restart_timeout_s, wait_s=_ARCHIVE_RETRY_S)
 
     def _first(self, method: str, *args: Any) -> Any:
         """The first live archive's answer (the next one's when it is lost)."""

@@ -21,14 +21,11 @@ import numpy as np
 import ray
 import torch
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
 from tenacity import (
     RetryCallState,
     Retrying,
     retry_if_exception_type,
     stop_after_attempt,
-    stop_after_delay,
-    wait_fixed,
 )
 
 from memkv.actors.handles import ACTOR_GONE_ERRORS, DeviceHandle
@@ -39,6 +36,7 @@ from memkv.actors.payload import (
     from_payload,
     to_payload,
 )
+from memkv.actors.restarts import through_restarts
 from memkv.actors.router_shards import (
     RouterShards,
     merge_created,
@@ -122,15 +120,8 @@ def _from_router(method: Any, *args: Any) -> Any:
     """``ray.get(method.remote(*args))`` of a router shard's method, sent again while
     the router restarts (reads and recoveries only: they change nothing a second
     call would change again, so one that ran before its answer was lost is safe)."""
-    for attempt in Retrying(
-        retry=retry_if_exception_type(RayActorError),
-        stop=stop_after_delay(ROUTER_RESTART_WAIT_S),
-        wait=wait_fixed(0.2),
-        reraise=True,
-    ):
-        with attempt:
-            return ray.get(method.remote(*args))
-    raise AssertionError("unreachable: Retrying reraises")  # pragma: no cover
+    return through_restarts(lambda: ray.get(method.remote(*args)),
+                            timeout_s=ROUTER_RESTART_WAIT_S)
 
 
 class MemkvCluster:
