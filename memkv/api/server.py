@@ -190,15 +190,19 @@ class GatewayServer:
             time.sleep(_POLL_S)
 
     def stop(self) -> None:
-        """Give back the read plans the gateway holds, stop serving and join the thread."""
+        """Give back the read plans the gateway holds, stop the front door's engine checks,
+        stop serving and join the thread."""
         if self._loops and self._app is not None and self._thread.is_alive():
-            release = asyncio.run_coroutine_threadsafe(
-                self._app.state.release_plans(), self._loops[0]
-            )
-            try:
-                release.result(timeout=_STARTUP_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - leases run out by themselves anyway
-                pass
+            door = self._app.state.gateway.door
+            for wind_down in (self._app.state.release_plans(),
+                              door.close() if door is not None else None):
+                if wind_down is None:
+                    continue
+                done = asyncio.run_coroutine_threadsafe(wind_down, self._loops[0])
+                try:
+                    done.result(timeout=_STARTUP_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 - leases run out by themselves anyway
+                    pass
         self._server.should_exit = True
         self._thread.join(timeout=_STARTUP_TIMEOUT_S)
         self._sock.close()

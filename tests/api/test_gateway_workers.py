@@ -141,3 +141,42 @@ def test_a_dead_worker_leaves_the_ports_to_the_others(cluster):
         for _ in range(16):  # every new connection lands on the worker that is left
             with httpx.Client() as h:
                 assert h.get(gw.url + "/healthz").json()["worker"] == 0
+
+
+def _http_on(gw: Gateway, worker: int) -> httpx.Client:
+    """An HTTP client whose connection is served by ``worker``."""
+    for _ in range(_TRIES):
+        http = httpx.Client(base_url=gw.url, timeout=30)
+        if http.get("/healthz").json()["worker"] == worker:
+            return http
+        http.close()
+    raise AssertionError(f"no connection landed on worker {worker} in {_TRIES} tries")
+
+
+def test_an_engine_registered_through_one_worker_is_routed_to_by_the_other(two_workers):
+    from .engines.test_front_door import MODEL, FakeEngine
+
+    engine = FakeEngine(f"shared-{uuid.uuid4().hex[:6]}")
+    on_one, on_zero = _http_on(two_workers, 1), _http_on(two_workers, 0)
+    try:
+        made = on_one.post("/v1/engines", json={"url": engine.url, "engine_id": engine.name})
+        assert made.status_code == 201, made.text
+        # Worker 0 takes it from the shared book at its first use or its next check.
+        deadline = time.monotonic() + 10
+        while engine.name not in {e["id"] for e in on_zero.get("/v1/engines").json()["engines"]}:
+            assert time.monotonic() < deadline, "worker 0 never learned of the engine"
+            time.sleep(0.1)
+        answer = on_zero.post("/v1/chat/completions", headers={"X-Memkv-Session": "w"},
+                              json={"model": MODEL, "messages": []})
+        assert answer.status_code == 200 and answer.headers["x-memkv-engine"] == engine.name
+        assert engine.seen, "the engine never got the request"
+        # Removed through worker 0: worker 1 stops routing to it.
+        assert on_zero.delete(f"/v1/engines/{engine.name}").status_code == 204
+        deadline = time.monotonic() + 10
+        while engine.name in {e["id"] for e in on_one.get("/v1/engines").json()["engines"]}:
+            assert time.monotonic() < deadline, "worker 1 still routes to a removed engine"
+            time.sleep(0.1)
+    finally:
+        on_one.close()
+        on_zero.close()
+        engine.server.stop()

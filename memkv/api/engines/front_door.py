@@ -85,10 +85,13 @@ class FrontDoor:
     _pending: list[EngineSpec] | None = None  # configured engines not registered yet
 
     async def ready(self) -> None:
-        """Register the configured engines (once; one that does not answer yet is tried
-        again on the next request)."""
+        """On first use: take the engines other gateway processes registered, and start
+        the checks (which keep taking them); register the configured engines (one that
+        does not answer yet is tried again on the next request)."""
         if self._pending is None:
             self._pending = list(self.configured)
+            await self.registry.sync()
+            self.registry.ensure_running()
         left: list[EngineSpec] = []
         for spec in self._pending:
             try:

@@ -172,17 +172,21 @@ class EngineRegistry:
         for engine_id in set(self._engines) - set(entries):
             logger.warning("engine %s unregistered (by another gateway process)", engine_id)
             del self._engines[engine_id]
+        adopted: list[Engine] = []
         for engine_id, spec in entries.items():
             known = self._engines.get(engine_id)
             if known is not None and known.spec() == spec:
                 continue
             if spec.model is None:
                 continue  # (registrations always name the model they found)
-            self._adopt(Engine(engine_id, spec.url, spec.model, spec.node,
-                               spec.priority_scheduling, spec.max_requests, spec.tenants))
+            engine = Engine(engine_id, spec.url, spec.model, spec.node,
+                            spec.priority_scheduling, spec.max_requests, spec.tenants)
+            self._adopt(engine)
             if known is None:
                 logger.warning("engine %s registered (by another gateway process): %s",
                                engine_id, spec.url)
+                adopted.append(engine)
+        await asyncio.gather(*(self.check(e) for e in adopted))  # routable at once
 
     def mark_failed(self, engine_id: str, error: str) -> None:
         """A request could not reach the engine: out of routing until a check passes."""
