@@ -142,13 +142,19 @@ def status_tables(document: dict[str, Any]) -> Group:
 def _engines(engines: list[dict[str, Any]]) -> Table:
     """The OpenAI front door's engines (a gateway's stats): state, load, what was routed."""
     table = Table(title="engines (OpenAI front door)", title_justify="left")
-    for column in ("engine", "model", "node", "healthy", "requests", "KV use", "routed"):
+    for column in ("engine", "model", "node", "tenants", "healthy", "requests", "KV use",
+                   "routed"):
         table.add_column(column, justify="right" if column in ("requests", "KV use") else "left")
     for e in engines:
         routed = ", ".join(f"{k} {v}" for k, v in sorted(e.get("routed", {}).items())) or "-"
+        tenants = e.get("tenants")
+        # Running + waiting there, or what this gateway has in flight if more (the
+        # figure routing uses).
+        requests = max(int(e["requests"]), int(e.get("inflight", 0)))
         table.add_row(str(e["id"]), str(e["model"]), str(e["node"] or "-"),
+                      "all" if tenants is None else ", ".join(tenants),
                       "yes" if e["healthy"] else f"no: {e.get('last_error', '')}"[:40],
-                      str(e["requests"]), f"{e['kv_use']:.0%}", routed)
+                      str(requests), f"{e['kv_use']:.0%}", routed)
     return table
 
 

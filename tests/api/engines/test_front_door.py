@@ -262,6 +262,7 @@ def test_the_stats_and_memkv_status_show_each_engine_and_what_was_routed_to_it(d
     console.print(status_tables(stats))
     shown = console.export_text()
     assert "engines (OpenAI front door)" in shown and "least-loaded 1" in shown
+    assert "tenants" in shown and " all " in shown  # (auth off: every tenant's)
 
 
 def test_a_sessions_priority_goes_to_an_engine_that_schedules_by_priority(door):
