@@ -360,3 +360,44 @@ def test_engines_take_their_tenants_requests_only_each_under_its_own_cache_salt(
         gateway.stop()
         device.close()
         loop.close()
+
+
+def test_an_engine_that_fails_its_checks_leaves_routing_and_one_that_comes_back_resumes(
+        tmp_path):
+    from memkv.api.engines.front_door import FrontDoorOptions
+
+    device, router, loop = device_and_router(tmp_path / "cold", "door-back", unit=4096, blocks=8)
+    app = create_app(FakeHandle(router), max_body_bytes=1 << 20, same_node_reads=False,
+                     put_object=lambda payload: payload,
+                     routing=FrontDoorOptions(check_interval_s=0.05, failures_to_down=2))
+    gateway = _Server(app)
+    a, b = FakeEngine("a"), FakeEngine("b")
+
+    def healthy_now(http: httpx.Client) -> dict[str, bool]:
+        return {e["id"]: e["healthy"] for e in http.get("/v1/engines").json()["engines"]}
+
+    def wait_for(http: httpx.Client, wanted: dict[str, bool]) -> None:
+        deadline = time.monotonic() + 10
+        while healthy_now(http) != wanted:
+            assert time.monotonic() < deadline, f"engines never became {wanted}"
+            time.sleep(0.02)
+
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            for engine in (a, b):
+                assert http.post("/v1/engines", json={"url": engine.url,
+                                                      "engine_id": engine.name}).status_code == 201
+            assert _chat(http, "back").headers["x-memkv-engine"] == "a"
+            a.healthy = False  # /health answers 503 from now on
+            wait_for(http, {"a": False, "b": True})
+            assert _chat(http, "back").headers["x-memkv-engine"] == "b"  # its turns move
+            a.healthy = True
+            wait_for(http, {"a": True, "b": True})
+            # Back in routing: a new session goes to the least loaded of the two again.
+            assert _chat(http, "another").headers["x-memkv-engine"] == "a"
+    finally:
+        for engine in (a, b):
+            engine.server.stop()
+        gateway.stop()
+        device.close()
+        loop.close()
