@@ -23,6 +23,7 @@ archived blocks.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -39,6 +40,9 @@ from memkv.storage.config import CodecConfig
 from memkv.storage.tiers import ColdStats, StoredBlock
 
 __all__ = ["ArchiveReplicas", "replica_order"]
+
+#: An under-replicated write is logged at most this often (the count says how many).
+UNDER_REPLICATED_LOG_S = 60.0
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +100,7 @@ class ArchiveReplicas:
         self._resolve, self._share = resolve, share
         self.lost: set[str] = set()
         self.under_replicated_writes = 0  # batches written to fewer copies than asked
+        self._next_short_log = 0.0  # when an under-replicated write may be logged again
         self.fallback_reads = 0  # blocks read from an archive other than the first
 
     # -- which archives -------------------------------------------------------------
@@ -164,13 +169,18 @@ class ArchiveReplicas:
                 return
         if len(done) < self.replicas:
             self.under_replicated_writes += 1
-            logger.warning(
-                "cold blocks written to %d of %d replicas (archives lost: %s); the router's "
-                "repair adds the copies when an archive joins",
-                len(done),
-                self.replicas,
-                ", ".join(sorted(self.lost)),
-            )
+            # Every write is short while the archives are (one machine with one archive:
+            # each write): the first says so, then one line a minute with the count.
+            now = time.monotonic()
+            if now >= self._next_short_log:
+                self._next_short_log = now + UNDER_REPLICATED_LOG_S
+                logger.warning(
+                    "cold blocks written to %d of %d replicas (%d such writes so far; "
+                    "archives live: %d, lost: %s); the router's repair adds the copies "
+                    "when an archive joins",
+                    len(done), self.replicas, self.under_replicated_writes, len(live),
+                    ", ".join(sorted(self.lost)) or "none",
+                )
 
     def put(self, key: bytes, block: StoredBlock, *, fingerprint: bytes, codec: str) -> int:
         frame = encode_stored(self._codecs, codec, block)

@@ -9,6 +9,7 @@ as Ray does for an actor pinned to a node that is gone. No Ray.
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -129,11 +130,16 @@ def test_a_lost_archive_is_skipped_for_writes_and_reads_fall_over(nodes) -> None
     assert tier.missing([first[1][0], bytes(16)]) == [bytes(16)]
 
 
-def test_fewer_live_archives_than_replicas_writes_degraded_and_says_so(nodes) -> None:
+def test_fewer_live_archives_than_replicas_writes_degraded_and_says_so(nodes, caplog) -> None:
     tier = _tier(nodes, replicas=3)
     nodes[2].dead = True
-    tier.put_many(_blocks(1), durable=True)
-    assert tier.under_replicated_writes == 1
+    with caplog.at_level(logging.WARNING, logger="memkv.actors.cold_replicas"):
+        tier.put_many(_blocks(1), durable=True)
+        tier.put_many(_blocks(1), durable=True)
+    assert tier.under_replicated_writes == 2
+    # Said once, not once per write (one archive short means every write is).
+    (said,) = [r.getMessage() for r in caplog.records if "replicas" in r.getMessage()]
+    assert "written to 2 of 3 replicas (1 such writes so far" in said
     nodes[0].dead = nodes[1].dead = True
     with pytest.raises(MemberLostError, match="every archive"):
         tier.put_many(_blocks(1))
