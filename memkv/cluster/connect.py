@@ -35,6 +35,8 @@ from memkv.config import MemkvConfig, load_config
 from memkv.errors import ConfigError
 from memkv.protocol.shards import shard_name
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["LOOPBACK_ENV", "MemkvCluster", "attach", "connect"]
 
 #: What of ``cluster.router_resource`` a router shard takes: any number of shards
@@ -176,6 +178,15 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
             f"one archive node"
         )
     fallback_archive = next(iter(archives))
+    replicas = cfg.archive.replicas
+    if started_ray and replicas > len(archives):
+        # The embedded default's archives are all it will ever have: asking for more
+        # copies would count every cold block as under-replicated, and the repair would
+        # look for an archive that cannot join. (On a cluster one can: keep the setting.)
+        logger.info("the embedded default runs %d archive(s): cold blocks are kept in %d "
+                    "(archive.replicas = %d applies on a cluster)", len(archives),
+                    len(archives), replicas)
+        replicas = len(archives)
 
     archive_names = list(archives)
     devices: dict[str, ActorHandle] = {}
@@ -206,7 +217,7 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
                     archive_names,
                     spread=len(devices),
                 ),
-                archive_replicas=cfg.archive.replicas,
+                archive_replicas=replicas,
             )
             devices[name] = handle
     if not devices:
@@ -238,7 +249,7 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
             journal_replicas=cfg.router.journal_replicas,
             journal_fsync=cfg.router.journal_fsync,
             default_ack=cfg.router.default_ack,
-            archive_replicas=cfg.archive.replicas,
+            archive_replicas=replicas,
             repair_interval_s=cfg.archive.repair_interval_s,
             rebalance_on_join=cfg.router.rebalance_on_join,
             shard=i,
