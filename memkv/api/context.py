@@ -4,10 +4,9 @@ the router shards, built once by :func:`memkv.api.app.create_app`."""
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any
 
 import ray
 from fastapi import Depends, Request
@@ -29,6 +28,7 @@ from memkv.api.client_leases import (
 )
 from memkv.api.engines.front_door import FrontDoor
 from memkv.api.observe import StatsSnapshot
+from memkv.api.session_lru import SessionLRU
 from memkv.protocol.ids import (
     scoped_session_id,
 )
@@ -63,32 +63,6 @@ READ_AHEAD_BLOCKS = 8
 #: Layouts and namespaces of recently written sessions (immutable while a session
 #: lives), so an append costs one router call, not two.
 SESSION_CACHE_ENTRIES = 65536
-
-
-_V = TypeVar("_V")
-
-
-class SessionLRU(Generic[_V]):
-    """A bounded least-recently-used map of session id to ``_V``."""
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._entries: OrderedDict[str, _V] = OrderedDict()
-
-    def get(self, session_id: str) -> _V | None:
-        entry = self._entries.get(session_id)
-        if entry is not None:
-            self._entries.move_to_end(session_id)
-        return entry
-
-    def put(self, session_id: str, entry: _V) -> None:
-        self._entries[session_id] = entry
-        self._entries.move_to_end(session_id)
-        while len(self._entries) > self._capacity:
-            self._entries.popitem(last=False)
-
-    def drop(self, session_id: str) -> None:
-        self._entries.pop(session_id, None)
 
 
 class RouteCache(SessionLRU[ReadRoute]):

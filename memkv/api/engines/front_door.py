@@ -19,6 +19,7 @@ from memkv.api.engines.book import EngineBook, LocalBook
 from memkv.api.engines.policy import Reason, SpillThreshold
 from memkv.api.engines.registry import EngineRegistry
 from memkv.api.engines.spec import EngineSpec
+from memkv.api.session_lru import SessionLRU
 from memkv.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,11 @@ class FrontDoor:
     options: FrontDoorOptions = field(default_factory=FrontDoorOptions)
     _client: httpx.AsyncClient | None = None
     _registry: EngineRegistry | None = None
-    _affinity: dict[str, str] = field(default_factory=dict)
-    _kv: dict[str, tuple[float, str | None, str]] = field(default_factory=dict)
+    #: Each session's last engine (sticky routing).
+    _affinity: SessionLRU[str] = field(default_factory=lambda: SessionLRU(AFFINITY_ENTRIES))
+    #: Each session's (time its entry expires, KV node, priority), asked of the router.
+    _kv: SessionLRU[tuple[float, str | None, str]] = field(
+        default_factory=lambda: SessionLRU(AFFINITY_ENTRIES))
     configured: list[EngineSpec] = field(default_factory=list)
     #: Where registrations are kept for every gateway process (LocalBook: this one's).
     book: EngineBook = field(default_factory=LocalBook)
@@ -135,19 +139,13 @@ class FrontDoor:
         return entry[1], entry[2]
 
     def remember_kv(self, session_id: str, found: tuple[str | None, str]) -> None:
-        self._kv.pop(session_id, None)
-        self._kv[session_id] = (time.monotonic() + KV_LOOKUP_TTL_S, *found)
-        while len(self._kv) > AFFINITY_ENTRIES:
-            self._kv.pop(next(iter(self._kv)))
+        self._kv.put(session_id, (time.monotonic() + KV_LOOKUP_TTL_S, *found))
 
     def engine_of(self, session_id: str) -> str | None:
         return self._affinity.get(session_id)
 
     def remember(self, session_id: str, engine_id: str, reason: Reason) -> None:
-        self._affinity.pop(session_id, None)
-        self._affinity[session_id] = engine_id  # (insertion order: oldest first)
-        while len(self._affinity) > AFFINITY_ENTRIES:
-            self._affinity.pop(next(iter(self._affinity)))
+        self._affinity.put(session_id, engine_id)
         self.metrics.routed.labels(engine_id, reason.value).inc()
 
     def routed_counts(self) -> dict[str, dict[str, int]]:
