@@ -229,19 +229,16 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
             sent = door.client.build_request("POST", engine.url + path, json=sent_body,
                                              headers=headers)
             answer = await door.client.send(sent, stream=True)
-        except httpx.TransportError as e:
+        except BaseException as e:
             engine.inflight -= 1
-            door.registry.mark_failed(engine.engine_id, f"{type(e).__name__}: {e}")
-            door.metrics.failovers.labels(engine.engine_id).inc()
+            if not isinstance(e, httpx.TransportError):
+                raise  # the caller went away (cancelled) while it connected
+            _not_started(door, engine, f"{type(e).__name__}: {e}")
             continue
-        except BaseException:  # the caller went away (cancelled) while it connected
-            engine.inflight -= 1
-            raise
+        relay = _Relay(answer, engine, door)
         if answer.status_code in _NOT_STARTED:
-            engine.inflight -= 1
-            await answer.aclose()
-            door.registry.mark_failed(engine.engine_id, f"HTTP {answer.status_code}")
-            door.metrics.failovers.labels(engine.engine_id).inc()
+            await relay.close()
+            _not_started(door, engine, f"HTTP {answer.status_code}")
             continue
         if sid is not None:
             door.remember(sid, engine.engine_id, choice.reason)
@@ -250,11 +247,9 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
             try:
                 content = await answer.aread()
             finally:
-                engine.inflight -= 1
-                await answer.aclose()
+                await relay.close()
             return Response(content, status_code=answer.status_code, media_type=media,
                             headers={ENGINE_HEADER: engine.engine_id})
-        relay = _Relay(answer, engine, door)
         return StreamingResponse(relay.events(), status_code=answer.status_code,
                                  media_type=media, headers={ENGINE_HEADER: engine.engine_id},
                                  background=BackgroundTask(relay.close))
@@ -262,11 +257,19 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
                   + (f" (tried {sorted(tried)})" if tried else ""), "service_unavailable")
 
 
+def _not_started(door: FrontDoor, engine: Engine, why: str) -> None:
+    """The engine could not take the request: out of routing, and counted as a failover
+    (the request goes on to another engine)."""
+    door.registry.mark_failed(engine.engine_id, why)
+    door.metrics.failovers.labels(engine.engine_id).inc()
+
+
 class _Relay:
-    """An engine's stream relayed to the caller: the engine's events as they come; an
-    engine failure midway ends the stream with an error event. :meth:`close` runs once,
-    when the stream ends or the caller goes away (then closing the engine's connection
-    makes the engine drop the request), even if the caller left before it began."""
+    """An engine's answer relayed to the caller: streamed, the engine's events as they
+    come (an engine failure midway ends the stream with an error event). :meth:`close`
+    runs once, when the answer is read, the stream ends or the caller goes away (then
+    closing the engine's connection makes the engine drop the request), even if the
+    caller left before the stream began."""
 
     def __init__(self, answer: httpx.Response, engine: Engine, door: FrontDoor) -> None:
         self.answer, self.engine, self.door = answer, engine, door
