@@ -194,11 +194,11 @@ class GatewayServer:
         stop serving and join the thread."""
         if self._loops and self._app is not None and self._thread.is_alive():
             door = self._app.state.gateway.door
-            for wind_down in (self._app.state.release_plans(),
-                              door.close() if door is not None else None):
+            for wind_down in (self._app.state.release_plans,
+                              door.close if door is not None else None):
                 if wind_down is None:
                     continue
-                done = asyncio.run_coroutine_threadsafe(wind_down, self._loops[0])
+                done = asyncio.run_coroutine_threadsafe(wind_down(), self._loops[0])
                 try:
                     done.result(timeout=_STARTUP_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - leases run out by themselves anyway
