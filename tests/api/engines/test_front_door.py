@@ -5,9 +5,11 @@ and device without Ray, driven with httpx and the official ``openai`` client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -96,26 +98,35 @@ class FakeEngine:
         self.url = self.server.url
 
 
-@pytest.fixture
-def door(tmp_path):
-    device, router, loop = device_and_router(tmp_path / "cold", "door-dev", unit=4096, blocks=8)
-    app = create_app(FakeHandle(router), max_body_bytes=1 << 20, same_node_reads=False,
-                     put_object=lambda payload: payload, node_id="gateway-node")
-    gateway = _Server(app)
-    engines = [FakeEngine("a"), FakeEngine("b")]
+@contextlib.contextmanager
+def _gateway(tmp_path, name: str, standins: Sequence[FakeEngine],
+             **options: Any) -> Iterator[tuple[_Server, Any, Any, Any]]:
+    """A gateway (real router and device, no Ray) with ``create_app``'s ``options``:
+    ``(server, router, loop, device)``; it and the ``standins`` are stopped after."""
+    device, router, loop = device_and_router(tmp_path / "cold", name, unit=4096, blocks=8)
+    gateway = _Server(create_app(FakeHandle(router), max_body_bytes=1 << 20,
+                                 same_node_reads=False, put_object=lambda payload: payload,
+                                 **options))
     try:
-        with httpx.Client(base_url=gateway.url, timeout=30) as http:
-            for engine, node in zip(engines, ("node-a", device.node_id), strict=True):
-                made = http.post("/v1/engines", json={"url": engine.url, "node": node,
-                                                      "engine_id": engine.name})
-                assert made.status_code == 201 and made.json()["healthy"], made.text
-            yield http, engines, router, loop, device
+        yield gateway, router, loop, device
     finally:
-        for engine in engines:
+        for engine in standins:
             engine.server.stop()
         gateway.stop()
         device.close()
         loop.close()
+
+
+@pytest.fixture
+def door(tmp_path):
+    engines = [FakeEngine("a"), FakeEngine("b")]
+    with _gateway(tmp_path, "door-dev", engines, node_id="gateway-node") as (
+            gateway, router, loop, device), httpx.Client(base_url=gateway.url, timeout=30) as http:
+        for engine, node in zip(engines, ("node-a", device.node_id), strict=True):
+            made = http.post("/v1/engines", json={"url": engine.url, "node": node,
+                                                  "engine_id": engine.name})
+            assert made.status_code == 201 and made.json()["healthy"], made.text
+        yield http, engines, router, loop, device
 
 
 def _chat(http: httpx.Client, session: str | None, **extra: Any) -> httpx.Response:
@@ -227,24 +238,15 @@ def test_the_official_openai_client_sync_and_streaming(door):
 
 
 def test_engines_of_the_configuration_are_registered_on_first_use(tmp_path):
-    device, router, loop = device_and_router(tmp_path / "cold", "door-cfg", unit=4096, blocks=8)
     engine = FakeEngine("configured")
     down = "http://127.0.0.1:9"  # nothing listens: tried again on the next request
-    app = create_app(FakeHandle(router), max_body_bytes=1 << 20, same_node_reads=False,
-                     put_object=lambda payload: payload,
-                     engines=[EngineSpec(engine.url), EngineSpec(down)])
-    gateway = _Server(app)
-    try:
-        with httpx.Client(base_url=gateway.url, timeout=30) as http:
-            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL]
-            assert _chat(http, "cfg").json()["choices"][0]["message"]["content"] == (
-                "hi from configured")
-            assert [e["url"] for e in http.get("/v1/engines").json()["engines"]] == [engine.url]
-    finally:
-        engine.server.stop()
-        gateway.stop()
-        device.close()
-        loop.close()
+    with _gateway(tmp_path, "door-cfg", [engine],
+                  engines=[EngineSpec(engine.url), EngineSpec(down)]) as (gateway, *_), \
+            httpx.Client(base_url=gateway.url, timeout=30) as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL]
+        assert _chat(http, "cfg").json()["choices"][0]["message"]["content"] == (
+            "hi from configured")
+        assert [e["url"] for e in http.get("/v1/engines").json()["engines"]] == [engine.url]
 
 
 def test_the_stats_and_memkv_status_show_each_engine_and_what_was_routed_to_it(door):
@@ -321,16 +323,13 @@ def test_engines_take_their_tenants_requests_only_each_under_its_own_cache_salt(
         TokenEntry(hash_token("tok-ops"), "ops", frozenset({"write", "read", "admin"})),
         TokenEntry(hash_token("tok-evil"), "evil", frozenset({"write", "read"})),
     ])
-    device, router, loop = device_and_router(tmp_path / "cold", "door-auth", unit=4096, blocks=8)
-    gateway = _Server(create_app(FakeHandle(router), max_body_bytes=1 << 20, auth=auth,
-                                 same_node_reads=False, put_object=lambda payload: payload))
     acme_engine, shared = FakeEngine("acme-only"), FakeEngine("shared")
+    with _gateway(tmp_path, "door-auth", [acme_engine, shared], auth=auth) as (gateway, *_):
 
-    def as_(token: str) -> httpx.Client:
-        return httpx.Client(base_url=gateway.url, timeout=30,
-                            headers={"Authorization": f"Bearer {token}"})
+        def as_(token: str) -> httpx.Client:
+            return httpx.Client(base_url=gateway.url, timeout=30,
+                                headers={"Authorization": f"Bearer {token}"})
 
-    try:
         with as_("tok-acme") as acme, as_("tok-ops") as ops, as_("tok-evil") as evil:
             # acme's engine serves acme (the registering token's tenant, by default).
             made = acme.post("/v1/engines", json={"url": acme_engine.url,
@@ -354,23 +353,12 @@ def test_engines_take_their_tenants_requests_only_each_under_its_own_cache_salt(
                 "shared")
             evil_salt, ops_salt = (body["cache_salt"] for body in shared.seen[-2:])
             assert evil_salt != ops_salt.split(":")[0] and ops_salt.endswith(":mine")
-    finally:
-        for engine in (acme_engine, shared):
-            engine.server.stop()
-        gateway.stop()
-        device.close()
-        loop.close()
 
 
 def test_an_engine_that_fails_its_checks_leaves_routing_and_one_that_comes_back_resumes(
         tmp_path):
     from memkv.api.engines.front_door import FrontDoorOptions
 
-    device, router, loop = device_and_router(tmp_path / "cold", "door-back", unit=4096, blocks=8)
-    app = create_app(FakeHandle(router), max_body_bytes=1 << 20, same_node_reads=False,
-                     put_object=lambda payload: payload,
-                     routing=FrontDoorOptions(check_interval_s=0.05, failures_to_down=2))
-    gateway = _Server(app)
     a, b = FakeEngine("a"), FakeEngine("b")
 
     def healthy_now(http: httpx.Client) -> dict[str, bool]:
@@ -382,22 +370,17 @@ def test_an_engine_that_fails_its_checks_leaves_routing_and_one_that_comes_back_
             assert time.monotonic() < deadline, f"engines never became {wanted}"
             time.sleep(0.02)
 
-    try:
-        with httpx.Client(base_url=gateway.url, timeout=30) as http:
-            for engine in (a, b):
-                assert http.post("/v1/engines", json={"url": engine.url,
-                                                      "engine_id": engine.name}).status_code == 201
-            assert _chat(http, "back").headers["x-memkv-engine"] == "a"
-            a.healthy = False  # /health answers 503 from now on
-            wait_for(http, {"a": False, "b": True})
-            assert _chat(http, "back").headers["x-memkv-engine"] == "b"  # its turns move
-            a.healthy = True
-            wait_for(http, {"a": True, "b": True})
-            # Back in routing: a new session goes to the least loaded of the two again.
-            assert _chat(http, "another").headers["x-memkv-engine"] == "a"
-    finally:
+    fast_checks = FrontDoorOptions(check_interval_s=0.05, failures_to_down=2)
+    with _gateway(tmp_path, "door-back", [a, b], routing=fast_checks) as (gateway, *_), \
+            httpx.Client(base_url=gateway.url, timeout=30) as http:
         for engine in (a, b):
-            engine.server.stop()
-        gateway.stop()
-        device.close()
-        loop.close()
+            assert http.post("/v1/engines", json={"url": engine.url,
+                                                  "engine_id": engine.name}).status_code == 201
+        assert _chat(http, "back").headers["x-memkv-engine"] == "a"
+        a.healthy = False  # /health answers 503 from now on
+        wait_for(http, {"a": False, "b": True})
+        assert _chat(http, "back").headers["x-memkv-engine"] == "b"  # its turns move
+        a.healthy = True
+        wait_for(http, {"a": True, "b": True})
+        # Back in routing: a new session goes to the least loaded of the two again.
+        assert _chat(http, "another").headers["x-memkv-engine"] == "a"
