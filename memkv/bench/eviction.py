@@ -1,7 +1,8 @@
 """Eviction suite: prefix-hit ratio of memkv's policy against LRU, libcachesim's and Belady.
 
 A Mooncake-format trace is replayed at 2, 5, 10 and 20% of its distinct
-blocks. memkv's own policies (LRU-K and plain LRU) go through
+blocks. memkv's own policies (its default ``horizon``, the design article's
+LRU-K, plain LRU) go through
 ``memkv/bench/trace_replay.py``'s :func:`replay`; reference policies come from
 libcachesim, driven with the same **prefix semantics**: a request hits only
 its leading run of cached blocks (probed without touching the cache), then
@@ -61,6 +62,8 @@ _SYN_GAP_MS = (50, 5_000)
 #: libcachesim's Belady reads this as "never requested again".
 _NEVER = 2**63 - 1
 _MEMKV_K = 3
+#: The store's default policy's column.
+DEFAULT_LABEL = "memkv horizon (default)"
 #: libcachesim 0.3.5's S3-FIFO and W-TinyLFU abort the process below ~10 blocks (their
 #: small queues round to zero): reference policies run only from this capacity on.
 MIN_REFERENCE_CAPACITY = 16
@@ -95,15 +98,23 @@ TARGET_US = 3.0
 COST_BLOCKS = 100_000
 
 
+#: Cost runs per policy; the fastest counts (as timeit does: slower runs measure the
+#: machine's other work, not the policy).
+COST_REPEATS = 3
+
+
 def _cost_at(requests: Sequence[Any], capacity: int) -> dict[str, float]:
-    """Microseconds per block access of memkv's policies holding ``capacity`` blocks."""
+    """Microseconds per block access of the default policy and LRU holding ``capacity``
+    blocks: the fastest of :data:`COST_REPEATS` interleaved runs each."""
     from memkv.bench import trace_replay as rt
-    out = {}
-    for label, policy in (("memkv LRU-K", "lru_k"), ("memkv LRU", "lru")):
-        config = EvictionConfig.model_validate({"policy": policy, "k": _MEMKV_K})
-        r = rt.replay(requests, capacity, make_policy(config), label)
-        out[label] = r.seconds / max(1, r.requested_blocks) * 1e6
-    return out
+    best: dict[str, float] = {}
+    for _ in range(COST_REPEATS):
+        for label, policy in ((DEFAULT_LABEL, EvictionConfig().policy), ("memkv LRU", "lru")):
+            config = EvictionConfig.model_validate({"policy": policy})
+            r = rt.replay(requests, capacity, make_policy(config), label)
+            us = r.seconds / max(1, r.requested_blocks) * 1e6
+            best[label] = min(best.get(label, us), us)
+    return best
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,8 +279,10 @@ def evaluate(
     total = sum(len(r.hash_ids) for r in requests)
     next_use = _next_use(requests)
     refs = _reference_policies()
-    # memkv's default (K = _MEMKV_K), the same with K = 2 (the article's "K 2 -> 3"), LRU.
-    memkv_names = {"memkv LRU-K": ("lru_k", _MEMKV_K), "memkv LRU-K (K=2)": ("lru_k", 2),
+    # memkv's default; the article's LRU-K (K = _MEMKV_K), the same with K = 2 (its
+    # "K 2 -> 3"); LRU.
+    memkv_names = {DEFAULT_LABEL: (EvictionConfig().policy, _MEMKV_K),
+                   "memkv LRU-K": ("lru_k", _MEMKV_K), "memkv LRU-K (K=2)": ("lru_k", 2),
                    "memkv LRU": ("lru", _MEMKV_K)}
     names = [*memkv_names, *refs, ORACLE_ADMISSION]
     series: dict[str, list[float | None]] = {n: [] for n in names}
@@ -291,17 +304,17 @@ def evaluate(
         ratio = {n: (results[n].hit_ratio if n in results else None) for n in names}
         for n in names:
             series[n].append(ratio[n])
-        lru, lruk = ratio["memkv LRU"], ratio["memkv LRU-K"]
+        lru, ours = ratio["memkv LRU"], ratio[DEFAULT_LABEL]
         best = ratio["Belady (optimum)"]
         gap_closed = (
-            (lruk - lru) / (best - lru)
-            if best is not None and lru is not None and lruk is not None and best > lru
+            (ours - lru) / (best - lru)
+            if best is not None and lru is not None and ours is not None and best > lru
             else None
         )
         peers = [p for n in ONLINE_PEERS if (p := ratio.get(n)) is not None]
         best_peer = max(peers) if peers else None
-        ahead = lruk - best_peer if best_peer is not None and lruk is not None else None
-        memkv = results["memkv LRU-K"]
+        ahead = ours - best_peer if best_peer is not None and ours is not None else None
+        memkv = results[DEFAULT_LABEL]
         per_access = memkv.seconds / max(1, memkv.requested_blocks)
         rows.append([f"{frac:.0%}", capacity, *(ratio[n] for n in names), gap_closed,
                      best_peer, ahead, per_access * 1e6])
@@ -315,18 +328,27 @@ def evaluate(
     behind = [r[0] for r in rows if r[-2] is not None and r[-2] < 0]
     at_5 = next((r[2] for r in rows if r[0] == "5%"), None)
     notes = [
-        f"targets ([1/5]): memkv LRU-K >= the best online peer ({', '.join(ONLINE_PEERS)}) at "
-        f"every capacity: " + (f"short at {', '.join(behind)}" if behind else "met") +
+        f"targets ([1/5]): memkv's default >= the best online peer "
+        f"({', '.join(ONLINE_PEERS)}) at every capacity: " +
+        (f"short at {', '.join(behind)}" if behind else "met") +
         (f"; >= {TARGET_AT_5:g} at 5% on the Mooncake trace: {at_5:.3f}"
          if suite == "eviction" and at_5 is not None else "") +
         f"; <= {TARGET_US:g} us per access at {COST_BLOCKS:,} blocks: " + (
-            f"{cost['memkv LRU-K']:.1f} us (memkv LRU {cost['memkv LRU']:.2f} us, measured "
-            f"replaying this trace at {COST_BLOCKS:,} blocks)" if cost is not None else
+            f"{cost[DEFAULT_LABEL]:.2f} us, " +
+            ("met" if cost[DEFAULT_LABEL] <= TARGET_US else "not met") +
+            f" (memkv LRU {cost['memkv LRU']:.2f} us; each the fastest of {COST_REPEATS} "
+            f"replays of this trace at {COST_BLOCKS:,} blocks, replay loop included)"
+            if cost is not None else
             f"not measured on this trace (fewer than {COST_BLOCKS:,} distinct blocks)"),
         f"trace: {source}: {len(requests)} requests, {total} block reads, {distinct} distinct "
         f"blocks; prefix semantics (a request hits its leading cached run only).",
-        f"memkv LRU-K is the store's default policy (K={_MEMKV_K}, prefix-aware, recency "
-        f"guard, inherited history); 'gap closed' = (LRU-K - LRU) / (Belady - LRU).",
+        f"{DEFAULT_LABEL} is the store's default policy (memkv/storage/eviction/horizon.py: of "
+        "the least recent never-read and read blocks, evict the one less likely to be read "
+        "within the cache's horizon, learned online from hits and ghost comebacks; O(1)); "
+        "its parameters were chosen on other traces (Mooncake's synthetic trace, the agent "
+        "generator with seed 1), never on the two scored here. memkv LRU-K is the design "
+        f"article's policy (K={_MEMKV_K}, exact, prefix-aware, recency guard, inherited "
+        "history). 'gap closed' = (default - LRU) / (Belady - LRU).",
         "libcachesim policies see the same block requests; Belady knows every next use "
         "(offline optimum for unit-size blocks, an upper bound for prefix hits).",
         f"reference policies need >= {MIN_REFERENCE_CAPACITY} blocks (libcachesim aborts "

@@ -64,7 +64,8 @@ def run(ctx: BenchContext) -> SuiteResult:
     pays = any(f["hit_ratio"] > series["none"][CAPACITIES.index(f["capacity"])]
                for f in figures if f["setting"] != "none")
     notes = [
-        f"trace: {source}; {len(requests)} requests, {distinct} distinct blocks; memkv LRU-K; "
+        f"trace: {source}; {len(requests)} requests, {distinct} distinct blocks; memkv's default "
+        f"eviction policy ({EvictionConfig().policy}); "
         "one prefetcher stream per conversation (a request's second block names it).",
         f"blocks prefetched over every setting and capacity: {total_prefetched}; a gain over "
         f"no prefetch: {'yes' if pays else 'none'}. Each request ends in blocks no earlier "

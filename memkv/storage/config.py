@@ -75,19 +75,27 @@ class AllocatorConfig(_Frozen):
 class EvictionConfig(_Frozen):
     """Which memory-tier block goes first under pressure."""
 
-    policy: Literal["lru_k", "lru"] = Field(default="lru_k", description="Eviction policy.")
+    policy: Literal["horizon", "lru_k", "lru"] = Field(
+        default="horizon",
+        description="Eviction policy: horizon (the least likely to be read within the cache's "
+        "horizon, learned online; O(1)), lru_k (the design article's exact prefix-aware "
+        "LRU-K; ~10x the cost) or lru.",
+    )
     k: int = Field(default=3, ge=1, le=16, description="LRU-K: access times remembered per block.")
     prefix_aware: bool = Field(
-        default=True, description="Prefer leaves: a block whose descendants are cached goes last."
+        default=True,
+        description="LRU-K: prefer leaves, a block whose descendants are cached goes last "
+        "(horizon is always prefix-aware).",
     )
     recency_guard: bool = Field(
         default=True,
-        description="Evict a leaf idle for longer than an adaptive multiple of LRU's lifetime "
+        description="LRU-K: evict a leaf idle for longer than an adaptive multiple of LRU's lifetime "
         "before consulting the score (keeps LRU-K from hoarding dead, once-frequent blocks).",
     )
     inherit: bool = Field(
         default=True,
-        description="A block extending its parent's chain starts with the parent's history.",
+        description="LRU-K: a block extending its parent's chain starts with the parent's "
+        "history.",
     )
 
 

@@ -265,8 +265,8 @@ def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path
     assert status == 0
     row = load_results(ctx.out)[0]["figures"]["rows"][0]
     # Below the reference minimum: memkv's own policies and the offline admission bound.
-    assert set(row["policies"]) == {"memkv LRU-K", "memkv LRU-K (K=2)", "memkv LRU",
-                                    "LRU + oracle admission"}
+    assert set(row["policies"]) == {"memkv horizon (default)", "memkv LRU-K",
+                                    "memkv LRU-K (K=2)", "memkv LRU", "LRU + oracle admission"}
     text = md.read_text()
     assert "## eviction" in text and "| capacity |" in text
     assert [d["suite"] for d in load_results(ctx.out)] == ["eviction"]
@@ -413,7 +413,7 @@ def test_eviction_agents_quick(ctx: BenchContext) -> None:
     doc = _written(ctx, "eviction-agents")
     assert "agent fleet" in doc["figures"]["trace"]
     for row in doc["figures"]["rows"]:
-        for policy in ("memkv LRU-K", "memkv LRU"):
+        for policy in ("memkv horizon (default)", "memkv LRU-K", "memkv LRU"):
             assert 0.0 <= row["policies"][policy]["hit_ratio"] <= 1.0
     assert result.rows
 

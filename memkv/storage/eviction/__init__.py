@@ -21,6 +21,7 @@ from typing import Any
 
 from memkv.errors import ConfigError
 from memkv.storage.config import EvictionConfig
+from memkv.storage.eviction.horizon import HorizonPolicy
 from memkv.storage.eviction.lru import LRUPolicy
 from memkv.storage.eviction.lru_k import DEFAULT_GHOST_FLOOR, MIN_AGE, LRUKPolicy, lru_k_score
 from memkv.storage.eviction.policy import EvictionPolicy
@@ -30,6 +31,7 @@ __all__ = [
     "MIN_AGE",
     "POLICIES",
     "EvictionPolicy",
+    "HorizonPolicy",
     "LRUKPolicy",
     "LRUPolicy",
     "lru_k_score",
@@ -39,6 +41,10 @@ __all__ = [
 
 def _make_lru(config: EvictionConfig) -> EvictionPolicy[Any]:
     return LRUPolicy()
+
+
+def _make_horizon(config: EvictionConfig) -> EvictionPolicy[Any]:
+    return HorizonPolicy()
 
 
 def _make_lru_k(config: EvictionConfig) -> EvictionPolicy[Any]:
@@ -52,6 +58,7 @@ def _make_lru_k(config: EvictionConfig) -> EvictionPolicy[Any]:
 
 #: Policy constructors by ``EvictionConfig.policy``.
 POLICIES: dict[str, Callable[[EvictionConfig], EvictionPolicy[Any]]] = {
+    "horizon": _make_horizon,
     "lru": _make_lru,
     "lru_k": _make_lru_k,
 }
