@@ -424,3 +424,15 @@ def test_kernels_quick(ctx: BenchContext) -> None:
     assert doc["figures"]["backend"] in ("cpu", "cuda")
     assert all(_positive(c["gb_per_s"]) for c in doc["figures"]["cases"])
     assert result.rows[0][0] == "copy (anchor)" and result.rows[0][-1] == 1.0
+
+
+def test_eviction_fit_ranks_settings_on_fit_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memkv.bench import eviction_fit
+    from memkv.bench.eviction import synthetic_trace
+
+    monkeypatch.setattr(eviction_fit, "GRID", {"decay": (0.5, 0.95), "horizon_share": (2.0,),
+                                               "ghosts_per_block": (4.0,)})
+    ranked = eviction_fit.fit({"small": synthetic_trace(40, seed=3)})
+    assert [r["decay"] for r in ranked] in ([0.5, 0.95], [0.95, 0.5])
+    assert ranked[0]["min_margin"] >= ranked[1]["min_margin"]
+    assert all(r["min_margin"] <= r["mean_margin"] for r in ranked)

@@ -273,8 +273,10 @@ def test_horizon_errors() -> None:
     with pytest.raises(InvalidInputError, match="pinned"):
         p.remove("a")
     assert p.pop_victim(1.0) is None
-    with pytest.raises(InvalidInputError, match="ghost_floor"):
-        HorizonPolicy(ghost_floor=-1)
+    for bad in ({"ghost_floor": -1}, {"ghosts_per_block": -1.0}, {"decay": 0.0},
+                {"decay": 1.5}, {"horizon_share": 0.0}):
+        with pytest.raises(InvalidInputError, match="must be"):
+            HorizonPolicy(**bad)
 
 
 def test_horizon_starts_as_lru() -> None:

@@ -6,7 +6,7 @@ Blocks sit in two least-recently-used lists by *reuse class*: class 0 holds
 blocks not read since they were stored (most of a chat trace's blocks are
 never read again), class 1 blocks read at least once since. The victim is one
 of the two list heads, whichever is less likely to be read within the cache's
-*horizon* ``W`` (half the mean age at which blocks have recently been
+*horizon* ``W`` (twice the mean age at which blocks have recently been
 evicted):
 
     hazard_c(a) = P(next read at age in [a, a + W) | class c, unread at age a)
@@ -43,10 +43,16 @@ session grows) goes before anything else.
 Parameters and where they come from
 -----------------------------------
 Two classes, ghosts for 4x the peak number of tracked blocks, a histogram
-decay of 0.9 per period and a horizon of half the mean eviction age were
-chosen on *fit* traces (Mooncake's public synthetic trace and the agent-fleet
-generator with seed 1), never on the traces ``memkv bench eviction`` and
-``eviction-agents`` score (Mooncake's conversation trace and seed 0).
+decay of 0.95 per fold period and a horizon of twice the mean eviction age
+were chosen by ``python -m memkv.bench.eviction_fit --trace
+<synthetic_trace.jsonl>`` on *fit* traces (Mooncake's public synthetic trace
+and the agent-fleet generator with seed 1), never on the traces ``memkv bench
+eviction`` and ``eviction-agents`` score (Mooncake's conversation trace and
+seed 0). Ghosts are capped at 4 per block by the cost budget (8 measured 3.3
+us per access at 100k blocks). Tried on prototypes and not kept: a third
+class for fresh blocks that extend a read chain (no gain on the fit traces),
+more classes by read count (worse at 10-20%), a decay of 0.5 (-0.01 to -0.03
+worst case on the fit traces).
 """
 
 from __future__ import annotations
@@ -63,12 +69,12 @@ __all__ = ["HorizonPolicy", "age_bin"]
 AGE_BINS = 128
 #: Reuse classes: 0 = not read since stored, 1 = read since stored.
 CLASSES = 2
-#: Each histogram keeps this share of its weight per period (a memory of ~10 periods).
-DECAY = 0.9
+#: Each histogram keeps this share of its weight per period (a memory of ~20 periods).
+DECAY = 0.95
 #: The horizon is this multiple of the mean eviction age.
-HORIZON_SHARE = 0.5
+HORIZON_SHARE = 2.0
 #: Ghosts remembered per peak tracked block, and at least this many.
-GHOSTS_PER_BLOCK = 4
+GHOSTS_PER_BLOCK = 4.0
 GHOST_FLOOR = 1024
 #: The hazard table is rebuilt every max(PERIOD_FLOOR, peak / 2) accesses.
 PERIOD_FLOOR = 2048
@@ -105,6 +111,9 @@ class HorizonPolicy(Generic[K]):
     """Evict the list head least likely to be read within the horizon (module docstring).
 
     Args:
+        decay: share of the histograms' weight kept per fold period.
+        horizon_share: the horizon as a multiple of the mean eviction age.
+        ghosts_per_block: ghosts remembered per peak tracked block.
         ghost_floor: ghosts kept at least, whatever the peak size.
 
     Example:
@@ -114,9 +123,24 @@ class HorizonPolicy(Generic[K]):
         'b'
     """
 
-    def __init__(self, ghost_floor: int = GHOST_FLOOR) -> None:
-        if ghost_floor < 0:
-            raise InvalidInputError(f"ghost_floor must be >= 0, got {ghost_floor}")
+    def __init__(
+        self,
+        *,
+        decay: float = DECAY,
+        horizon_share: float = HORIZON_SHARE,
+        ghosts_per_block: float = GHOSTS_PER_BLOCK,
+        ghost_floor: int = GHOST_FLOOR,
+    ) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise InvalidInputError(f"decay must be in (0, 1], got {decay}")
+        if not horizon_share > 0.0:
+            raise InvalidInputError(f"horizon_share must be > 0, got {horizon_share}")
+        if ghosts_per_block < 0 or ghost_floor < 0:
+            raise InvalidInputError(
+                f"ghosts_per_block and ghost_floor must be >= 0, got {ghosts_per_block} "
+                f"and {ghost_floor}")
+        self._decay, self._horizon_share = decay, horizon_share
+        self._ghosts_per_block = ghosts_per_block
         # Unpinned blocks of each reuse class, least recently used first.
         self._lists: tuple[OrderedDict[K, None], ...] = tuple(OrderedDict() for _ in range(CLASSES))
         self._superseded: OrderedDict[K, None] = OrderedDict()
@@ -290,7 +314,7 @@ class HorizonPolicy(Generic[K]):
         self._evicted += 1.0
         ghosts = self._ghosts
         ghosts[key] = m  # its stamp and class
-        if len(ghosts) > GHOSTS_PER_BLOCK * self._peak and len(ghosts) > self._ghost_floor:
+        if len(ghosts) > self._ghosts_per_block * self._peak and len(ghosts) > self._ghost_floor:
             ghosts.popitem(last=False)
         self._forget(key)
         return key
@@ -307,9 +331,10 @@ class HorizonPolicy(Generic[K]):
         """Rebuild the hazard tables from the histograms, then age the histograms."""
         self._next_fold = self._clock + max(PERIOD_FLOOR, self._peak // 2)
         if self._evicted:
-            self._horizon = HORIZON_SHARE * self._evicted_age / self._evicted
-        self._evicted_age *= DECAY
-        self._evicted *= DECAY
+            self._horizon = self._horizon_share * self._evicted_age / self._evicted
+        decay = self._decay
+        self._evicted_age *= decay
+        self._evicted *= decay
         horizon = self._horizon
         if horizon <= 0:
             return  # nothing evicted yet: keep the LRU-like start
@@ -323,8 +348,8 @@ class HorizonPolicy(Generic[K]):
                 survivors = entered - below[i]
                 reach = age_bin(int(_MIDDLES[i] + horizon)) + 1
                 hazard[i] = (below[reach] - below[i]) / survivors if survivors > 1e-9 else 0.0
-                reuse[i] *= DECAY
-            self._entered[cls] = entered * DECAY
+                reuse[i] *= decay
+            self._entered[cls] = entered * decay
 
     def _supersede(self, old: K) -> None:
         """A parent got a new child: ``old``, its previous newest, goes first if never read
