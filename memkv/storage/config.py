@@ -89,8 +89,9 @@ class EvictionConfig(_Frozen):
     )
     recency_guard: bool = Field(
         default=True,
-        description="LRU-K: evict a leaf idle for longer than an adaptive multiple of LRU's lifetime "
-        "before consulting the score (keeps LRU-K from hoarding dead, once-frequent blocks).",
+        description="LRU-K: evict a leaf idle for longer than an adaptive multiple of LRU's "
+        "lifetime before consulting the score (keeps LRU-K from hoarding dead, once-frequent "
+        "blocks).",
     )
     inherit: bool = Field(
         default=True,
