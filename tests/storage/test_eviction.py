@@ -279,6 +279,17 @@ def test_horizon_errors() -> None:
             HorizonPolicy(**bad)
 
 
+def test_age_bins_are_ordered_and_their_middles_fall_inside() -> None:
+    from memkv.storage.eviction.horizon import _MIDDLES, AGE_BINS, age_bin
+
+    ages = [*range(0, 5000), *(2**e + d for e in range(12, 40) for d in (-1, 0, 1))]
+    bins = [age_bin(a) for a in sorted(ages)]
+    assert bins == sorted(bins) and 0 <= bins[0] and bins[-1] == AGE_BINS - 1
+    assert age_bin(-5) == 0  # a clock that steps back is age 0
+    for i, middle in enumerate(_MIDDLES[:-1]):
+        assert age_bin(int(middle)) == i
+
+
 def test_horizon_starts_as_lru() -> None:
     # Before it has seen anything come back, both classes look alike: the older goes.
     p: HorizonPolicy[str] = HorizonPolicy()
