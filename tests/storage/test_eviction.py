@@ -37,8 +37,14 @@ def _drain(policy: Any, now: float) -> list[Any]:
 # ---------------------------------------------------------------------------- LRU
 
 
-def test_lru_evicts_least_recent_first() -> None:
-    p: LRUPolicy[str] = LRUPolicy()
+#: The O(1) policies, which evict like LRU until something has been learned.
+LRU_LIKE = [LRUPolicy, HorizonPolicy]
+
+
+@pytest.mark.parametrize("make", LRU_LIKE)
+def test_lru_evicts_least_recent_first(make: Any) -> None:
+    # Horizon before it has seen anything come back: both classes look alike.
+    p = make()
     for i, k in enumerate("abcd"):
         p.insert(k, float(i))
     p.access("a", 10.0)
@@ -46,8 +52,9 @@ def test_lru_evicts_least_recent_first() -> None:
     assert len(p) == 0
 
 
-def test_lru_pinned_is_never_victim_and_returns_as_most_recent() -> None:
-    p: LRUPolicy[str] = LRUPolicy()
+@pytest.mark.parametrize("make", LRU_LIKE)
+def test_lru_pinned_is_never_victim_and_returns_as_most_recent(make: Any) -> None:
+    p = make()
     for i, k in enumerate("abc"):
         p.insert(k, float(i))
     p.pin("a")
@@ -61,8 +68,9 @@ def test_lru_pinned_is_never_victim_and_returns_as_most_recent() -> None:
     assert p.pop_victim(5.0) == "a"
 
 
-def test_lru_errors() -> None:
-    p: LRUPolicy[str] = LRUPolicy()
+@pytest.mark.parametrize("make", LRU_LIKE)
+def test_lru_errors(make: Any) -> None:
+    p = make()
     p.insert("a", 0.0)
     with pytest.raises(InvalidInputError, match="already tracked"):
         p.insert("a", 1.0)
@@ -257,22 +265,7 @@ def test_make_policy_registry() -> None:
 # ---------------------------------------------------------------------- horizon
 
 
-def test_horizon_errors() -> None:
-    p: HorizonPolicy[str] = HorizonPolicy()
-    p.insert("a", 0.0)
-    with pytest.raises(InvalidInputError, match="already tracked"):
-        p.insert("a", 1.0)
-    with pytest.raises(InvalidInputError, match="not tracked"):
-        p.access("zz", 1.0)
-    for op in (p.pin, p.unpin, p.remove):
-        with pytest.raises(InvalidInputError, match="not tracked"):
-            op("zz")
-    with pytest.raises(InvalidInputError, match="not pinned"):
-        p.unpin("a")
-    p.pin("a")
-    with pytest.raises(InvalidInputError, match="pinned"):
-        p.remove("a")
-    assert p.pop_victim(1.0) is None
+def test_horizon_rejects_bad_parameters() -> None:
     for bad in ({"ghost_floor": -1}, {"ghosts_per_block": -1.0}, {"decay": 0.0},
                 {"decay": 1.5}, {"horizon_share": 0.0}):
         with pytest.raises(InvalidInputError, match="must be"):
@@ -288,31 +281,6 @@ def test_age_bins_are_ordered_and_their_middles_fall_inside() -> None:
     assert age_bin(-5) == 0  # a clock that steps back is age 0
     for i, middle in enumerate(_MIDDLES[:-1]):
         assert age_bin(int(middle)) == i
-
-
-def test_horizon_starts_as_lru() -> None:
-    # Before it has seen anything come back, both classes look alike: the older goes.
-    p: HorizonPolicy[str] = HorizonPolicy()
-    for k in "abcd":
-        p.insert(k, 0.0)
-    p.access("a", 0.0)
-    assert _drain(p, 0.0) == ["b", "c", "d", "a"]
-    assert len(p) == 0
-
-
-def test_horizon_pinned_is_never_victim_and_returns_as_read() -> None:
-    p: HorizonPolicy[str] = HorizonPolicy()
-    for k in "abc":
-        p.insert(k, 0.0)
-    p.pin("a")
-    p.pin("a")
-    assert p.pop_victim(0.0) == "b"
-    p.unpin("a")
-    assert p.pop_victim(0.0) == "c"
-    assert p.pop_victim(0.0) is None  # only "a", still pinned once
-    assert "a" in p and len(p) == 1
-    p.unpin("a")
-    assert p.pop_victim(0.0) == "a"
 
 
 def test_horizon_evicts_a_chain_from_its_tail() -> None:
@@ -370,24 +338,28 @@ def test_default_policy_learns_that_fresh_blocks_rarely_return() -> None:
     assert default > 1.3 * lru > 0
 
 
-_OPS_ANY = st.lists(
-    st.tuples(  # (op, key, parent choice)
+# ------------------------------------------------- exactness against brute force
+
+_OPS = st.lists(
+    st.tuples(
         st.sampled_from(["insert", "insert", "access", "pin", "unpin", "remove", "pop", "pop"]),
         st.integers(0, 11),  # key
-        st.integers(0, 11),
+        st.integers(0, 11),  # parent choice
+        st.sampled_from([0.0, 0.0, 0.5, 1.0, 7.0]),  # time step (0: same instant)
     ),
     max_size=120,
 )
 
+
 @settings(max_examples=150, deadline=None)
-@given(ops=_OPS_ANY)
+@given(ops=_OPS)
 def test_horizon_bookkeeping_holds_under_any_sequence(
-    ops: list[tuple[str, int, int]],
+    ops: list[tuple[str, int, int, float]],
 ) -> None:
     p: HorizonPolicy[int] = HorizonPolicy(ghost_floor=4)
     tracked: set[int] = set()
     pins: dict[int, int] = {}
-    for op, key, pchoice in ops:
+    for op, key, pchoice, _step in ops:  # horizon counts accesses, not time
         if op == "insert" and key not in tracked:
             parent = sorted(tracked)[pchoice % len(tracked)] if tracked and pchoice % 3 else None
             p.insert(key, 0.0, parent)
@@ -417,19 +389,6 @@ def test_horizon_bookkeeping_holds_under_any_sequence(
     # Everything unpinned drains; what is pinned stays.
     drained = set(_drain(p, 0.0))
     assert drained == {c for c in tracked if not pins[c]}
-
-
-# ------------------------------------------------- exactness against brute force
-
-_OPS = st.lists(
-    st.tuples(
-        st.sampled_from(["insert", "insert", "access", "pin", "unpin", "remove", "pop", "pop"]),
-        st.integers(0, 11),  # key
-        st.integers(0, 11),  # parent choice
-        st.sampled_from([0.0, 0.0, 0.5, 1.0, 7.0]),  # time step (0: same instant)
-    ),
-    max_size=120,
-)
 
 
 def _brute_force_min(times: dict[int, list[float]], candidates: list[int], now: float) -> float:

@@ -217,13 +217,12 @@ class HorizonPolicy(Generic[K]):
         if clock >= self._next_fold:
             self._fold()
         state = m & _STATE
-        if state == _READ:
-            self._reuse[_READ][age_bin(clock - (m >> 2))] += 1.0
-        elif state == _FRESH:
-            self._reuse[_FRESH][age_bin(clock - (m >> 2))] += 1.0
-            del self._lists[_FRESH][key]
-            self._lists[_READ][key] = None
-            state = _READ
+        if state < CLASSES:  # a reuse at this age, in its class
+            self._reuse[state][age_bin(clock - (m >> 2))] += 1.0
+            if state == _FRESH:
+                del self._lists[_FRESH][key]
+                self._lists[_READ][key] = None
+                state = _READ
         elif state == _SUPERSEDED:  # read after all: an ordinary block again
             del self._superseded[key]
             self._lists[_READ][key] = None
