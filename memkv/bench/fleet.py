@@ -97,6 +97,17 @@ def _drive(model: Path, out: Path, spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _moved_nothing(result: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """Why a row with memkv's connector saved no KV (empty when it saved some): its
+    counters, how many engines wrote them, and the serve log's lines about memkv."""
+    counters = result.get("connector") or {}
+    if spec.get("connector") is None or counters.get("save_bytes", 0) > 0:
+        return {}
+    return {"connector": counters,
+            "connector_stats_files": result.get("connector_stats_files"),
+            "serve_log_memkv": result.get("serve_log_memkv", [])}
+
+
 def _lmcache_status() -> str:
     """Why LMCache has no row here (it is not part of the vLLM venv)."""
     found = subprocess.run(
@@ -214,7 +225,8 @@ def run(ctx: BenchContext) -> SuiteResult:
                          "server_start_s": result["server_start_s"], "wall_s": result["wall_s"],
                          **_row_stats(result),
                          **_after_kill(result, {**topology, "run": spec["run"]}),
-                         "routing": result.get("routing", {}), "replies": _replies(result)})
+                         "routing": result.get("routing", {}), "replies": _replies(result),
+                         "moved_nothing": _moved_nothing(result, spec)})
 
     # Routed rows run the same fleet as the single engines that do not fit it: their
     # replies must be vLLM alone's there, and their requests/s are put beside it.
@@ -301,6 +313,12 @@ def run(ctx: BenchContext) -> SuiteResult:
         "connector loaded); 'same replies' compares every turn's greedy tokens with vLLM "
         "alone's in the same setting.",
     ]
+    for r in runs:
+        if r["moved_nothing"]:
+            notes.append(
+                f"{r['engine']} ({r['setting']}) saved no KV: connector counters from "
+                f"{r['moved_nothing']['connector_stats_files']} engine(s); the serve log "
+                "about memkv: " + " | ".join(r["moved_nothing"]["serve_log_memkv"][-5:]))
     if failover is not None:
         notes.append(
             f"{FAILOVER}: engine {failover['killed_engine']} killed (SIGKILL) once every "

@@ -213,17 +213,32 @@ def main(model: str, out_path: str, spec: dict) -> None:
         for proc in extra + procs:
             _stop(proc)
     counters: dict = {}
+    found = 0
     for stats_path in stats_paths:
         try:
             with open(stats_path) as f:
                 for name, value in json.load(f).items():
                     if isinstance(value, int | float):
                         counters[name] = counters.get(name, 0) + value
+            found += 1
         except (OSError, ValueError):
             pass  # no connector, or a killed engine that never wrote its counters
     with open(out_path, "w") as f:
         json.dump({"server_start_s": start_s, "wall_s": wall, "requests": requests,
-                   "connector": counters, "routing": routing, "errors": errors}, f)
+                   "connector": counters, "connector_stats_files": found,
+                   "routing": routing, "errors": errors,
+                   "serve_log_memkv": _memkv_lines(out_path + ".log")}, f)
+
+
+def _memkv_lines(log_path: str, keep: int = 40) -> list[str]:
+    """The serve log's last lines about memkv (the log itself is in a temporary
+    directory): what a row that moved no KV is diagnosed from."""
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = [line.rstrip() for line in f if "memkv" in line.lower()]
+    except OSError:
+        return []
+    return [line[-400:] for line in lines[-keep:]]
 
 
 if __name__ == "__main__":
