@@ -44,6 +44,8 @@ Configuration (``kv_connector_extra_config``)::
      "layerwise": true,                 # write loaded KV into the paged cache layer by layer
      "max_request_bytes": 67108864,     # blocks per save/read request (keep it under the
                                         #   gateway's max_body_bytes)
+     "save_wait_s": 2.0,                # a session's next turn waits up to this long for
+                                        #   its last turn's save to land (0: never waits)
      "stats_path": null}                # also write the running totals here, as JSON
                                         #   (with saves_queued / saves_done: a save
                                         #   is stored once they are equal)
@@ -83,6 +85,7 @@ from memkv.gpu_kernels import ops as kernels
 from memkv.integrations.vllm.block_buffers import BlockBuffers
 from memkv.integrations.vllm.direct_load import DirectLoad, PinnedStaging, cache_words
 from memkv.integrations.vllm.metrics import MemkvConnectorStats, MemkvPromMetrics, StatsRecorder
+from memkv.integrations.vllm.pending_saves import PendingSaves
 from memkv.integrations.vllm.plan import (
     Direct,
     Fetched,
@@ -93,6 +96,7 @@ from memkv.integrations.vllm.plan import (
     content_session_id,
     paged_layout,
     request_bytes,
+    save_wait_s,
 )
 from memkv.integrations.vllm.stats_file import write_part
 from memkv.integrations.vllm.transport import KVTransport, transport_from_config
@@ -171,6 +175,7 @@ class MemkvConnector(KVConnectorBase_V1):
         self._pending_loads: dict[str, Load] = {}
         self._hits: dict[str, int] = {}  # memkv blocks of each request's prompt
         self._params: dict[str, dict[str, Any]] = {}
+        self._pending_saves = PendingSaves(save_wait_s(self._extra))
         # Worker side.
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
@@ -220,13 +225,21 @@ class MemkvConnector(KVConnectorBase_V1):
         self._params[request.request_id] = params
         usable = (len(tokens) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
+            self._pending_saves.forget(request.request_id)
             return 0, False
+        if self._pending_saves.too_soon(request.request_id):
+            time.sleep(0.001)  # vLLM asks again next step: not a busy loop meanwhile
+            return None, False
         try:
             matched, keys = self.transport().match(tokens[:usable])
         except _FAILURES as e:
             logger.warning("memkv lookup failed, computing instead: %s", e)
+            self._pending_saves.forget(request.request_id)
             return 0, False
         hit = matched // self._block_size * self._block_size
+        if self._pending_saves.should_wait(request.request_id, params.get("session_id"), hit,
+                                           usable):
+            return None, False  # its session's last save has not landed yet
         if hit <= num_computed_tokens:
             return 0, False
         self._matched[request.request_id] = keys[: hit // self._block_size]
@@ -273,6 +286,7 @@ class MemkvConnector(KVConnectorBase_V1):
                     str(params.get("priority", "normal")),
                 )
             )
+            self._pending_saves.issued(params.get("session_id"), full * self._block_size)
         self._pending_loads.clear()
         return meta
 
@@ -281,6 +295,7 @@ class MemkvConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         for table in (self._params, self._matched, self._hits):
             table.pop(request.request_id, None)
+        self._pending_saves.forget(request.request_id)
         return False, None
 
     # -- worker side -------------------------------------------------------------------
@@ -530,6 +545,7 @@ class MemkvConnector(KVConnectorBase_V1):
             **self.stats.snapshot(),
             "saves_queued": self._saves_queued,
             "saves_done": self._saves_done,
+            "lookups_deferred": self._pending_saves.deferred,
         }
         # The scheduler's connector and the workers' share the file: each writes its
         # own part, the top level sums them (memkv.integrations.vllm.stats_file).

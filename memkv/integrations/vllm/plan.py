@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from memkv.errors import InvalidInputError
 from memkv.gpu_kernels import ops as kernels
 from memkv.integrations.vllm.direct_load import DirectLoad
+from memkv.integrations.vllm.pending_saves import DEFAULT_SAVE_WAIT_S
 from memkv.protocol.layout import KVLayout
 
 __all__ = [
@@ -39,6 +40,13 @@ def request_bytes(extra: dict[str, Any]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidInputError(f"max_request_bytes must be a positive int, got {value!r}")
     return value
+
+
+def save_wait_s(extra: dict[str, Any]) -> float:
+    value = extra.get("save_wait_s", DEFAULT_SAVE_WAIT_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise InvalidInputError(f"save_wait_s must be a number >= 0, got {value!r}")
+    return float(value)
 
 
 @dataclass
