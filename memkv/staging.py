@@ -22,6 +22,7 @@ reclaims it if its writer died without unlinking it.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import uuid
 from collections.abc import Iterable
@@ -34,7 +35,15 @@ from memkv.actors.payload import BlockPayload, StagedBlock
 from memkv.storage.buddy import BuddyAllocator
 from memkv.storage.device.warm_segments import SegmentOwnership, reclaim_orphans, warm_segment_name
 
-__all__ = ["STAGING_UNIT_BYTES", "PutStaging", "StagingSlot", "staging_for", "staging_node"]
+__all__ = [
+    "CLIENT_STAGE_PREFIX",
+    "STAGING_UNIT_BYTES",
+    "PutStaging",
+    "StagingSlot",
+    "client_staging",
+    "staging_for",
+    "staging_node",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,18 +79,25 @@ class StagingSlot:
             self._staging.free(self.offset)
 
 
+#: Names of the segments clients stage their appends in (:func:`client_staging`).
+CLIENT_STAGE_PREFIX = warm_segment_name("client-stage-")
+
+
 class PutStaging:
-    """The gateway's staging segment and its allocator.
+    """A staging segment (the gateway's, or a same-host client's) and its allocator.
 
     Args:
         capacity_bytes: segment size; appends beyond what is free go through
             the object store instead (never wait for space).
+        role: the segment's name before its incarnation.
     """
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, role: str = "gateway-stage") -> None:
         reclaim_orphans()  # segments of writers that died without unlinking them
-        self.incarnation = uuid.uuid4().hex[:12]
-        self.segment = warm_segment_name(f"gateway-stage-{self.incarnation}")
+        # A client's segment name is a capability (a gateway reads the blocks an
+        # append names in it): long enough not to be guessed from another host.
+        self.incarnation = uuid.uuid4().hex if role == "client-stage" else uuid.uuid4().hex[:12]
+        self.segment = warm_segment_name(f"{role}-{self.incarnation}")
         self._ownership = SegmentOwnership(self.segment)
         self._shm = SharedMemory(name=self.segment, create=True, size=capacity_bytes)
         self.array = np.ndarray((capacity_bytes,), dtype=np.uint8, buffer=self._shm.buf)
@@ -90,6 +106,10 @@ class PutStaging:
         self._lock = threading.Lock()
         self.capacity_bytes = capacity_bytes
         self.staged_bytes = 0  # appended bytes that went through staging, for stats
+
+    def prefault(self) -> None:
+        """Touch every page now, so the first append into it pays no page faults."""
+        self.array[:: mmap.PAGESIZE] = 0
 
     def lease(self, nbytes: int) -> StagingSlot | None:
         """Space for a body of ``nbytes``, or None when there is not that much free."""
@@ -130,6 +150,17 @@ class PutStaging:
         self._shm.close()
         self._shm.unlink()
         self._ownership.release()
+
+
+def client_staging(capacity_bytes: int) -> PutStaging | None:
+    """A staging segment for a client on a gateway's host (:mod:`memkv.client`): its
+    appends then name blocks in it instead of sending their bytes. None where
+    shared memory is not to be had."""
+    try:
+        return PutStaging(capacity_bytes, role="client-stage")
+    except OSError as e:  # /dev/shm too small or absent
+        logger.warning("no client staging (%s): appends send their blocks' bytes", e)
+        return None
 
 
 def staging_node() -> str:

@@ -26,6 +26,7 @@ from memkv.api.body_budget import BodyBudget
 from memkv.api.client_leases import (
     ClientLeases,
 )
+from memkv.api.client_segments import ClientSegments
 from memkv.api.engines.front_door import FrontDoor
 from memkv.api.observe import StatsSnapshot
 from memkv.api.session_lru import SessionLRU
@@ -195,6 +196,8 @@ class Gateway:
     inflight: BodyBudget
     snapshot: StatsSnapshot
     host_shm: str = field(default_factory=shm_identity)
+    #: Segments same-host clients stage their appends in (memkv.api.client_segments).
+    client_segments: ClientSegments = field(default_factory=ClientSegments)
     sessions: SessionLRU[tuple[KVLayout, str, bool]] = field(
         default_factory=lambda: SessionLRU(SESSION_CACHE_ENTRIES))
     unstaged: SessionLRU[bool] = field(default_factory=lambda: SessionLRU(SESSION_CACHE_ENTRIES))

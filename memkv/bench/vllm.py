@@ -123,7 +123,9 @@ def _engine(model: Path, out: Path, spec: dict[str, Any]) -> dict[str, Any]:
 def _gbps(counters: dict[str, Any] | None, kind: str) -> float | None:
     if not counters or not counters.get(f"{kind}_seconds"):
         return None
-    return float(counters[f"{kind}_bytes"]) / float(counters[f"{kind}_seconds"]) / 1e9
+    # A save's time is the saver's and the forward pass's copy out of the paged cache.
+    seconds = float(counters[f"{kind}_seconds"]) + float(counters.get(f"{kind}_copy_seconds", 0))
+    return float(counters[f"{kind}_bytes"]) / seconds / 1e9
 
 
 def _skipped(ctx: BenchContext, why: str) -> SuiteResult:

@@ -4,7 +4,7 @@ off the socket into the arrays they are returned in (docs/wire-format.md)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -16,6 +16,10 @@ from memkv.protocol.dtypes import numpy_view_dtype
 from memkv.protocol.exactness import lossy_name
 from memkv.protocol.hashing import BlockHash, chain_hashes, token_array
 from memkv.protocol.layout import KV_AXIS_SIZE, KVLayout
+
+if TYPE_CHECKING:
+    from memkv.staging import PutStaging
+
 from memkv.protocol.wire import (
     MAGIC,
     MAX_HEADER_BYTES,
@@ -77,8 +81,13 @@ def append_body(
     values: Sequence[Any] | None,
     start_block: int | None,
     turn: int | None,
+    staging: PutStaging | None = None,
 ) -> tuple[list[bytes | memoryview], list[BlockHash]]:
-    """The frames of an append (only blocks from the first one not stored), and the chain."""
+    """The frames of an append (only blocks from the first one not stored), and the chain.
+
+    ``staging``: blocks that lie in this client staging segment are named
+    (segment, offset) rather than sent (a gateway on this host reads them there).
+    """
     tokens = token_array(token_ids)
     layout = session.layout
     chain = chain_hashes(tokens, layout, session.namespace)
@@ -113,20 +122,32 @@ def append_body(
     for i, block in enumerate(blocks, start=start):
         array = block_array(layout, block, i)
         data = array.data.cast("B")
-        chunks.extend(
-            encode_frame(
-                {
-                    "kind": "block",
-                    "index": i,
-                    "key": bytes(chain[i]),
-                    "dtype": layout.dtype,
-                    "shape": list(array.shape),
-                    "crc32": crc32(data),
-                },
-                data,
-            )
-        )
+        header = {
+            "kind": "block",
+            "index": i,
+            "key": bytes(chain[i]),
+            "dtype": layout.dtype,
+            "shape": list(array.shape),
+            "crc32": crc32(data),
+        }
+        offset = _staged_at(staging, array)
+        if offset is None:
+            chunks.extend(encode_frame(header, data))
+        else:
+            assert staging is not None
+            header["staged"] = {"segment": staging.segment, "offset": offset}
+            chunks.extend(encode_frame(header))
     return chunks, chain
+
+
+def _staged_at(staging: PutStaging | None, array: np.ndarray) -> int | None:
+    """Where ``array`` lies in ``staging`` (None: not there, or not in one piece)."""
+    if staging is None or not array.flags.c_contiguous:
+        return None
+    try:
+        return staging.offset_of(array)
+    except ValueError:
+        return None
 
 
 def check_block_header(header: dict[str, Any], count: int) -> tuple[bytes, str, list[int], int]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import http.client
+import logging
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -45,6 +47,9 @@ from memkv.protocol.wire import (
 
 if TYPE_CHECKING:
     from memkv.same_node import HostLease
+    from memkv.staging import PutStaging
+
+logger = logging.getLogger(__name__)
 
 
 class Client:
@@ -87,6 +92,9 @@ class Client:
         # Sessions this client appended to: layout, namespace and chain do not
         # need a round trip per append (a stale entry is refreshed on conflict).
         self._known = KnownSessions()
+        self._staging: PutStaging | None = None
+        self._staging_lock = threading.Lock()
+        self._stage_appends = True  # until the gateway says it is on another host
 
     def close(self) -> None:
         self._http.close()
@@ -94,6 +102,30 @@ class Client:
             self._blocks.close()
         if self._ports is not None:
             self._ports.close()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+
+    def staging(self, nbytes: int) -> PutStaging | None:
+        """This client's staging segment in shared memory (made on the first call, of
+        ``nbytes``, its pages populated): blocks appended from a slot of it
+        (``staging(n).lease(...)``) are named in the append rather than sent, and a
+        gateway on this host reads them there (one copy fewer, no socket). None
+        where there is no shared memory; appends from elsewhere send their bytes."""
+        with self._staging_lock:
+            if self._staging is None:
+                from memkv.staging import client_staging  # numpy and torch: only when used
+
+                self._staging = client_staging(nbytes)
+                if self._staging is not None:
+                    self._staging.prefault()
+            return self._staging
+
+    @property
+    def stages_appends(self) -> bool:
+        """Whether appends name blocks in this client's staging (False: the gateway
+        runs on another host, or there is no staging)."""
+        return self._staging is not None and self._stage_appends
 
     @property
     def block_path(self) -> str:
@@ -281,7 +313,29 @@ class Client:
         start_block: int | None,
         turn: int | None,
     ) -> TurnResult:
-        body, _ = append_body(session, token_ids, blocks, keys, values, start_block, turn)
+        if self.stages_appends:
+            try:
+                return self._send_append(session, token_ids, keys, values, blocks, start_block,
+                                         turn, self._staging)
+            except errors.WrongNodeError as e:
+                logger.info("memkv appends send their bytes: %s", e)
+                self._stage_appends = False  # the gateway cannot map this host's memory
+        return self._send_append(session, token_ids, keys, values, blocks, start_block, turn,
+                                 None)
+
+    def _send_append(
+        self,
+        session: SessionView,
+        token_ids: Sequence[int] | np.ndarray,
+        keys: Sequence[Any] | None,
+        values: Sequence[Any] | None,
+        blocks: Sequence[Any] | None,
+        start_block: int | None,
+        turn: int | None,
+        staging: PutStaging | None,
+    ) -> TurnResult:
+        body, _ = append_body(session, token_ids, blocks, keys, values, start_block, turn,
+                              staging)
         path = f"/v1/sessions/{session.session_id}/turns"
         sent = (
             self._over_port({"op": "append", "session_id": session.session_id}, body)

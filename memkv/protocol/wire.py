@@ -42,6 +42,7 @@ __all__ = [
     "PREFIX_BYTES",
     "Frame",
     "FrameHeader",
+    "StagedResolver",
     "FrameReader",
     "WireError",
     "block_frame_prefix",
@@ -51,6 +52,7 @@ __all__ = [
     "encode_frame",
     "end_frame",
     "numpy_dtype",
+    "staged_ref",
 ]
 
 MAGIC = b"MKVF"
@@ -182,8 +184,39 @@ def end_frame(count: int) -> bytes:
     return _PREFIX.pack(MAGIC, len(packed)) + packed
 
 
-def block_payload(frame: Frame) -> tuple[bytes, str, np.ndarray]:
+#: Where a staged block's bytes are: ``(segment, offset, nbytes)`` -> a view of them.
+StagedResolver = Callable[[str, int, int], memoryview]
+
+
+def staged_ref(frame: Frame) -> tuple[str, int] | None:
+    """``(segment, offset)`` of a block frame whose bytes are staged in shared memory
+    (its header's ``staged``; it carries no payload), or None for a frame with its bytes.
+
+    Raises:
+        WireError: an ill-typed ``staged`` field, or one beside a payload.
+    """
+    ref = frame.header.get("staged")
+    if ref is None:
+        return None
+    index = frame.header.get("index")
+    segment = ref.get("segment") if isinstance(ref, dict) else None
+    offset = ref.get("offset") if isinstance(ref, dict) else None
+    if (not isinstance(segment, str) or not segment or isinstance(offset, bool)
+            or not isinstance(offset, int) or offset < 0):
+        raise WireError(f"block {index}: 'staged' must be {{'segment': str, 'offset': int >= 0}},"
+                        f" got {ref!r:.120}")
+    if len(frame.payload):
+        raise WireError(f"block {index}: a staged block carries no payload")
+    return segment, offset
+
+
+def block_payload(
+    frame: Frame, staged: StagedResolver | None = None
+) -> tuple[bytes, str, np.ndarray]:
     """Check a block frame against its header; return ``(key, dtype, array)`` (no copy).
+
+    ``staged``: resolves a block staged in shared memory (:func:`staged_ref`) to
+    a view of its bytes; without it such a frame is refused.
 
     Raises:
         WireError: a missing or ill-typed field, a size that does not match the
@@ -209,14 +242,21 @@ def block_payload(frame: Frame) -> tuple[bytes, str, np.ndarray]:
             f"block {h.get('index')}: 'dtype' must be one of {sorted(_ITEMSIZE)}, got {dtype!r}"
         )
     expected = math.prod(shape) * _ITEMSIZE[dtype]  # exact: no int64 wrap-around
-    if expected != len(frame.payload):
+    payload: bytearray | memoryview = frame.payload
+    ref = staged_ref(frame)
+    if ref is not None:
+        if staged is None:
+            raise WireError(f"block {h.get('index')}: staged blocks are not taken here; "
+                            "send the block's bytes")
+        payload = staged(ref[0], ref[1], expected)
+    if expected != len(payload):
         raise WireError(
             f"block {h.get('index')}: header says shape {shape} of {dtype} ({expected} bytes), "
-            f"payload has {len(frame.payload)} bytes"
+            f"payload has {len(payload)} bytes"
         )
-    if not isinstance(crc, int) or crc32(frame.payload) != crc:
+    if not isinstance(crc, int) or crc32(payload) != crc:
         raise WireError(f"block {h.get('index')}: payload checksum does not match its header")
-    array = np.frombuffer(frame.payload, dtype=numpy_dtype(dtype)).reshape(shape)
+    array = np.frombuffer(payload, dtype=numpy_dtype(dtype)).reshape(shape)
     return key, dtype, array
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from memkv.actors.handles import Pending
-from memkv.actors.payload import BlockPayload
+from memkv.actors.payload import BlockPayload, StagedBlock
 from memkv.api.answers import AppendOut
 from memkv.api.auth import Principal
 from memkv.api.blocks import FRAMES_MEDIA_TYPE
@@ -41,7 +41,14 @@ from memkv.protocol.dtypes import non_finite_count
 from memkv.protocol.hashing import chain_hashes, token_array
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.services import AppendAnswer, AppendTurn, Expected, LayoutSpec, Quota
-from memkv.protocol.wire import Frame, FrameHeader, FrameReader, WireError, block_payload
+from memkv.protocol.wire import (
+    Frame,
+    FrameHeader,
+    FrameReader,
+    WireError,
+    block_payload,
+    staged_ref,
+)
 from memkv.staging import StagingSlot
 
 __all__ = ["receive_append", "router"]
@@ -150,8 +157,10 @@ async def _append(
         )
     payloads = []
     checksums = []
+    in_client_segments = []  # each block's (segment, offset) where its client staged it
     for i, frame in enumerate(blocks, start=start):
-        key, dtype, array = block_payload(frame)
+        key, dtype, array = block_payload(frame, gw.client_segments.resolve)
+        in_client_segments.append(staged_ref(frame))
         if key != chain[i]:
             raise WireError(f"block {i}: its key does not match the hash of its tokens")
         if dtype != layout.dtype:
@@ -178,28 +187,47 @@ async def _append(
         return gw.routers.service(sid).put_blocks(request, blocks)
 
     try:
-        staged = (gw.staging.describe(payloads, gw.this_node)
-                  if slot is not None and gw.staging is not None and payloads else None)
+        staged = _describe(gw, sid, payloads, in_client_segments, slot)
         if staged is None:
             result = await put([gw.put_object(p) for p in payloads])
         else:
-            assert slot is not None
-            slot.in_flight = put(staged)
+            pending = put(staged)
+            if slot is not None:
+                slot.in_flight = pending
             try:
-                result = await slot.in_flight
+                result = await pending
                 gw.metrics.staged_bytes.inc(sum(p.nbytes for p in payloads))
             except WrongNodeError:
                 # The session's device is on another node: by value from now on.
                 gw.unstaged.put(sid, True)
                 result = await put([gw.put_object(p) for p in payloads])
             finally:
-                slot.in_flight = None
+                if slot is not None:
+                    slot.in_flight = None
     except (NotFoundError, ConflictError):
         gw.sessions.drop(sid)  # the session went, or was created again
         raise
     finally:
         gw.routes.drop(sid)
     return result
+
+
+def _describe(
+    gw: Gateway, sid: str, payloads: list[BlockPayload],
+    in_client_segments: list[tuple[str, int] | None], slot: StagingSlot | None,
+) -> list[StagedBlock] | None:
+    """Where a device on this node copies the blocks from: the client's segment (every
+    block staged by the client) or this gateway's slot; None: send them by value."""
+    if not payloads or gw.staging is None or gw.unstaged.get(sid) is not None:
+        return None  # no device here, or not the session's (``staging`` needs one)
+    if all(ref is not None for ref in in_client_segments):
+        return [gw.client_segments.staged_block(p.key, p.dtype, tuple(p.data.shape), ref[0],
+                                                ref[1], p.nbytes, gw.this_node)
+                for p, ref in zip(payloads, in_client_segments, strict=True)
+                if ref is not None]
+    if slot is None:
+        return None
+    return gw.staging.describe(payloads, gw.this_node)
 
 
 def _tokens(head: FrameHeader) -> np.ndarray:

@@ -87,12 +87,14 @@ from memkv.integrations.vllm.direct_load import DirectLoad, PinnedStaging, cache
 from memkv.integrations.vllm.metrics import MemkvConnectorStats, MemkvPromMetrics, StatsRecorder
 from memkv.integrations.vllm.pending_saves import PendingSaves
 from memkv.integrations.vllm.plan import (
+    STAGING_QUARANTINE_S,
     Direct,
     Fetched,
     Leased,
     Load,
     MemkvConnectorMetadata,
     Save,
+    Staged,
     content_session_id,
     paged_layout,
     request_bytes,
@@ -190,9 +192,9 @@ class MemkvConnector(KVConnectorBase_V1):
         self._words: dict[int, np.ndarray] = {}  # CPU layer caches as numpy words
         self._pinned = PinnedStaging()  # for CUDA caches: reused host staging
         self._failed_requests: set[str] = set()  # this step's loads that went wrong
-        self._staged: dict[str, torch.Tensor] = {}  # req id -> [blocks, L, 2, H, N, D]
+        self._staged: dict[str, Staged] = {}  # req id -> its blocks' copy, to send
         self._load_errors: set[int] = set()
-        self._outbox: queue.Queue[tuple[Save, torch.Tensor] | None] = queue.Queue()
+        self._outbox: queue.Queue[tuple[Save, Staged] | None] = queue.Queue()
         self._sender: threading.Thread | None = None
         self.stats = StatsRecorder()
         # Saves handed to the saver thread, and those it finished (stored or failed).
@@ -309,6 +311,10 @@ class MemkvConnector(KVConnectorBase_V1):
         }
         self._write_stats_file()  # the worker's file exists from the start
         self._warm_up()
+        try:  # the save staging made (and its pages populated) now, not in the first save
+            self.transport().save_slot(0)
+        except _FAILURES as e:
+            logger.debug("memkv save staging not ready: %s", e)
 
     def _warm_up(self) -> None:
         """Reach memkv at engine start: a first request should not pay for joining Ray
@@ -433,13 +439,15 @@ class MemkvConnector(KVConnectorBase_V1):
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
+        start = time.perf_counter()
         for save in metadata.saves:
             staged = self._staged.get(save.req_id)
             if staged is None:
-                shape = (len(save.block_ids), *self.layout.block_shape())
-                staged = torch.empty(shape, dtype=self.layout.torch_dtype)
-                self._staged[save.req_id] = staged
-            kernels.paged_read(kv_layer, save.block_ids, layer, staged, paged_layout(kv_layer))
+                staged = self._staged[save.req_id] = self._save_buffer(len(save.block_ids))
+            kernels.paged_read(kv_layer, save.block_ids, layer, staged.blocks,
+                               paged_layout(kv_layer))
+        if metadata.saves:
+            self.stats.add(save_copy_seconds=time.perf_counter() - start)
 
     def wait_for_save(self) -> None:
         self._finish_loads()
@@ -451,6 +459,8 @@ class MemkvConnector(KVConnectorBase_V1):
             if save.req_id in failed:
                 # Its KV of this step was computed over blocks that did not load:
                 # never stored under its tokens (vLLM recomputes the request).
+                if staged is not None:
+                    staged.release()
                 continue
             if staged is not None:
                 self._ensure_sender()
@@ -529,9 +539,28 @@ class MemkvConnector(KVConnectorBase_V1):
             blocks.extend(self.transport().read(chunk, out=self._buffers.take(len(chunk))))
         return blocks
 
-    def _save(self, session_id: str, save: Save, blocks: list[torch.Tensor]) -> None:
-        """Append in requests of at most ``max_request_bytes``, each the tokens up to its end."""
-        per = self._chunk_blocks()
+    def _save_buffer(self, count: int) -> Staged:
+        """Where a save's ``count`` blocks are copied out of the paged cache: this host's
+        staging shared memory where the gateway is local (the append then names
+        them, one copy in all), else memory of this process's."""
+        shape = (count, *self.layout.block_shape())
+        nbytes = count * self.layout.block_nbytes()
+        try:
+            slot = self.transport().save_slot(nbytes)
+        except _FAILURES as e:
+            logger.debug("memkv save staging unusable, saving over the socket: %s", e)
+            slot = None
+        view = slot.take(nbytes) if slot is not None else None
+        if slot is None or view is None:
+            return Staged(torch.empty(shape, dtype=self.layout.torch_dtype))
+        words = torch.frombuffer(view, dtype=torch.uint8)
+        return Staged(words.view(self.layout.torch_dtype).view(shape), slot)
+
+    def _save(self, session_id: str, save: Save, blocks: list[torch.Tensor],
+              in_staging: bool) -> None:
+        """Append in requests of at most ``max_request_bytes``, each the tokens up to its end
+        (one request for blocks in staging: their bytes are not in the body)."""
+        per = len(blocks) if in_staging else self._chunk_blocks()
         for i in range(0, len(blocks), per):
             chunk = blocks[i : i + per]
             first = save.start_block + i
@@ -567,16 +596,20 @@ class MemkvConnector(KVConnectorBase_V1):
             save, staged = item
             start = time.perf_counter()
             session_id = save.session_id or content_session_id(self.layout, save.token_ids)
-            blocks = [staged[i] for i in range(staged.shape[0])]
+            tensor = staged.blocks
+            blocks = [tensor[i] for i in range(tensor.shape[0])]
             try:
-                self._save(session_id, save, blocks)
+                self._save(session_id, save, blocks, staged.slot is not None)
             except _FAILURES as e:
                 logger.warning("memkv save of %s failed (a later miss): %s", save.req_id, e)
                 self.stats.add(save_failures=1)
+                staged.release(after_s=STAGING_QUARANTINE_S)  # a device may still read it
             else:
+                staged.release()
                 self.stats.add(
                     save_blocks=len(blocks),
-                    save_bytes=staged.numel() * staged.element_size(),
+                    save_blocks_staged=len(blocks) if staged.slot is not None else 0,
+                    save_bytes=tensor.numel() * tensor.element_size(),
                     save_seconds=time.perf_counter() - start,
                 )
             self._saves_done += 1

@@ -41,6 +41,9 @@ COUNTERS: dict[str, str] = {
     "save_blocks": "Blocks saved to memkv.",
     "save_bytes": "Bytes of KV saved to memkv.",
     "save_seconds": "Seconds the background saver spent storing KV in memkv.",
+    "save_copy_seconds": "Seconds the forward pass spent copying blocks to save out of the "
+    "paged cache (into this host's staging shared memory where the gateway is local).",
+    "save_blocks_staged": "Of save_blocks: named in this host's shared memory, not sent.",
     "save_failures": "Saves that failed (those blocks miss later).",
 }
 

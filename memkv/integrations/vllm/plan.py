@@ -5,6 +5,7 @@ sides share: request sizes, vLLM's paged layouts, content-named sessions."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from memkv.gpu_kernels import ops as kernels
 from memkv.integrations.vllm.direct_load import DirectLoad
 from memkv.integrations.vllm.pending_saves import DEFAULT_SAVE_WAIT_S
 from memkv.protocol.layout import KVLayout
+from memkv.staging import StagingSlot
 
 __all__ = [
     "Direct",
@@ -64,6 +66,32 @@ class Save:
     start_block: int  # blocks before it are in memkv already
     session_id: str | None
     priority: str
+
+
+#: How long a failed save's staging stays unused: the append may still be in flight
+#: at the gateway (the client gave up waiting), and a device may still copy from it.
+STAGING_QUARANTINE_S = 120.0
+
+
+@dataclass
+class Staged:
+    """A save's blocks ``[blocks, layers, 2, kv_heads, tokens, head_dim]``, copied out of
+    the paged cache; ``slot``: where they lie in this host's staging shared memory
+    (None: in this process's memory)."""
+
+    blocks: torch.Tensor
+    slot: StagingSlot | None = None
+
+    def release(self, after_s: float = 0.0) -> None:
+        """Give the staging space back, now or ``after_s`` from now."""
+        if self.slot is None:
+            return
+        if after_s <= 0:
+            self.slot.release()
+        else:
+            timer = threading.Timer(after_s, self.slot.release)
+            timer.daemon = True
+            timer.start()
 
 
 @dataclass

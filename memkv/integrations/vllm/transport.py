@@ -34,6 +34,7 @@ from memkv.protocol.layout import KVLayout
 if TYPE_CHECKING:
     from memkv.cluster import MemkvCluster
     from memkv.same_node import HostLease
+    from memkv.staging import StagingSlot
 
 __all__ = [
     "ClusterTransport", "GatewayTransport", "KVTransport", "Leased", "transport_from_config",
@@ -78,6 +79,11 @@ class KVTransport(Protocol):
         """The blocks pinned in this host's shared memory (None: no such path here)."""
         ...
 
+    def save_slot(self, nbytes: int) -> StagingSlot | None:
+        """Space in this host's shared memory to copy a save of ``nbytes`` into, which
+        :meth:`save` then names rather than sends (None: no such path here, or full)."""
+        ...
+
     def warm_up(self) -> None:
         """Connect now (not at the first request): raises if memkv is not reachable."""
         ...
@@ -113,11 +119,13 @@ class GatewayTransport:
         namespace: str | None,
         same_node: bool = True,
         block_port: bool = True,
+        save_staging_bytes: int = 0,
     ) -> None:
         from memkv.client import Client
 
         self.layout = layout
         self._same_node = same_node
+        self._save_staging_bytes = save_staging_bytes
         self._namespace = namespace
         self._client = Client(url, token=token, timeout=30.0, retries=1, block_port=block_port)
         self._plain_until = 0.0
@@ -147,6 +155,15 @@ class GatewayTransport:
         self._client.append_turn(
             session_id, list(token_ids), blocks=list(blocks), start_block=start_block
         )
+
+    def save_slot(self, nbytes: int) -> StagingSlot | None:
+        """Space in the client's staging segment, while the gateway is on this host."""
+        if not self._same_node or self._save_staging_bytes <= 0:
+            return None
+        staging = self._client.staging(self._save_staging_bytes)
+        if staging is None or not self._client.stages_appends:
+            return None
+        return staging.lease(nbytes)
 
     def lease(self, keys: Sequence[bytes]) -> Leased | None:
         """Leases from a gateway on this host; None (for a while) when it is elsewhere."""
@@ -309,6 +326,9 @@ class ClusterTransport:
             return None
         return self._cluster.lease_blocks(keys, self._namespace)
 
+    def save_slot(self, nbytes: int) -> StagingSlot | None:
+        return None  # saves go through Ray's object store
+
     def warm_up(self) -> None:
         import ray
 
@@ -320,6 +340,18 @@ class ClusterTransport:
         except Exception:  # noqa: BLE001 - never joined: nothing to let go of
             return
         cluster.disconnect()
+
+
+#: The client staging a same-host engine copies its saves into (a save larger than
+#: what is free goes over the socket).
+SAVE_STAGING_BYTES = 1 << 30
+
+
+def _nonnegative_int(extra: dict[str, Any], name: str, default: int) -> int:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInputError(f"{name} must be an int >= 0, got {value!r}")
+    return value
 
 
 def transport_from_config(layout: KVLayout, extra: dict[str, Any]) -> KVTransport:
@@ -337,6 +369,8 @@ def transport_from_config(layout: KVLayout, extra: dict[str, Any]) -> KVTranspor
             namespace=extra.get("namespace"),
             same_node=bool(extra.get("same_node", True)),
             block_port=bool(extra.get("block_port", True)),
+            save_staging_bytes=_nonnegative_int(extra, "save_staging_bytes",
+                                                SAVE_STAGING_BYTES),
         )
     if kind == "cluster":
         address = extra.get("ray_address")

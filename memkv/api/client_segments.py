@@ -1,0 +1,75 @@
+"""Blocks a same-host client staged in its own shared memory, as the gateway sees them.
+
+A client on the gateway's host (a vLLM engine saving its KV) writes each block
+once, from its paged cache into its staging segment (:func:`memkv.staging.client_staging`),
+and its append names the bytes (``staged``: segment, offset) instead of sending
+them. The gateway maps the segment read-only, checks each block's key and
+CRC32 there as it checks a sent block, and hands the device a
+:class:`~memkv.actors.payload.StagedBlock`: the device copies the bytes into
+its arena. The client reuses the space once the append is answered.
+
+Only segments named like a client's are read: a staged block can never name a
+device's pool or another gateway's staging. A client's segment name carries
+128 random bits, so a client on another host cannot name one; a client on
+this host can read ``/dev/shm`` anyway, which is why same-host paths are for
+hosts whose processes are trusted (as same-node reads are). A segment that is
+not on this host answers :class:`~memkv.errors.WrongNodeError`: the client
+sends the bytes instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+from memkv.actors.payload import StagedBlock
+from memkv.errors import WrongNodeError
+from memkv.protocol.wire import WireError
+from memkv.same_node import SegmentMaps
+from memkv.staging import CLIENT_STAGE_PREFIX
+
+__all__ = ["ClientSegments"]
+
+_SHM_DIR = "/dev/shm"
+
+
+class ClientSegments:
+    """Read-only mappings of the client staging segments appends name."""
+
+    def __init__(self) -> None:
+        self._maps = SegmentMaps()
+
+    def resolve(self, segment: str, offset: int, nbytes: int) -> memoryview:
+        """The ``nbytes`` at ``offset`` of client segment ``segment``.
+
+        Raises:
+            WireError: not a client staging segment's name, or bytes outside it.
+            WrongNodeError: no such segment on this host.
+        """
+        if not segment.startswith(CLIENT_STAGE_PREFIX) or "/" in segment:
+            raise WireError(f"a staged block must name a client staging segment "
+                            f"({CLIENT_STAGE_PREFIX}*), got {segment!r:.120}")
+        size, incarnation = self._describe(segment)
+        if offset + nbytes > size:
+            raise WireError(f"staged bytes {offset}+{nbytes} lie outside segment {segment!r} "
+                            f"of {size} bytes")
+        view = self._maps.view(segment, size, incarnation)
+        return view[offset : offset + nbytes].data
+
+    def staged_block(self, key: bytes, dtype: str, shape: tuple[int, ...], segment: str,
+                     offset: int, nbytes: int, node_id: str) -> StagedBlock:
+        """What a device on this node needs to copy the block out of the segment."""
+        size, incarnation = self._describe(segment)
+        return StagedBlock(key, dtype, shape, segment, size, incarnation, offset, nbytes,
+                           node_id)
+
+    def _describe(self, segment: str) -> tuple[int, str]:
+        try:
+            stat = os.stat(os.path.join(_SHM_DIR, segment))
+        except FileNotFoundError:
+            raise WrongNodeError(f"staging segment {segment!r} is not on this gateway's host: "
+                                 "send the blocks' bytes") from None
+        # The inode tells a segment created again under the same name from the one mapped.
+        return stat.st_size, f"{stat.st_ino}"
+
+    def close(self) -> None:
+        self._maps.close()

@@ -1,0 +1,155 @@
+"""Appends a same-host client stages in its own shared memory (memkv.api.client_segments).
+
+The blocks are named (segment, offset), not sent; the gateway checks them where
+they lie and the device copies them from there. Over the block port and HTTP,
+against the session's cluster and gateway (on this host).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from memkv.client import Client
+from memkv.client.frames import append_body
+from memkv.errors import InvalidInputError
+from memkv.port_connection import PortConnection, PortError
+from memkv.staging import client_staging
+from memkv.storage.layout import KVLayout, split_kv
+
+from ..kvdata import random_kv
+
+LAYOUT = KVLayout("stage-test", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
+
+
+def _staged_blocks(client: Client, tokens: int, seed: int):
+    """The KV of ``tokens`` tokens, written into a slot of the client's staging; the slot,
+    the staged blocks and a copy of them held elsewhere."""
+    keys, values = random_kv(LAYOUT, tokens, seed)
+    expected = split_kv(LAYOUT, keys, values)
+    staging = client.staging(1 << 20)
+    assert staging is not None
+    nbytes = sum(b.numel() * b.element_size() for b in expected)
+    slot = staging.lease(nbytes)
+    view = slot.take(nbytes)
+    words = torch.frombuffer(view, dtype=torch.uint8).view(expected[0].dtype)
+    staged = words.view(len(expected), *expected[0].shape)
+    for i, block in enumerate(expected):
+        staged[i].copy_(block)
+    return slot, [staged[i] for i in range(len(expected))], expected
+
+
+def _tokens(seed: int, count: int = 8) -> list[int]:
+    """Tokens of this test's own (blocks are stored by their tokens' hash)."""
+    return [seed * 1000 + i for i in range(count)]
+
+
+def _new_session(client: Client) -> str:
+    sid = f"stage-{uuid.uuid4().hex[:8]}"
+    client.create_session(sid, LAYOUT, namespace=None)
+    return sid
+
+
+@pytest.mark.parametrize("block_port", [True, False], ids=["block port", "http"])
+def test_staged_blocks_are_named_not_sent_and_read_back_exactly(gateway, block_port):
+    with Client(gateway.url, block_port=block_port) as c:
+        sid = _new_session(c)
+        seed = 3 if block_port else 4
+        slot, blocks, expected = _staged_blocks(c, 8, seed=seed)
+        tokens = _tokens(seed)
+        before = c.stats()["gateway"]
+        body, _ = append_body(c.session(sid), tokens, blocks, None, None, 0, None,
+                              c.staging(1 << 20))
+        assert sum(memoryview(x).nbytes for x in body) < 2048  # headers only, no payloads
+        result = c.append_turn(sid, tokens, blocks=blocks, start_block=0)
+        assert result.new_blocks == 2 and c.stages_appends
+        slot.release()  # the device copied the bytes before the append was answered
+        got = list(c.read_blocks(sid))
+        assert all(torch.equal(b.tensor, e) for b, e in zip(got, expected, strict=True))
+        after = c.stats()["gateway"]
+        assert after["staged_bytes"] - before["staged_bytes"] == sum(
+            e.numel() * e.element_size() for e in expected)
+
+
+def test_staged_bytes_that_fail_their_checksum_are_refused_and_nothing_is_stored(gateway):
+    with Client(gateway.url) as c:
+        sid = _new_session(c)
+        slot, blocks, _ = _staged_blocks(c, 8, seed=5)
+        body, _ = append_body(c.session(sid), _tokens(5), blocks, None, None, 0, None,
+                              c.staging(1 << 20))
+        blocks[1].view(torch.uint8)[0] ^= 0xFF  # changed after its checksum was made
+        conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
+        try:
+            with pytest.raises(PortError) as bad:
+                conn.request({"op": "append", "session_id": sid}, body)
+            assert bad.value.status == 422 and "checksum" in bad.value.error["message"]
+        finally:
+            conn.close()
+        assert c.session(sid).turn == 0
+        slot.release()
+
+
+def test_a_staged_block_may_name_only_a_client_staging_segment(gateway):
+    """Not a device's pool, not a gateway's staging: nothing another tenant wrote."""
+    with Client(gateway.url) as c:
+        sid = _new_session(c)
+        slot, blocks, _ = _staged_blocks(c, 4, seed=6)
+        body, _ = append_body(c.session(sid), _tokens(6, 4), blocks, None, None, 0, None,
+                              c.staging(1 << 20))
+        staging = c.staging(1 << 20)
+        assert staging is not None
+        pools = [n for n in os.listdir("/dev/shm")
+                 if n.startswith("memkv-warm-") and not n.endswith(".lock")
+                 and "client-stage" not in n]
+        assert pools  # the cluster's devices and the gateway's staging
+        forged = [bytes(x).replace(staging.segment.encode(), pools[0].encode()[:len(
+            staging.segment)].ljust(len(staging.segment), b"x")) for x in body]
+        conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
+        try:
+            with pytest.raises(PortError) as bad:
+                conn.request({"op": "append", "session_id": sid}, forged)
+            assert bad.value.status == 422
+            assert "client staging segment" in bad.value.error["message"]
+        finally:
+            conn.close()
+        assert c.session(sid).turn == 0
+        slot.release()
+
+
+def test_a_gateway_that_cannot_see_the_segment_gets_the_bytes_instead(gateway):
+    """As from another host: the client's segment is not in the gateway's /dev/shm."""
+    with Client(gateway.url) as c:
+        sid = _new_session(c)
+        slot, blocks, expected = _staged_blocks(c, 8, seed=7)
+        staging = c.staging(1 << 20)
+        assert staging is not None
+        os.unlink(f"/dev/shm/{staging.segment}")  # the client keeps its mapping
+        try:
+            result = c.append_turn(sid, _tokens(7), blocks=blocks, start_block=0)
+            assert result.new_blocks == 2 and not c.stages_appends
+            got = list(c.read_blocks(sid))
+            assert all(torch.equal(b.tensor, e) for b, e in zip(got, expected, strict=True))
+        finally:
+            # (close() unlinks: recreate the name so it has something to unlink)
+            open(f"/dev/shm/{staging.segment}", "wb").close()
+        slot.release()
+
+
+def test_client_segments_are_unguessable_and_prefaulted():
+    a, b = client_staging(1 << 20), client_staging(1 << 20)
+    assert a is not None and b is not None
+    try:
+        assert a.segment != b.segment and len(a.incarnation) == 32
+        a.prefault()
+        assert int(np.count_nonzero(a.array)) == 0
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(InvalidInputError):
+        from memkv.api.client_segments import ClientSegments
+
+        ClientSegments().resolve("memkv-warm-device-0", 0, 16)
