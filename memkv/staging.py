@@ -170,7 +170,8 @@ def staging_node() -> str:
     return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""
 
 
-def staging_for(devices: Iterable[Any], nbytes: int) -> PutStaging | None:
+def staging_for(devices: Iterable[Any], nbytes: int, role: str = "gateway-stage"
+                ) -> PutStaging | None:
     """A staging segment of ``nbytes`` when one of ``devices`` (actor handles) runs on
     this node, else None: nothing elsewhere could map it."""
     if nbytes <= 0:
@@ -183,7 +184,7 @@ def staging_for(devices: Iterable[Any], nbytes: int) -> PutStaging | None:
     if not handles or staging_node() not in ray.get([d.node.remote() for d in handles]):
         return None
     try:
-        return PutStaging(nbytes)
+        return PutStaging(nbytes, role=role)
     except OSError as e:  # /dev/shm too small or absent
         logger.warning("no append staging (%s): appends go through Ray's object store", e)
         return None

@@ -228,12 +228,19 @@ class MemkvCluster:
         token_ids: Sequence[int] | np.ndarray,
         blocks: Sequence[torch.Tensor],
         start_block: int = 0,
+        *,
+        staging: PutStaging | None = None,
     ) -> AppendAnswer:
-        """Store blocks ``start_block ..`` of a session whose tokens so far are ``token_ids``."""
+        """Store blocks ``start_block ..`` of a session whose tokens so far are ``token_ids``.
+
+        ``staging``: a segment of the caller's the blocks were written into
+        (:func:`memkv.staging.staging_for`): a device of this node copies them
+        from there, with no copy on this side.
+        """
         record = self.session(session_id)
         tokens = [int(t) for t in token_ids]
         chain = chain_hashes(tokens, record.layout.layout(), record.namespace)
-        return self._put(session_id, tokens, chain, list(blocks), start_block)
+        return self._put(session_id, tokens, chain, list(blocks), start_block, staging)
 
     def _put(
         self,
@@ -242,6 +249,7 @@ class MemkvCluster:
         chain: Sequence[bytes],
         blocks: Sequence[torch.Tensor],
         start_block: int,
+        caller_staging: PutStaging | None = None,
     ) -> AppendAnswer:
         if len(blocks) != len(chain) - start_block:
             raise InvalidInputError(
@@ -256,6 +264,13 @@ class MemkvCluster:
         def put(sent: Sequence[object]) -> AppendAnswer:
             return self.routers.service(session_id).put_blocks(request, list(sent)).result()
 
+        if caller_staging is not None and payloads:
+            in_place = caller_staging.describe(payloads, staging_node())
+            if in_place is not None:
+                try:
+                    return put(in_place)
+                except WrongNodeError:
+                    pass  # the session's device is on another node: by value below
         staging = self._put_staging()
         slot = staging.lease(sum(p.nbytes for p in payloads)) if staging and payloads else None
         if slot is not None and staging is not None:

@@ -142,6 +142,13 @@ def test_vllm_loads_prefixes_and_agent_turns_from_memkv_with_identical_output(
     assert fetched["load_blocks_fetched"] == fetched["load_blocks"] > 0
     assert fetched["load_blocks_shared_memory"] == 0
     assert shm["load_blocks_shared_memory"] == shm["load_blocks"] > 0
+    # Saves: sent over the port without same-node; with it, copied once from the paged
+    # cache into this host's staging and named there (gateway and cluster alike).
+    assert fetched["save_blocks_staged"] == 0 and fetched["save_blocks"] > 0
+    for name in ("gateway-second", "cluster-first"):
+        saved = runs[name]["connector"]
+        assert saved["save_blocks_staged"] == saved["save_blocks"] > 0, name
+        assert saved["save_copy_seconds"] > 0, name
     from memkv.client import Client
 
     with Client(memkv_deployment.url, token=memkv_deployment.token) as admin:

@@ -44,6 +44,10 @@ Configuration (``kv_connector_extra_config``)::
      "layerwise": true,                 # write loaded KV into the paged cache layer by layer
      "max_request_bytes": 67108864,     # blocks per save/read request (keep it under the
                                         #   gateway's max_body_bytes)
+     "save_staging_bytes": 1073741824,  # same node: saves are copied from the paged cache
+                                        #   into this much shared memory (populated at
+                                        #   start) and named there, not sent; a save that
+                                        #   does not fit goes over the socket (0: never)
      "save_wait_s": 2.0,                # a session's next turn waits up to this long for
                                         #   its last turn's save to land (0: never waits)
      "stats_path": null}                # also write the running totals here, as JSON

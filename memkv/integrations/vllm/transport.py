@@ -34,7 +34,7 @@ from memkv.protocol.layout import KVLayout
 if TYPE_CHECKING:
     from memkv.cluster import MemkvCluster
     from memkv.same_node import HostLease
-    from memkv.staging import StagingSlot
+    from memkv.staging import PutStaging, StagingSlot
 
 __all__ = [
     "ClusterTransport", "GatewayTransport", "KVTransport", "Leased", "transport_from_config",
@@ -275,6 +275,7 @@ class ClusterTransport:
         namespace: str,
         same_node: bool,
         connect_timeout_s: float = 10.0,
+        save_staging_bytes: int = 0,
     ) -> None:
         from memkv.cluster import attach
 
@@ -282,6 +283,9 @@ class ClusterTransport:
         self._namespace = namespace
         self._same_node = same_node
         self._timeout_s = connect_timeout_s
+        self._save_staging_bytes = save_staging_bytes
+        self._save_staging: PutStaging | None = None
+        self._save_staging_checked = False
         self._joining = _Joining(
             lambda: attach(address, namespace=ray_namespace),
             address=address,
@@ -319,7 +323,8 @@ class ClusterTransport:
         _created_or_there(lambda: self._cluster.create_session(
             scoped, self.layout, namespace=self._namespace, priority=priority
         ))
-        self._cluster.put_blocks(scoped, list(token_ids), list(blocks), start_block)
+        self._cluster.put_blocks(scoped, list(token_ids), list(blocks), start_block,
+                                 staging=self._save_staging)
 
     def lease(self, keys: Sequence[bytes]) -> Leased | None:
         if not self._same_node:
@@ -327,7 +332,19 @@ class ClusterTransport:
         return self._cluster.lease_blocks(keys, self._namespace)
 
     def save_slot(self, nbytes: int) -> StagingSlot | None:
-        return None  # saves go through Ray's object store
+        """Space in a staging segment of this process's, where a device of this node can
+        copy from (:meth:`MemkvCluster.put_blocks` names the blocks, no copy)."""
+        if not self._same_node or self._save_staging_bytes <= 0:
+            return None
+        if not self._save_staging_checked:
+            self._save_staging_checked = True
+            from memkv.staging import staging_for
+
+            self._save_staging = staging_for(self._cluster.devices.values(),
+                                             self._save_staging_bytes, role="client-stage")
+            if self._save_staging is not None:
+                self._save_staging.prefault()
+        return self._save_staging.lease(nbytes) if self._save_staging is not None else None
 
     def warm_up(self) -> None:
         import ray
@@ -335,6 +352,9 @@ class ClusterTransport:
         ray.get(self._cluster.router.ping.remote(), timeout=self._timeout_s)
 
     def close(self) -> None:
+        if self._save_staging is not None:
+            self._save_staging.close()
+            self._save_staging = None
         try:
             cluster = self._cluster
         except Exception:  # noqa: BLE001 - never joined: nothing to let go of
@@ -385,6 +405,8 @@ def transport_from_config(layout: KVLayout, extra: dict[str, Any]) -> KVTranspor
             namespace=str(extra.get("namespace") or "default"),
             same_node=bool(extra.get("same_node", False)),
             connect_timeout_s=_positive(extra, "connect_timeout_s", 10.0),
+            save_staging_bytes=_nonnegative_int(extra, "save_staging_bytes",
+                                                SAVE_STAGING_BYTES),
         )
     raise InvalidInputError(f"transport must be one of {list(TRANSPORTS)}, got {kind!r}")
 
