@@ -156,8 +156,9 @@ def client_staging(capacity_bytes: int) -> PutStaging | None:
     """A staging segment for a client on a gateway's host (:mod:`memkv.client`): its
     appends then name blocks in it instead of sending their bytes. None where
     shared memory is not to be had."""
+    units = -(-max(capacity_bytes, 1) // STAGING_UNIT_BYTES)
     try:
-        return PutStaging(capacity_bytes, role="client-stage")
+        return PutStaging(units * STAGING_UNIT_BYTES, role="client-stage")
     except OSError as e:  # /dev/shm too small or absent
         logger.warning("no client staging (%s): appends send their blocks' bytes", e)
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -40,6 +40,9 @@ from memkv.protocol.layout import KVLayout
 from memkv.protocol.wire import (
     WireError,
 )
+
+if TYPE_CHECKING:
+    from memkv.staging import PutStaging
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,23 @@ class AsyncClient:
         self._port: AsyncPortConnection | None = None
         self._port_lock = asyncio.Lock()
         self._known = KnownSessions()
+        self._staging: PutStaging | None = None
+        self._stage_appends = True  # until the gateway says it is on another host
+
+    def staging(self, nbytes: int) -> PutStaging | None:
+        """This client's staging segment (as :meth:`memkv.client.Client.staging`): blocks
+        appended from a slot of it are named, not sent, to a gateway on this host."""
+        if self._staging is None:
+            from memkv.staging import client_staging  # numpy and torch: only when used
+
+            self._staging = client_staging(nbytes)
+            if self._staging is not None:
+                self._staging.prefault()
+        return self._staging
+
+    @property
+    def stages_appends(self) -> bool:
+        return self._staging is not None and self._stage_appends
 
     @property
     def block_path(self) -> str:
@@ -128,6 +148,9 @@ class AsyncClient:
         await self._http.aclose()
         if self._port is not None:
             await self._port.aclose()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -224,7 +247,29 @@ class AsyncClient:
         start_block: int | None,
         turn: int | None,
     ) -> TurnResult:
-        body, _ = append_body(session, token_ids, blocks, keys, values, start_block, turn)
+        if self.stages_appends:
+            try:
+                return await self._send_append(session, token_ids, keys, values, blocks,
+                                               start_block, turn, self._staging)
+            except errors.WrongNodeError as e:
+                logger.info("memkv appends send their bytes: %s", e)
+                self._stage_appends = False  # the gateway cannot map this host's memory
+        return await self._send_append(session, token_ids, keys, values, blocks, start_block,
+                                       turn, None)
+
+    async def _send_append(
+        self,
+        session: SessionView,
+        token_ids: Sequence[int] | np.ndarray,
+        keys: Sequence[Any] | None,
+        values: Sequence[Any] | None,
+        blocks: Sequence[Any] | None,
+        start_block: int | None,
+        turn: int | None,
+        staging: PutStaging | None,
+    ) -> TurnResult:
+        body, _ = append_body(session, token_ids, blocks, keys, values, start_block, turn,
+                              staging)
         sent = await self._over_port({"op": "append", "session_id": session.session_id}, body)
         if sent is not None:
             _, reply, _, done = sent

@@ -153,3 +153,31 @@ def test_client_segments_are_unguessable_and_prefaulted():
         from memkv.api.client_segments import ClientSegments
 
         ClientSegments().resolve("memkv-warm-device-0", 0, 16)
+
+
+def test_the_async_client_stages_its_appends_too(gateway):
+    import asyncio
+
+    from memkv.client import AsyncClient
+
+    async def main() -> None:
+        async with AsyncClient(gateway.url) as c:
+            sid = f"stage-{uuid.uuid4().hex[:8]}"
+            await c.create_session(sid, LAYOUT, namespace=None)
+            keys, values = random_kv(LAYOUT, 8, 9)
+            expected = split_kv(LAYOUT, keys, values)
+            staging = c.staging(1 << 20)
+            assert staging is not None
+            nbytes = sum(b.numel() * b.element_size() for b in expected)
+            slot = staging.lease(nbytes)
+            words = torch.frombuffer(slot.take(nbytes), dtype=torch.uint8)
+            staged = words.view(expected[0].dtype).view(len(expected), *expected[0].shape)
+            for i, block in enumerate(expected):
+                staged[i].copy_(block)
+            result = await c.append_turn(sid, _tokens(9), blocks=list(staged), start_block=0)
+            assert result.new_blocks == 2 and c.stages_appends
+            slot.release()
+            got = [b async for b in c.read_blocks(sid)]
+            assert all(torch.equal(b.tensor, e) for b, e in zip(got, expected, strict=True))
+
+    asyncio.run(main())

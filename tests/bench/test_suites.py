@@ -70,7 +70,9 @@ def test_dataplane_quick(ctx: BenchContext) -> None:
     assert _positive(by_target[("gateway (block port)", "put")][vs_raw])
     assert _positive(by_target[("gateway (block port, 2 workers)", "put")][vs_raw])
     appends = {r[0].rsplit(" (", 1)[0]: r for r in doc["rows"] if r[1] == "append"}
-    assert set(appends) == {"raw socket", "gateway (HTTP)", "gateway (block port)"}
+    assert set(appends) == {"raw socket", "gateway (HTTP)", "gateway (block port)",
+                            "gateway (same-host staging)"}
+    assert any("same-host staging): a writer on the gateway's host" in n for n in result.notes)
     assert _positive(appends["gateway (block port)"][vs_raw])
     assert set(doc["figures"]["measured"]) == set(doc["figures"]["targets"])
     assert "block_port_put_vs_raw" in " ".join(result.notes)

@@ -234,6 +234,28 @@ def test_paged_copies_match_the_reference(host, layout, dtype):
         np.testing.assert_array_equal(back, expected.view(view).numpy().view(word))
 
 
+@pytest.mark.parametrize("layout", [ref.PAGED_CPU, ref.PAGED_FLASH], ids=["cpu", "flash"])
+def test_paged_copies_of_consecutive_ids_in_runs_equal_block_by_block(layout):
+    """A tensor of blocks is copied a run of consecutive ids at a time, a list a block at a
+    time: the same bytes land in the same places either way."""
+    n, L, H, N, D, num_blocks = 6, 2, 2, 4, 8, 9
+    blocks = torch.randn(n, L, 2, H, N, D)
+    shape = (num_blocks, H, N, 2 * D) if layout == ref.PAGED_CPU else (2, num_blocks, N, H, D)
+    ids = [2, 3, 4, 0, 7, 8]  # runs of 3, 1 and 2
+    for layer in range(L):
+        by_runs, by_block = torch.zeros(shape), torch.zeros(shape)
+        ref.paged_write(blocks, ids, layer, by_runs, layout)
+        ref.paged_write(list(blocks), ids, layer, by_block, layout)
+        assert torch.equal(by_runs, by_block) and by_runs.abs().sum() > 0
+        back_runs, back_block = torch.zeros_like(blocks), torch.zeros_like(blocks)
+        ref.paged_read(by_runs, ids, layer, back_runs, layout)
+        ref.paged_read(by_runs, ids, layer, list(back_block), layout)
+        assert torch.equal(back_runs, back_block)
+        assert torch.equal(back_runs[:, layer], blocks[:, layer])
+    with pytest.raises(ValueError, match="block ids"):
+        ref.paged_read(by_runs, ids[:2], 0, back_runs, layout)
+
+
 def test_the_backend_is_visible_and_can_be_forced(monkeypatch):
     assert backend() in ("cuda", "cpu")
     monkeypatch.setenv("MEMKV_KERNELS", "cpu")
