@@ -134,6 +134,8 @@ def _row_stats(result: dict[str, Any]) -> dict[str, Any]:
         "prompt_tokens": sum(r["prompt_tokens"] for r in reqs),
         "loaded_bytes": int(counters.get("load_bytes", 0)),
         "saved_bytes": int(counters.get("save_bytes", 0)),
+        "saved_blocks": int(counters.get("save_blocks", 0)),
+        "saved_blocks_staged": int(counters.get("save_blocks_staged", 0)),
     }
 
 

@@ -82,11 +82,14 @@ def append_body(
     start_block: int | None,
     turn: int | None,
     staging: PutStaging | None = None,
+    checksum_staged: bool = False,
 ) -> tuple[list[bytes | memoryview], list[BlockHash]]:
     """The frames of an append (only blocks from the first one not stored), and the chain.
 
     ``staging``: blocks that lie in this client staging segment are named
-    (segment, offset) rather than sent (a gateway on this host reads them there).
+    (segment, offset) rather than sent (a gateway on this host reads them there),
+    without a checksum unless ``checksum_staged``: their bytes cross no wire, and
+    the device makes each block's CRC32 as it copies it in.
     """
     tokens = token_array(token_ids)
     layout = session.layout
@@ -122,19 +125,21 @@ def append_body(
     for i, block in enumerate(blocks, start=start):
         array = block_array(layout, block, i)
         data = array.data.cast("B")
-        header = {
+        header: dict[str, Any] = {
             "kind": "block",
             "index": i,
             "key": bytes(chain[i]),
             "dtype": layout.dtype,
             "shape": list(array.shape),
-            "crc32": crc32(data),
         }
         offset = _staged_at(staging, array)
         if offset is None:
+            header["crc32"] = crc32(data)
             chunks.extend(encode_frame(header, data))
         else:
             assert staging is not None
+            if checksum_staged:
+                header["crc32"] = crc32(data)
             header["staged"] = {"segment": staging.segment, "offset": offset}
             chunks.extend(encode_frame(header))
     return chunks, chain

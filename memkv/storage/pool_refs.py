@@ -26,6 +26,7 @@ from memkv.storage.pool_core import (
     Holder,
     _Block,
     _codec_step,
+    _crc32,
     raise_invariant,
 )
 from memkv.storage.pool_ladder import TierLadder
@@ -346,7 +347,8 @@ class References(TierLadder):
                     tokens=update.tokens[i],
                     priority=update.priority,
                     last_access=now,
-                    crc32=None if checksums is None else checksums[i - start_block],
+                    crc32=(checksums[i - start_block] if checksums is not None
+                           else _writer_crc32(blocks[i - start_block])),
                     turn_created=update.turn,
                 )
                 self._add_block(entry)
@@ -545,3 +547,12 @@ class References(TierLadder):
     def _debug_check(self) -> None:
         if self._check:
             self.check_invariants()
+
+
+def _writer_crc32(block: torch.Tensor) -> int | None:
+    """The CRC32 of a block that came without its writer's, made as it is stored (its
+    bytes are read for the copy anyway; made on first read otherwise, on that read's
+    time): None where it cannot be made here (a CUDA block, a strided view)."""
+    if block.device.type != "cpu" or not block.is_contiguous():
+        return None
+    return _crc32(block)

@@ -65,6 +65,8 @@ def test_staged_blocks_are_named_not_sent_and_read_back_exactly(gateway, block_p
         body, _ = append_body(c.session(sid), tokens, blocks, None, None, 0, None,
                               c.staging(1 << 20))
         assert sum(memoryview(x).nbytes for x in body) < 2048  # headers only, no payloads
+        # Nothing crossed a wire: no checksum is sent, the device makes each as it stores.
+        assert b"crc32" not in b"".join(bytes(x) for x in body)
         result = c.append_turn(sid, tokens, blocks=blocks, start_block=0)
         assert result.new_blocks == 2 and c.stages_appends
         slot.release()  # the device copied the bytes before the append was answered
@@ -79,8 +81,9 @@ def test_staged_bytes_that_fail_their_checksum_are_refused_and_nothing_is_stored
     with Client(gateway.url) as c:
         sid = _new_session(c)
         slot, blocks, _ = _staged_blocks(c, 8, seed=5)
+        # A writer may send its checksums with staged blocks: then they are checked.
         body, _ = append_body(c.session(sid), _tokens(5), blocks, None, None, 0, None,
-                              c.staging(1 << 20))
+                              c.staging(1 << 20), checksum_staged=True)
         blocks[1].view(torch.uint8)[0] ^= 0xFF  # changed after its checksum was made
         conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
         try:

@@ -315,6 +315,8 @@ def test_fleet_quick(ctx: BenchContext) -> None:
     assert alone["requests"] == memkv["requests"] == 6  # 3 sessions x 2 turns
     assert alone["loaded_bytes"] == 0 and not alone["moved_nothing"]  # (no connector)
     assert memkv["saved_bytes"] > 0 and memkv["loaded_bytes"] > 0, memkv["moved_nothing"]
+    # Same node: every save copied once into this host's staging and named there.
+    assert memkv["saved_blocks_staged"] == memkv["saved_blocks"] > 0
     assert memkv["recomputed_tokens"] < alone["recomputed_tokens"]
     assert memkv["same_replies"] and alone["same_replies"]
     assert all(r["requests_per_s"] > 0 and r["ttft_p50_s"] > 0 for r in runs.values())

@@ -156,7 +156,7 @@ async def _append(
             f"must carry {len(chain) - start} block frames, it has {len(blocks)}"
         )
     payloads = []
-    checksums = []
+    checksums: list[int | None] = []
     in_client_segments = []  # each block's (segment, offset) where its client staged it
     for i, frame in enumerate(blocks, start=start):
         key, dtype, array = block_payload(frame, gw.client_segments.resolve)
@@ -173,12 +173,15 @@ async def _append(
                 f"was created finite_only"
             )
         payloads.append(BlockPayload(key, dtype, array))
-        checksums.append(int(frame.header["crc32"]))
+        crc = frame.header.get("crc32")
+        checksums.append(None if crc is None else int(crc))  # None: staged without one
         gw.metrics.payload_bytes.labels("in").inc(array.nbytes)
 
     request = AppendTurn(
         session_id=sid, token_ids=AppendTurn.pack_tokens(tokens), start_block=start,
-        chain=tuple(bytes(k) for k in chain), turn=turn, checksums=tuple(checksums),
+        chain=tuple(bytes(k) for k in chain), turn=turn,
+        # Without every writer's checksum the device makes them all as it stores them.
+        checksums=None if None in checksums else tuple(c for c in checksums if c is not None),
         expect=Expected(layout=LayoutSpec.of(layout), namespace=namespace),
         quota=Quota.of(who.quota),
     )
