@@ -49,3 +49,13 @@ def test_requests_without_a_session_or_with_waiting_off_never_wait() -> None:
     assert not off.should_wait("r1", "s1", hit=0, usable=288)
     with pytest.raises(ValueError, match="wait_s"):
         PendingSaves(wait_s=-1)
+
+
+def test_saves_of_sessions_that_never_return_are_dropped_once_too_old() -> None:
+    clock = Clock()
+    saves = PendingSaves(wait_s=1.0, clock=clock)
+    for i in range(100):
+        saves.issued(f"s{i}", 64)
+        clock.now += 0.1
+    assert len(saves._issued) <= 11  # only those issued within the last second
+    assert saves.should_wait("r", "s99", hit=0, usable=64)

@@ -17,6 +17,7 @@ save of each: a lookup finds a prefix, and the last save covers the longest.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 __all__ = ["DEFAULT_SAVE_WAIT_S", "PendingSaves"]
@@ -43,14 +44,24 @@ class PendingSaves:
         self.wait_s = wait_s
         self.recheck_s = recheck_s
         self._clock = clock
-        self._issued: dict[str, tuple[int, float]] = {}  # session -> (tokens, issued at)
+        # session -> (tokens, issued at), oldest first: entries past wait_s are dropped as
+        # new ones come (sessions that never return do not pile up).
+        self._issued: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._asked: dict[str, float] = {}  # deferred request -> when memkv was last asked
         self.deferred = 0  # lookups answered "ask again later"
 
     def issued(self, session_id: str | None, tokens: int) -> None:
         """A save of the session's first ``tokens`` tokens was handed to the saver."""
-        if session_id and self.wait_s > 0:
-            self._issued[session_id] = (tokens, self._clock())
+        if not session_id or self.wait_s <= 0:
+            return
+        now = self._clock()
+        self._issued.pop(session_id, None)
+        self._issued[session_id] = (tokens, now)
+        while self._issued:
+            _, (_, since) = next(iter(self._issued.items()))
+            if now - since < self.wait_s:
+                break
+            self._issued.popitem(last=False)
 
     def too_soon(self, request_id: str) -> bool:
         """Whether a deferred request was looked up less than ``recheck_s`` ago."""
