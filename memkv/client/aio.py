@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 
 from memkv import errors
-from memkv.client.base import KnownSessions
+from memkv.client.base import AppendStaging, KnownSessions
 from memkv.client.frames import FRAMES_MEDIA_TYPE, BlockStream, append_body, joined
 from memkv.client.transport import (
     DEFAULT_URL,
@@ -79,23 +79,16 @@ class AsyncClient:
         self._port: AsyncPortConnection | None = None
         self._port_lock = asyncio.Lock()
         self._known = KnownSessions()
-        self._staging: PutStaging | None = None
-        self._stage_appends = True  # until the gateway says it is on another host
+        self._staging = AppendStaging()
 
     def staging(self, nbytes: int) -> PutStaging | None:
         """This client's staging segment (as :meth:`memkv.client.Client.staging`): blocks
         appended from a slot of it are named, not sent, to a gateway on this host."""
-        if self._staging is None:
-            from memkv.staging import client_staging  # numpy and torch: only when used
-
-            self._staging = client_staging(nbytes)
-            if self._staging is not None:
-                self._staging.prefault()
-        return self._staging
+        return self._staging.get(nbytes)
 
     @property
     def stages_appends(self) -> bool:
-        return self._staging is not None and self._stage_appends
+        return self._staging.active is not None
 
     @property
     def block_path(self) -> str:
@@ -148,9 +141,7 @@ class AsyncClient:
         await self._http.aclose()
         if self._port is not None:
             await self._port.aclose()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self._staging.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -247,13 +238,13 @@ class AsyncClient:
         start_block: int | None,
         turn: int | None,
     ) -> TurnResult:
-        if self.stages_appends:
+        staging = self._staging.active
+        if staging is not None:
             try:
                 return await self._send_append(session, token_ids, keys, values, blocks,
-                                               start_block, turn, self._staging)
+                                         start_block, turn, staging)
             except errors.WrongNodeError as e:
-                logger.info("memkv appends send their bytes: %s", e)
-                self._stage_appends = False  # the gateway cannot map this host's memory
+                self._staging.refused(e)
         return await self._send_append(session, token_ids, keys, values, blocks, start_block,
                                        turn, None)
 

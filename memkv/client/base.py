@@ -1,4 +1,5 @@
-"""What the sync and async clients share beyond their I/O: the sessions they know.
+"""What the sync and async clients share beyond their I/O: the sessions they know,
+and the shared memory they stage appends in.
 
 An append needs the session's layout, namespace, chain and turn. A client keeps
 the view of every session it created, read or appended to, so an append costs
@@ -8,7 +9,10 @@ refreshed once on the ConflictError it causes, and the append tried again.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,7 +20,48 @@ from memkv.client.views import SessionView, TurnResult, after_append
 from memkv.errors import ConflictError
 from memkv.protocol.hashing import token_array
 
-__all__ = ["KnownSessions"]
+if TYPE_CHECKING:
+    from memkv.staging import PutStaging
+
+__all__ = ["AppendStaging", "KnownSessions"]
+
+logger = logging.getLogger(__name__)
+
+
+class AppendStaging:
+    """A client's staging segment (``Client.staging``) and whether appends may name
+    blocks in it: until a gateway answers that it cannot see this host's memory."""
+
+    def __init__(self) -> None:
+        self.segment: PutStaging | None = None
+        self._usable = True
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> PutStaging | None:
+        """The segment, made on the first call (of ``nbytes``, its pages populated)."""
+        with self._lock:
+            if self.segment is None:
+                from memkv.staging import client_staging  # numpy and torch: only when used
+
+                self.segment = client_staging(nbytes)
+                if self.segment is not None:
+                    self.segment.prefault()
+            return self.segment
+
+    @property
+    def active(self) -> PutStaging | None:
+        """The segment appends name blocks in now (None: send the bytes)."""
+        return self.segment if self._usable else None
+
+    def refused(self, error: Exception) -> None:
+        """The gateway cannot map this host's memory: send the bytes from now on."""
+        logger.info("memkv appends send their bytes: %s", error)
+        self._usable = False
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
 
 
 class KnownSessions:

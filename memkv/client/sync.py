@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import http.client
-import logging
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -13,7 +11,7 @@ import httpx
 import numpy as np
 
 from memkv import errors
-from memkv.client.base import KnownSessions
+from memkv.client.base import AppendStaging, KnownSessions
 from memkv.client.frames import FRAMES_MEDIA_TYPE, BlockStream, append_body, read_block_frames
 from memkv.client.transport import (
     DEFAULT_URL,
@@ -48,8 +46,6 @@ from memkv.protocol.wire import (
 if TYPE_CHECKING:
     from memkv.same_node import HostLease
     from memkv.staging import PutStaging
-
-logger = logging.getLogger(__name__)
 
 
 class Client:
@@ -92,9 +88,7 @@ class Client:
         # Sessions this client appended to: layout, namespace and chain do not
         # need a round trip per append (a stale entry is refreshed on conflict).
         self._known = KnownSessions()
-        self._staging: PutStaging | None = None
-        self._staging_lock = threading.Lock()
-        self._stage_appends = True  # until the gateway says it is on another host
+        self._staging = AppendStaging()
 
     def close(self) -> None:
         self._http.close()
@@ -102,9 +96,7 @@ class Client:
             self._blocks.close()
         if self._ports is not None:
             self._ports.close()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self._staging.close()
 
     def staging(self, nbytes: int) -> PutStaging | None:
         """This client's staging segment in shared memory (made on the first call, of
@@ -112,20 +104,13 @@ class Client:
         (``staging(n).lease(...)``) are named in the append rather than sent, and a
         gateway on this host reads them there (one copy fewer, no socket). None
         where there is no shared memory; appends from elsewhere send their bytes."""
-        with self._staging_lock:
-            if self._staging is None:
-                from memkv.staging import client_staging  # numpy and torch: only when used
-
-                self._staging = client_staging(nbytes)
-                if self._staging is not None:
-                    self._staging.prefault()
-            return self._staging
+        return self._staging.get(nbytes)
 
     @property
     def stages_appends(self) -> bool:
         """Whether appends name blocks in this client's staging (False: the gateway
         runs on another host, or there is no staging)."""
-        return self._staging is not None and self._stage_appends
+        return self._staging.active is not None
 
     @property
     def block_path(self) -> str:
@@ -313,13 +298,13 @@ class Client:
         start_block: int | None,
         turn: int | None,
     ) -> TurnResult:
-        if self.stages_appends:
+        staging = self._staging.active
+        if staging is not None:
             try:
-                return self._send_append(session, token_ids, keys, values, blocks, start_block,
-                                         turn, self._staging)
+                return self._send_append(session, token_ids, keys, values, blocks,
+                                         start_block, turn, staging)
             except errors.WrongNodeError as e:
-                logger.info("memkv appends send their bytes: %s", e)
-                self._stage_appends = False  # the gateway cannot map this host's memory
+                self._staging.refused(e)
         return self._send_append(session, token_ids, keys, values, blocks, start_block, turn,
                                  None)
 
