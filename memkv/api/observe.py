@@ -49,6 +49,9 @@ _DEVICE_COUNTERS = {
     "misses": ("block_misses", "Block reads of keys in no tier."),
     "promotions": ("promotions", "Blocks copied up a tier for a read or a prefetch."),
     "demotions": ("demotions", "Blocks moved down a tier."),
+    "demotions_ahead": (
+        "demotions_ahead", "Of the demotions, those made ahead of puts (the tiers' headroom)."
+    ),
     "prefetched": ("prefetch_issued", "Blocks promoted ahead of a read (prefetch)."),
     "prefetch_used": ("prefetch_used", "Prefetched blocks that were then read."),
     "dedup_hits": ("dedup_hits", "Blocks not stored again (another session holds them)."),

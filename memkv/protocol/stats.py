@@ -65,6 +65,8 @@ class DeviceStats(msgspec.Struct, frozen=True, kw_only=True):
     lossy_conversions: int = 0
     cold_write_batches: int = 0
     cold_blocks_written: int = 0
+    #: Of the demotions, those made ahead of puts, off the request path (headroom).
+    demotions_ahead: int = 0
     kernels: str = "cpu"
     leases: LeaseStats = msgspec.field(default_factory=LeaseStats)
     device_id: str = ""

@@ -37,7 +37,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +80,9 @@ __all__ = [
     "TierStats",
 ]
 
+#: Puts whose size the headroom remembers (it keeps room for the largest of them).
+RECENT_PUTS = 16
+
 
 class BlockPool(Reads):
     """Hot → warm → cold block store: dedup, pins, demotion; no sessions.
@@ -115,6 +118,7 @@ class BlockPool(Reads):
         self._clock = clock
         self._lock = threading.RLock()
         self._cold_read_ahead = {}
+        self._recent_put_bytes = deque(maxlen=RECENT_PUTS)
         self._events = BlockEventLog(uuid.uuid4().hex)
         unit = config.allocator.min_unit_bytes
         hot_bytes = _whole_units(config.hot_capacity_bytes, unit, "hot")
@@ -255,6 +259,7 @@ class BlockPool(Reads):
                 misses=c["misses"],
                 promotions=c["promotions"],
                 demotions=c["demotions"],
+                demotions_ahead=c["demotions_ahead"],
                 prefetched=c["prefetched"],
                 prefetch_used=c["prefetch_used"],
                 precision_fallbacks=c["precision_fallbacks"],
@@ -266,6 +271,39 @@ class BlockPool(Reads):
     def cold_writer_stats(self) -> WriterStats | None:
         """The cold writer's figures; None when demotions write inline."""
         return self._cold.writer_stats() if isinstance(self._cold, ColdWriter) else None
+
+    def short_of_headroom(self) -> bool:
+        """Whether a memory tier has less free than its headroom (see :meth:`demote_ahead`)."""
+        with self._lock:
+            return not self._closed and any(self._headroom_short(t) for t in (self._hot,
+                                                                              self._warm))
+
+    def demote_ahead(self, max_blocks: int) -> int:
+        """Demote up to ``max_blocks`` blocks so that each memory tier has its headroom
+        (``eviction.headroom_fraction`` of it) free; returns how many moved.
+
+        The device calls this off the request path, a few blocks per call so that
+        puts and reads interleave: an append then lands in free space instead of
+        evicting on its way in (copying victims down and handing them to the cold
+        writer measured ~4x the append's own time once a device was full). Hot
+        goes first: its victims fill the warm tier, whose own go to cold.
+
+        Raises:
+            ClosedError: the pool is closed.
+            CapacityError: the cold tier is full (nothing was lost: the victim stays).
+        """
+        moved = 0
+        with self._lock:
+            self.ensure_open()
+            now = self._clock()
+            for tier in (self._hot, self._warm):
+                while moved < max_blocks and self._headroom_short(tier):
+                    if not self._evict_one(tier, now):
+                        break  # all pinned (being read): the next call tries again
+                    moved += 1
+            self._counters["demotions_ahead"] += moved
+            self._debug_check()
+        return moved
 
     def flush_cold(self) -> None:
         """Wait until every demotion queued so far has reached the cold tier."""

@@ -98,6 +98,14 @@ class EvictionConfig(_Frozen):
         description="LRU-K: a block extending its parent's chain starts with the parent's "
         "history.",
     )
+    headroom_fraction: float = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        description="Share of each memory tier a device keeps free by demoting ahead, on a "
+        "thread of its own, so that an append lands in free space instead of evicting on "
+        "its way in; 0: demote only when a block needs the room.",
+    )
 
 
 class PrefetchConfig(_Frozen):

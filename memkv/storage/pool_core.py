@@ -6,7 +6,7 @@ reads (:mod:`memkv.storage.pool_reads`)."""
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -124,6 +124,7 @@ class PoolStats:
     lossy_conversions: int = 0  # demotions whose remaining copy went through a lossy step
     cold_write_batches: int = 0  # backend calls of the cold writer (write-behind)
     cold_blocks_written: int = 0  # blocks it wrote in them
+    demotions_ahead: int = 0  # of the demotions, those made off the request path (headroom)
 
 
 _TORCH_DTYPES = {
@@ -197,6 +198,8 @@ class PoolCore:
     _events: BlockEventLog
     # Cold copies read ahead of taking the lock, for the reads now holding it.
     _cold_read_ahead: dict[BlockHash, torch.Tensor]
+    # Bytes of the latest puts' new blocks: the headroom is at least the largest.
+    _recent_put_bytes: deque[int]
     # Each owner's share of the references: owner -> block -> [refs, active refs].
     _owner_refs: dict[str, dict[BlockHash, list[int]]]
     _hits: Counter[Tier]

@@ -74,6 +74,21 @@ class TierLadder(PoolCore):
             if not evict or not self._evict_one(tier, now):
                 return False
 
+    def _headroom_bytes(self, tier: MemoryTier) -> int:
+        """Free space ``tier`` keeps for arriving blocks: its share, or as much as the
+        largest recent put (so that the next one lands without evicting), within half
+        the tier."""
+        share = self.config.eviction.headroom_fraction
+        if share <= 0:
+            return 0
+        wanted = max(int(share * tier.capacity_bytes), max(self._recent_put_bytes, default=0))
+        return min(wanted, tier.capacity_bytes // 2)
+
+    def _headroom_short(self, tier: MemoryTier) -> bool:
+        """Less of ``tier`` free than its headroom, and something there to demote."""
+        return (len(tier) > 0
+                and tier.capacity_bytes - tier.used_bytes < self._headroom_bytes(tier))
+
     def _evict_one(self, tier: MemoryTier, now: float) -> bool:
         """Move the tier's victim one tier down. False when nothing can be evicted."""
         victim = tier.pop_victim(now)

@@ -280,11 +280,14 @@ class Reads(References):
             if self._closed:
                 return 0
             now = self._clock()
+            headroom = self._headroom_bytes(self._hot)
             for key in keys:
                 entry = self._blocks.get(key)
                 if entry is None or entry.tier is Tier.HOT or entry.pins:
                     continue
-                need = entry.layout.block_nbytes()
+                # Not into the headroom kept for puts: the headroom keeper would only
+                # demote something else to make it again.
+                need = entry.layout.block_nbytes() + headroom
                 if self._hot.capacity_bytes - self._hot.used_bytes < need:
                     break
                 block = self._materialize(entry)

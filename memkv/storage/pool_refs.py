@@ -90,6 +90,8 @@ class References(TierLadder):
             # Validation is over: from here on the pool changes.
             now = self._clock()
             created = self._admit_new_blocks(update, chain, blocks, now, checksums)
+            self._recent_put_bytes.append(
+                sum(self._blocks[k].layout.block_nbytes() for k in created))
             held = set(update.hold)
             dedup = 0
             for key in dict.fromkeys(chain[start:]):

@@ -21,6 +21,7 @@ from memkv.storage.config import (
     AllocatorConfig,
     ArchiveConfig,
     CodecConfig,
+    EvictionConfig,
     PrecisionConfig,
     StoreConfig,
 )
@@ -52,6 +53,9 @@ def make_store(tmp_path, hot_blocks=16, warm_blocks=16, clock=None, **kw):
         allocator=AllocatorConfig(min_unit_bytes=UNIT),
         archive=ArchiveConfig(directory=tmp_path / "cold", fsync="never"),
         debug_refcounts=True,
+        # These tests place blocks tier by tier: no demoting ahead on a thread of its
+        # own (tests/storage/test_headroom.py tests that).
+        eviction=EvictionConfig(headroom_fraction=0.0),
     )
     cfg.update(kw)
     return TieredStore(StoreConfig(**cfg), clock=clock or FakeClock())

@@ -34,6 +34,7 @@ from memkv.protocol.stats import DeviceStats, LeaseStats, TierStats
 from memkv.same_node import SegmentMaps
 from memkv.storage.block_pool import BlockPool, Holder
 from memkv.storage.config import CodecConfig, StoreConfig
+from memkv.storage.device.headroom import HeadroomKeeper
 from memkv.storage.device.leases import LeaseTable
 from memkv.storage.device.warm_segments import (
     SegmentOwnership,
@@ -167,6 +168,9 @@ class DeviceService:
             self._ownership.release()
             raise
         self.leases = LeaseTable(lambda keys: self.pool.unpin_blocks([BlockHash(k) for k in keys]))
+        # Room for the next put, made between requests (None: demote on demand only).
+        self.headroom = (HeadroomKeeper(self.pool).start()
+                         if store_config.eviction.headroom_fraction > 0 else None)
         self.node_id = node_id
         self._staging_maps = SegmentMaps()  # gateways' staging segments (memkv.staging)
         self._streams: PriorityStreams | None = None  # unified memory only
@@ -219,6 +223,8 @@ class DeviceService:
                    else from_payload(self._unstage(p) if isinstance(p, StagedBlock) else p)
                    for p in blocks]
         stored = self.pool.put(update, tensors, checksums=checksums, durable=durable, owner=owner)
+        if self.headroom is not None:
+            self.headroom.nudge()
         if since is None:
             return stored
         return replace(stored, events=self.block_events(since))
@@ -468,6 +474,7 @@ class DeviceService:
             lossy_conversions=pool.lossy_conversions,
             cold_write_batches=pool.cold_write_batches,
             cold_blocks_written=pool.cold_blocks_written,
+            demotions_ahead=pool.demotions_ahead,
             kernels=kernel_backend(),  # cuda, or cpu (the reference)
             leases=LeaseStats(active=len(self.leases), granted=self.leases.granted,
                               expired=self.leases.expired),
@@ -487,5 +494,7 @@ class DeviceService:
         return out
 
     def close(self) -> None:
+        if self.headroom is not None:
+            self.headroom.close()
         self.pool.close()
         self._ownership.release()
