@@ -214,22 +214,60 @@ class ArchiveJournal:
         payloads = [msgpack.packb(r, use_bin_type=True) for r in records]
         with self._lock:
             self._pending = []  # the table includes them
-            targets = [a for a in self._order if a not in self.lost] if self._fence_all \
-                else self._targets()
-            written = 0
-            for archive in targets:
-                try:
-                    self._ask(archive, "journal_snapshot", self.name, self.epoch, self.seq,
-                              payloads)
-                    written += 1
-                except ActorUnschedulableError as e:
-                    self._lose(archive, e)
-            if not written:
-                raise MemberLostError(f"no archive took router journal {self.name!r}")
-            self._fence_all = False
-            self._unsynced = False
-            self.wants_snapshot = False
-            self.records_since_snapshot = 0
+            point = self._snapshot_point()
+            self._snapshot_done(self._write_snapshot(*point, payloads), point[2])
+
+    async def snapshot_async(self, make_records: Callable[[], list[dict[str, Any]]]) -> None:
+        """:meth:`snapshot` for the router's event loop, which goes on serving meanwhile:
+        the archives' answers are waited for on a thread (a restarting archive can take
+        up to ``ARCHIVE_RESTART_WAIT_S``; a large table's snapshot, tens of
+        milliseconds). Records appended meanwhile are buffered; commits wait for the
+        snapshot, since a replica must have it before the records after it.
+
+        ``make_records``: the table as records, taken when the snapshot starts (the
+        records buffered until then are in it).
+        """
+        if self._commit_lock is None:
+            self._commit_lock = asyncio.Lock()
+        async with self._commit_lock:
+            # No await between taking the table and dropping the buffered records:
+            # nothing on the loop changes the table in between.
+            records = make_records()
+            with self._lock:
+                self._pending = []  # the table includes them
+                point = self._snapshot_point()
+            payloads = [msgpack.packb(r, use_bin_type=True) for r in records]
+            written = await asyncio.to_thread(self._write_snapshot, *point, payloads)
+            with self._lock:
+                self._snapshot_done(written, point[2])
+
+    def _snapshot_point(self) -> tuple[list[str], int, int]:
+        """Where a snapshot goes (every reachable archive at a new epoch) and the
+        ``(epoch, seq)`` it stands at."""
+        targets = [a for a in self._order if a not in self.lost] if self._fence_all \
+            else self._targets()
+        return targets, self.epoch, self.seq
+
+    def _write_snapshot(self, targets: list[str], epoch: int, seq: int,
+                        payloads: list[bytes]) -> int:
+        """The snapshot to each of ``targets``; how many took it."""
+        written = 0
+        for archive in targets:
+            try:
+                self._ask(archive, "journal_snapshot", self.name, epoch, seq, payloads)
+                written += 1
+            except ActorUnschedulableError as e:
+                self._lose(archive, e)
+        return written
+
+    def _snapshot_done(self, written: int, seq: int) -> None:
+        """The snapshot at ``seq`` landed on ``written`` archives."""
+        if not written:
+            raise MemberLostError(f"no archive took router journal {self.name!r}")
+        self._fence_all = False
+        self._unsynced = False  # what was sent before it is in it; what came after is not sent
+        self.wants_snapshot = False
+        self.records_since_snapshot = self.seq - seq  # appended while it was written
 
     def close(self) -> None:
         if self._local is not None:

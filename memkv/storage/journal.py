@@ -24,7 +24,7 @@ import asyncio
 import os
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -70,6 +70,10 @@ class TableJournal(Protocol):
     def sync(self, upto: int | None = None) -> None: ...
 
     def snapshot(self, records: list[dict[str, Any]]) -> None: ...
+
+    async def snapshot_async(self, make_records: Callable[[], list[dict[str, Any]]]) -> None:
+        """:meth:`snapshot` from an event loop; ``make_records`` is called when it starts."""
+        ...
 
     def replay(self) -> Iterator[dict[str, Any]]: ...
 
@@ -133,6 +137,11 @@ class Journal:
                 covering = self._written
             os.fsync(self._fd)
             self._synced = max(self._synced, covering)
+
+    async def snapshot_async(self, make_records: Callable[[], list[dict[str, Any]]]) -> None:
+        """:meth:`snapshot`, here and now: a file on this node's disk, written while appends
+        wait (they go to the log it truncates)."""
+        self.snapshot(make_records())
 
     def snapshot(self, records: list[dict[str, Any]]) -> None:
         """Replace snapshot + journal by ``records`` (the whole table, as records to replay)."""

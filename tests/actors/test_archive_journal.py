@@ -8,6 +8,8 @@ No Ray.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +46,23 @@ class _Node:
                     if node.dead:
                         raise ActorUnschedulableError("the actor's node is gone")
                     return method(*args)
-                return run
+                return _Ref(run)
 
         return _Remote
+
+
+class _Ref:
+    """A call's answer as Ray's object reference is one: awaited (the call runs on a
+    thread, as an actor's runs elsewhere), or resolved by ``resolve`` (``ray.get``)."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def __call__(self) -> Any:
+        return self.run()
+
+    def __await__(self) -> Any:
+        return asyncio.to_thread(self.run).__await__()
 
 
 @pytest.fixture
@@ -190,3 +206,50 @@ def test_a_change_flushed_before_its_answer_survives_the_routers_crash(nodes) ->
     again.journal.flush()
     again.journal.sync()
     assert not again.journal._unsynced
+
+
+def test_a_snapshot_leaves_the_routers_event_loop_serving_and_commits_after_it(nodes) -> None:
+    """The router compacts its journal on its event loop: a slow archive (restarting, or
+    a large table) must not stop it, and no record may reach a replica before the
+    snapshot it follows."""
+    state = RouterState(journal=_journal(nodes, own_node="node-0"))
+    state.add_archive("one")
+    state.journal.sync()
+    calls: list[str] = []
+    writing, finish, appended = threading.Event(), threading.Event(), threading.Event()
+    service = nodes[1].service
+    snapshot, append = service.journal_snapshot, service.journal_append
+
+    def slow_snapshot(*args: Any) -> Any:
+        calls.append("snapshot")
+        writing.set()
+        assert finish.wait(30)
+        return snapshot(*args)
+
+    def noted_append(*args: Any) -> Any:
+        calls.append("append")
+        appended.set()
+        return append(*args)
+
+    service.journal_snapshot, service.journal_append = slow_snapshot, noted_append
+
+    async def router_loop() -> None:
+        state.journal.wants_snapshot = True  # e.g. a replica was replaced
+        compaction = asyncio.create_task(state.compact_journal_async(every=1_000))
+        assert await asyncio.to_thread(writing.wait, 30)
+        # The loop serves while the snapshot is written: a change is logged, and a
+        # second compaction does not start another snapshot.
+        state.add_archive("two")
+        await state.compact_journal_async(every=1_000)
+        commit = asyncio.create_task(state.journal.commit(fsync=True))
+        assert not await asyncio.to_thread(appended.wait, 0.5)  # it waits for the snapshot
+        finish.set()
+        await compaction
+        await commit
+
+    asyncio.run(router_loop())
+    assert calls == ["snapshot", "append"]
+    assert state.journal.records_since_snapshot == 1  # "two", after the snapshot
+    assert not state.journal.wants_snapshot
+    again = RouterState(journal=_journal(nodes, own_node="node-9"))
+    assert again.known_archives == ["one", "two"]

@@ -656,7 +656,7 @@ class SessionRouter:
             return
         if needed or journal.buffered:  # buffered: out of this process before the answer
             await journal.commit(fsync=needed)
-        self.state.compact_journal(every=JOURNAL_SNAPSHOT_RECORDS)
+        await self.state.compact_journal_async(every=JOURNAL_SNAPSHOT_RECORDS)
 
 
 if TYPE_CHECKING:  # the router is a SessionService: mypy checks every signature

@@ -108,6 +108,7 @@ class RouterState:
         # Each device's Ray node, from its pings (placement near a node; not journaled).
         self.node_of: dict[str, str] = {}
         self.journal = journal
+        self._compacting = False  # a snapshot is being written (compact_journal_async)
         if journal is not None:
             self._replaying = True
             try:
@@ -439,11 +440,26 @@ class RouterState:
         table of 100,000 sessions rewrote ten records for each one appended), and
         replay at start-up within about twice the table.
         """
-        threshold = max(every, len(self.sessions)) if every > 0 else 1
-        if self.journal is None or (self.journal.records_since_snapshot < threshold
-                                    and not self.journal.wants_snapshot):
+        if self._compaction_due(every):
+            assert self.journal is not None
+            self.journal.snapshot(snapshot_records(self))
+
+    async def compact_journal_async(self, every: int = 0) -> None:
+        """:meth:`compact_journal` from the router's event loop, which serves other calls
+        while the snapshot is written (one at a time; a second caller skips it)."""
+        if self._compacting or not self._compaction_due(every):
             return
-        self.journal.snapshot(snapshot_records(self))
+        assert self.journal is not None
+        self._compacting = True
+        try:
+            await self.journal.snapshot_async(lambda: snapshot_records(self))
+        finally:
+            self._compacting = False
+
+    def _compaction_due(self, every: int) -> bool:
+        threshold = max(every, len(self.sessions)) if every > 0 else 1
+        return self.journal is not None and (self.journal.records_since_snapshot >= threshold
+                                             or self.journal.wants_snapshot)
 
     def restore_chain(self, record: SessionRecord, chain: Sequence[bytes], tokens: int,
                       turn: int, tail_rewrites: int, device_id: str | None) -> None:
