@@ -136,8 +136,31 @@ _TORCH_DTYPES = {
 
 def _crc32(block: torch.Tensor) -> int:
     """CRC32 of a contiguous CPU tensor's bytes (no copy)."""
+    return crc32(_bytes_of(block))
+
+
+#: Bytes copied per step of :func:`_copy_crc32`: the CRC reads them while they are in
+#: the core's cache (1 MiB measured fastest of 64 KiB / 256 KiB / 1 MiB here).
+COPY_CRC_CHUNK_BYTES = 1 << 20
+
+
+def _copy_crc32(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """Copy ``src`` into ``dst`` (contiguous CPU tensors of one dtype and size) and return
+    the CRC32 of the bytes: a step at a time, each checksummed from the cache it was
+    just written through, instead of a checksum pass over memory and a copy pass
+    (512 MiB on one core here: 73-77 ms against 91-94 ms)."""
+    out, into = _bytes_of(src), _bytes_of(dst)
+    value = 0
+    for start in range(0, len(out), COPY_CRC_CHUNK_BYTES):
+        end = min(start + COPY_CRC_CHUNK_BYTES, len(out))
+        into[start:end] = out[start:end]
+        value = crc32(into[start:end], value)
+    return value
+
+
+def _bytes_of(block: torch.Tensor) -> memoryview:
     raw = block.view(torch.int16) if block.dtype is torch.bfloat16 else block
-    return crc32(raw.numpy().data.cast("B"))
+    return raw.numpy().data.cast("B")
 
 
 def _precision_step(converted: StoredBlock, original: StoredBlock) -> str | None:

@@ -22,6 +22,7 @@ from memkv.storage.pool_core import (
     PoolCore,
     _Block,
     _codec_step,
+    _copy_crc32,
     _precision_step,
 )
 from memkv.storage.precision import (
@@ -61,6 +62,12 @@ class TierLadder(PoolCore):
             reserve = entry.layout.block_nbytes(itemsize=stored_data(block).element_size())
         if reserve > tier.arena.max_alloc_bytes:
             return False  # larger than any extent the tier has: it lives one tier down
+        write = None
+        if entry.crc32 is None and _checksummable(entry, block):
+            # A block stored without its writer's checksum gets it as it is copied in.
+            def write(dst: torch.Tensor, src: torch.Tensor) -> None:
+                entry.crc32 = _copy_crc32(dst, src)
+
         while True:
             if tier.put(
                 entry.key,
@@ -69,6 +76,7 @@ class TierLadder(PoolCore):
                 priority=entry.priority,
                 now=now,
                 reserve_bytes=reserve,
+                write=write,
             ):
                 return True
             if not evict or not self._evict_one(tier, now):
@@ -263,3 +271,10 @@ class TierLadder(PoolCore):
             entry.lossy = worse(entry.lossy, lossy)
             entry.crc32 = None
             self._counters["lossy_conversions"] += 1
+
+
+def _checksummable(entry: _Block, block: StoredBlock) -> bool:
+    """Whether ``block`` holds ``entry``'s bytes as readers check them (in the layout's
+    dtype, in this process's memory, in one piece), so its copy can make the CRC32."""
+    return (isinstance(block, torch.Tensor) and block.device.type == "cpu"
+            and block.is_contiguous() and block.dtype == entry.layout.torch_dtype)

@@ -349,13 +349,16 @@ class References(TierLadder):
                     tokens=update.tokens[i],
                     priority=update.priority,
                     last_access=now,
-                    crc32=(checksums[i - start_block] if checksums is not None
-                           else _writer_crc32(blocks[i - start_block])),
+                    # Without the writer's, made as the block is copied into memory.
+                    crc32=checksums[i - start_block] if checksums is not None else None,
                     turn_created=update.turn,
                 )
                 self._add_block(entry)
                 created.append(key)
-                self._admit(entry, blocks[i - start_block], now)
+                block = blocks[i - start_block]
+                self._admit(entry, block, now)
+                if entry.crc32 is None and entry.exact:  # went to the cold tier as it is
+                    entry.crc32 = _writer_crc32(block)
         except BaseException:
             # e.g. CapacityError from a full cold tier: undo this put's new blocks
             # so nothing half-stored stays behind (older blocks were not touched).
@@ -552,9 +555,9 @@ class References(TierLadder):
 
 
 def _writer_crc32(block: torch.Tensor) -> int | None:
-    """The CRC32 of a block that came without its writer's, made as it is stored (its
-    bytes are read for the copy anyway; made on first read otherwise, on that read's
-    time): None where it cannot be made here (a CUDA block, a strided view)."""
+    """The CRC32 of a block that came without its writer's and was not checksummed as it
+    was copied into a memory tier (made on first read otherwise, on that read's time):
+    None where it cannot be made here (a CUDA block, a strided view)."""
     if block.device.type != "cpu" or not block.is_contiguous():
         return None
     return _crc32(block)

@@ -14,7 +14,7 @@ refcounts: the :class:`~memkv.storage.block_pool.BlockPool` owns that bookkeepin
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -139,12 +139,15 @@ class MemoryTier:
         priority: Priority,
         now: float,
         reserve_bytes: int | None = None,
+        write: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> bool:
         """Copy ``block`` into the arena. Returns False when there is no room (expected).
 
         Args:
             reserve_bytes: allocate this much (>= the block's size): a partial
                 block takes a full block's slot so one size class serves a layout.
+            write: ``write(dst, src)`` copies the block's data into its place (by
+                default ``dst.copy_(src)``): the pool checksums the bytes as it copies.
 
         Raises:
             InvalidInputError: the key is already resident.
@@ -162,7 +165,10 @@ class MemoryTier:
         allocation = self.arena.allocate(nbytes)
         if allocation is None:
             return False
-        self.arena.write(allocation, data, prefix=True)
+        if write is None:
+            self.arena.write(allocation, data, prefix=True)
+        else:
+            write(self.arena.view(allocation, data.shape, data.dtype, prefix=True), data)
         if isinstance(block, QuantizedBlock):
             k_scale: torch.Tensor | None = block.k_scale.cpu()
             v_scale: torch.Tensor | None = block.v_scale.cpu()

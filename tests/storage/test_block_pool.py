@@ -1,14 +1,18 @@
 """The block pool on its own, driven the way its owner drives it: durable puts and resync."""
 
+import zlib
+
 import pytest
 import torch
 
 from memkv.errors import InvalidInputError, UnknownBlockError
 from memkv.protocol.enums import Priority, Tier
-from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.hashing import BlockHash, chain_hashes
+from memkv.storage import pool_refs
 from memkv.storage.block_pool import BlockPool, Holder
-from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
+from memkv.storage.config import AllocatorConfig, ArchiveConfig, EvictionConfig, StoreConfig
 from memkv.storage.layout import KVLayout, block_token_count, split_kv
+from memkv.storage.pool_core import COPY_CRC_CHUNK_BYTES, _copy_crc32
 from memkv.storage.sessions import SessionTable
 
 from .test_store import kv
@@ -202,3 +206,50 @@ def test_a_resync_that_fails_halfway_changes_nothing(tmp_path, monkeypatch):
     assert pool.resync(holders) == []
     pool.check_invariants({"a": chain_a, "b": chain_b})
     pool.close()
+
+
+def _crc_of(block: torch.Tensor) -> int:
+    return zlib.crc32(block.contiguous().view(torch.uint8).numpy().tobytes()
+                      if block.dtype is not torch.bfloat16
+                      else block.view(torch.int16).numpy().tobytes())
+
+
+# 16 KiB blocks: larger than a hot tier of one unit, so they are admitted to the warm one.
+WIDE = KVLayout("wide-model", num_layers=4, num_kv_heads=2, head_dim=32, block_tokens=8,
+                dtype="float32")
+
+
+@pytest.mark.parametrize("hot_units, tier", [(16, Tier.HOT), (1, Tier.WARM)],
+                         ids=["into hot", "past hot, into warm"])
+def test_a_block_stored_without_a_checksum_gets_the_crc32_of_its_bytes_as_it_is_copied(
+        tmp_path, monkeypatch, hot_units, tier):
+    separate = []  # checksums made in a pass of their own, not with the copy
+    monkeypatch.setattr(pool_refs, "_writer_crc32", lambda b: separate.append(b) or 0)
+    pool = BlockPool(StoreConfig(
+        hot_capacity_bytes=hot_units * UNIT, warm_capacity_bytes=8 * UNIT,
+        allocator=AllocatorConfig(min_unit_bytes=UNIT),
+        archive=ArchiveConfig(directory=tmp_path / "cold", fsync="never"),
+        eviction=EvictionConfig(headroom_fraction=0.0),
+        debug_refcounts=True,
+    ))
+    owner = SessionTable()
+    owner.create("s", WIDE, namespace="n")
+    keys, values = kv(16, WIDE, seed=11)
+    chain = [bytes(k) for k in chain_hashes(range(16), WIDE, "n")]
+    blocks = split_kv(WIDE, keys, values)
+    assert WIDE.block_nbytes() == 4 * UNIT
+    pool.put(owner.plan_append("s", 16, chain), blocks)
+    for key, block in zip(chain, blocks, strict=True):
+        assert pool.locate(key) is tier
+        assert pool._blocks[BlockHash(key)].crc32 == _crc_of(block)
+        assert torch.equal(pool.get(key), block)
+    assert separate == []
+    pool.close()
+
+
+def test_the_checksummed_copy_matches_a_plain_checksum_at_any_length():
+    for nbytes in (1, COPY_CRC_CHUNK_BYTES - 2, COPY_CRC_CHUNK_BYTES, 3 * COPY_CRC_CHUNK_BYTES + 6):
+        src = torch.randint(-100, 100, (nbytes // 2 or 1,), dtype=torch.int16).to(torch.bfloat16)
+        dst = torch.empty_like(src)
+        assert _copy_crc32(dst, src) == _crc_of(src)
+        assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
