@@ -44,6 +44,7 @@ class HeadroomKeeper:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._nudges = 0  # a pass settles only if no put came in while it ran
+        self._full = False  # the cold tier refused the last pass (warned once)
         #: Set while the tiers have their headroom (or nothing can move); tests wait on it.
         self.settled = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memkv-headroom", daemon=True)
@@ -79,8 +80,11 @@ class HeadroomKeeper:
                 return
             except CapacityError as e:
                 # The cold tier is full: puts will say so to their callers; here there is
-                # nothing to do but wait for room (sessions ending, compaction).
-                logger.warning("cannot demote ahead: %s", e)
+                # nothing to do but wait for room (sessions ending, compaction). Said once
+                # a spell, not every BACKOFF_S.
+                if not self._full:
+                    logger.warning("cannot demote ahead: %s", e)
+                self._full = True
                 self.settled.set()
                 self._stop.wait(BACKOFF_S)
                 continue
@@ -88,6 +92,7 @@ class HeadroomKeeper:
                 logger.exception("demoting ahead failed")
                 self._stop.wait(BACKOFF_S)
                 continue
+            self._full = False
             with self._lock:
                 if self._nudges == nudges:
                     self.settled.set()
