@@ -23,6 +23,7 @@ from memkv.storage.pool_core import (
     _Block,
     _codec_step,
     _copy_crc32,
+    _crc32,
     _precision_step,
 )
 from memkv.storage.precision import (
@@ -66,7 +67,11 @@ class TierLadder(PoolCore):
         if entry.crc32 is None and _checksummable(entry, block):
             # A block stored without its writer's checksum gets it as it is copied in.
             def write(dst: torch.Tensor, src: torch.Tensor) -> None:
-                entry.crc32 = _copy_crc32(dst, src)
+                if dst.device.type == "cpu":
+                    entry.crc32 = _copy_crc32(dst, src)
+                else:  # into GPU memory: checksummed where the bytes are, then copied
+                    entry.crc32 = _crc32(src)
+                    dst.copy_(src)
 
         while True:
             if tier.put(

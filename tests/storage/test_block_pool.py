@@ -253,3 +253,26 @@ def test_the_checksummed_copy_matches_a_plain_checksum_at_any_length():
         dst = torch.empty_like(src)
         assert _copy_crc32(dst, src) == _crc_of(src)
         assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_block_copied_into_gpu_memory_without_a_checksum_gets_the_crc32_of_its_bytes(
+        tmp_path):
+    pool = BlockPool(StoreConfig(
+        device="cuda:0", hot_capacity_bytes=16 * UNIT, warm_capacity_bytes=8 * UNIT,
+        allocator=AllocatorConfig(min_unit_bytes=UNIT),
+        archive=ArchiveConfig(directory=tmp_path / "cold", fsync="never"),
+        eviction=EvictionConfig(headroom_fraction=0.0),
+    ))
+    owner = SessionTable()
+    owner.create("s", WIDE, namespace="n")
+    keys, values = kv(16, WIDE, seed=12)
+    chain = [bytes(k) for k in chain_hashes(range(16), WIDE, "n")]
+    blocks = split_kv(WIDE, keys, values)
+    pool.put(owner.plan_append("s", 16, chain), blocks)
+    for key, block in zip(chain, blocks, strict=True):
+        assert pool.locate(key) is Tier.HOT
+        assert pool._blocks[BlockHash(key)].crc32 == _crc_of(block)
+        assert torch.equal(pool.get(key).cpu(), block)
+    pool.close()
