@@ -324,7 +324,8 @@ def run(ctx: BenchContext) -> SuiteResult:
     if failover is not None:
         notes.append(
             f"{FAILOVER}: engine {failover['killed_engine']} killed (SIGKILL) once every "
-            f"session had finished turn {plan[-1][4]['kill_after_turn'] + 1}; sessions lost: "
+            f"session had finished turn {plan[-1][4]['kill_after_turn'] + 1} and its saves "
+            f"had landed (one in flight would die with it); sessions lost: "
             f"{failover['sessions_lost']}; the {failover['sessions_moved']} sessions it "
             f"had served took their next turn on {', '.join(failover['moved_turn_served_by'])}"
             f" with {failover['moved_tokens_loaded']} prompt tokens loaded from memkv and "

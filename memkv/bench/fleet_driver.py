@@ -36,6 +36,8 @@ import urllib.request
 
 STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
+#: Longest wait for an engine's saves to land before it is killed (then it is killed anyway).
+SAVES_LANDED_TIMEOUT_S = 60.0
 
 
 def _serve(model: str, port: int, spec: dict, log_path: str) -> subprocess.Popen:
@@ -195,6 +197,10 @@ def main(model: str, out_path: str, spec: dict) -> None:
             base_url = spec["gateway_url"].rstrip("/") + "/v1"
 
         def kill() -> None:  # the last engine dies between two turns of every session
+            # ...once the saves of the turns it served have landed: a save still in
+            # flight dies with it (what memkv never received it cannot serve), and which
+            # does is a race with the kill, not the failover this row measures.
+            _wait_saves_landed(stats_paths[-1])
             os.killpg(procs[-1].pid, signal.SIGKILL)
             procs[-1].wait()
 
@@ -228,6 +234,24 @@ def main(model: str, out_path: str, spec: dict) -> None:
                    "connector": counters, "connector_stats_files": found,
                    "routing": routing, "errors": errors,
                    "serve_log_memkv": _memkv_lines(out_path + ".log")}, f)
+
+
+def _wait_saves_landed(stats_path: str, timeout_s: float = SAVES_LANDED_TIMEOUT_S) -> bool:
+    """Wait until an engine's connector has sent every save it queued (its stats file,
+    written as saves are queued and as they land); False when that did not happen in
+    ``timeout_s`` (or the engine has no connector)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(stats_path) as f:
+                doc = json.load(f)
+            if doc.get("saves_done", 0) >= doc.get("saves_queued", 0):
+                return True
+        except (OSError, ValueError):
+            pass  # not written yet, or no connector
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)  # another process's file: nothing to wait on but the clock
 
 
 def _memkv_lines(log_path: str, keep: int = 40) -> list[str]:
