@@ -86,9 +86,12 @@ def run_clients(
                 p.kill()
 
 
-def _timed(fn: Callable[[int], object], n: int) -> list[float]:
+def _timed(fn: Callable[[int], object], n: int, pause_s: float = 0.0) -> list[float]:
+    """Seconds of each of ``n`` calls; ``pause_s`` untimed before each."""
     out = []
     for i in range(n):
+        if pause_s:
+            time.sleep(pause_s)
         t0 = time.perf_counter()
         fn(i)
         out.append(time.perf_counter() - t0)
@@ -284,12 +287,15 @@ def _gateway_append(params: dict[str, Any], index: int) -> Callable[[], list[flo
         sent = [np.frombuffer(slot.take(b.nbytes), dtype=b.dtype).reshape(b.shape)  # type: ignore[arg-type]
                 for b in blocks]
 
-    def append(i: int) -> None:
-        tokens[0] = zlib.crc32(sessions[i].session_id.encode())  # new blocks every time
+    def append_to(sid: str) -> Any:
+        tokens[0] = zlib.crc32(sid.encode())  # new blocks every time
         if sent is not blocks:
             for dst, src in zip(sent, blocks, strict=True):
                 np.copyto(dst, src)
-        result = client.append_turn(sessions[i].session_id, tokens, blocks=sent)
+        return client.append_turn(sid, tokens, blocks=sent)
+
+    def append(i: int) -> None:
+        result = append_to(sessions[i].session_id)
         if params.get("staged") and not client.stages_appends:
             raise RuntimeError("the gateway did not take the staged blocks")
         if result.new_blocks != count:
@@ -302,20 +308,11 @@ def _gateway_append(params: dict[str, Any], index: int) -> Callable[[], list[flo
         sid = f"{params['run']}-ballast-{index}-{i}"
         client.create_session(sid, layout, namespace=params["namespace"])
         ballast.append(sid)
-        tokens[0] = zlib.crc32(sid.encode())
-        if sent is not blocks:
-            for dst, src in zip(sent, blocks, strict=True):
-                np.copyto(dst, src)
-        client.append_turn(sid, tokens, blocks=sent)
-    pause_s = float(params.get("pause_s", 0.0))
+        append_to(sid)
 
     def timed_then_cleaned() -> list[float]:
-        latencies = []
-        for i in range(ops):
-            time.sleep(pause_s)  # an engine's turns are apart (not timed)
-            t0 = time.perf_counter()
-            append(i)
-            latencies.append(time.perf_counter() - t0)
+        # An engine's turns are apart: pause_s between the appends, not timed.
+        latencies = _timed(append, ops, float(params.get("pause_s", 0.0)))
         for sid in [s.session_id for s in sessions] + ballast:  # the bench cluster's memory back
             client.delete_session(sid)
         return latencies

@@ -242,7 +242,7 @@ class AsyncClient:
         if staging is not None:
             try:
                 return await self._send_append(session, token_ids, keys, values, blocks,
-                                         start_block, turn, staging)
+                                               start_block, turn, staging)
             except errors.WrongNodeError as e:
                 self._staging.refused(e)
         return await self._send_append(session, token_ids, keys, values, blocks, start_block,

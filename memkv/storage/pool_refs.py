@@ -90,8 +90,7 @@ class References(TierLadder):
             # Validation is over: from here on the pool changes.
             now = self._clock()
             created = self._admit_new_blocks(update, chain, blocks, now, checksums)
-            self._recent_put_bytes.append(
-                sum(self._blocks[k].layout.block_nbytes() for k in created))
+            self._recent_put_bytes.append(len(created) * layout.block_nbytes())
             held = set(update.hold)
             dedup = 0
             for key in dict.fromkeys(chain[start:]):
