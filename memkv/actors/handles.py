@@ -18,7 +18,7 @@ from memkv.errors import MemberGoneError, MemberLostError
 from memkv.protocol.enums import Priority
 from memkv.protocol.events import BlockEvents
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.members import DeviceInfo, StoredBlocks, TierOf
+from memkv.protocol.members import DeviceInfo, SlotGrant, StoredBlocks, TierOf
 from memkv.protocol.messages import ChainUpdate
 from memkv.protocol.services import (
     AppendAnswer,
@@ -183,6 +183,10 @@ class DeviceHandle:
 
     def block_events(self, since: tuple[str, int]) -> MemberPending[BlockEvents]:
         return MemberPending(self.actor.block_events.remote(since), _same)
+
+    def reserve_slots(self, count: int, slot_bytes: int,
+                      ttl_s: float) -> MemberPending[SlotGrant | None]:
+        return MemberPending(self.actor.reserve_slots.remote(count, slot_bytes, ttl_s), _same)
 
     def adopt(self, layout: KVLayout, chain: Sequence[bytes], tokens: Sequence[int],
               priority: str, exact_only: bool, owner: str,

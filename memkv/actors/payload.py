@@ -59,7 +59,8 @@ class BlockPayload:
 
 @dataclass(frozen=True, slots=True)
 class StagedBlock:
-    """A block a gateway left in its staging segment (memkv.staging) for a device to copy.
+    """A block a gateway or client left in a staging segment (memkv.staging) for a
+    device to copy, or (``reservation``) in a slot the device reserved, to adopt.
 
     Only a process on ``node_id`` can map the segment; a device elsewhere
     refuses it (WrongNodeError) and the sender falls back to the object store.
@@ -74,6 +75,9 @@ class StagedBlock:
     offset: int
     nbytes: int
     node_id: str
+    #: The device's write reservation the slot at ``offset`` belongs to ("": a
+    #: staging segment's bytes, which the device copies).
+    reservation: str = ""
 
 
 def to_payload(

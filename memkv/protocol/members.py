@@ -31,6 +31,7 @@ __all__ = [
     "DeviceInfo",
     "Directory",
     "RouterPeer",
+    "SlotGrant",
     "StoredBlocks",
     "TierOf",
 ]
@@ -63,6 +64,25 @@ class StoredBlocks:
     events: BlockEvents | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class SlotGrant:
+    """Slots a device set aside in its shared memory for a writer on its node to fill
+    (a write reservation): the writer maps ``segment`` (``segment_bytes`` long),
+    copies block i to ``offsets[i]`` (at most ``slot_bytes``), and its append names
+    ``(segment, offset, reservation_id)``; the device adopts the bytes where they
+    are. Slots no append names within ``ttl_s`` seconds go back."""
+
+    reservation_id: str
+    device_id: str
+    node_id: str
+    incarnation: str
+    segment: str
+    segment_bytes: int
+    slot_bytes: int
+    offsets: tuple[int, ...]
+    ttl_s: float
+
+
 class BlockStore(Protocol):
     """One device's tiers, as the owner of sessions directs them (block references
     are per router shard: ``owner``)."""
@@ -80,6 +100,11 @@ class BlockStore(Protocol):
 
     def block_events(self, since: tuple[str, int]) -> Awaitable[BlockEvents]:
         """The device's block changes since ``since`` (an epoch and a position)."""
+        ...
+
+    def reserve_slots(self, count: int, slot_bytes: int,
+                      ttl_s: float) -> Awaitable[SlotGrant | None]:
+        """A write reservation of ``count`` slots (None: no shared-memory room)."""
         ...
 
     def adopt(self, layout: KVLayout, chain: Sequence[bytes], tokens: Sequence[int],

@@ -449,6 +449,11 @@ class Arena(abc.ABC):
                 del self._partial[slot_bytes]
         return offset
 
+    def owns(self, allocation: Allocation) -> bool:
+        """Whether ``allocation`` is a live allocation of this arena."""
+        with self._lock:
+            return self._live.get(allocation.offset) == allocation
+
     def _check_live(self, allocation: object, action: str) -> Allocation:
         if not isinstance(allocation, Allocation):
             raise AllocatorMisuseError(

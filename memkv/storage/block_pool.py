@@ -38,15 +38,20 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from memkv.errors import (
     ConfigError,
+    InvalidInputError,
 )
 from memkv.protocol.enums import Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.members import StoredBlocks
+from memkv.storage.arena import Allocation
 from memkv.storage.block_events import BlockEventLog
 from memkv.storage.codecs import CodecPolicy
 from memkv.storage.cold_writer import ColdWriter, WriterStats
@@ -76,12 +81,24 @@ __all__ = [
     "FetchedBlock",
     "Holder",
     "PoolStats",
+    "ReservedSlots",
     "StoredBlocks",
     "TierStats",
 ]
 
 #: Puts whose size the headroom remembers (it keeps room for the largest of them).
 RECENT_PUTS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ReservedSlots:
+    """Slots :meth:`BlockPool.reserve_slots` set aside: where a writer maps them
+    (``segment``, ``segment_bytes`` long) and each one's place in it."""
+
+    tier: Tier
+    segment: str
+    segment_bytes: int
+    slots: tuple[Allocation, ...]
 
 
 class BlockPool(Reads):
@@ -304,6 +321,67 @@ class BlockPool(Reads):
             self._counters["demotions_ahead"] += moved
             self._debug_check()
         return moved
+
+    def _shared_tier(self) -> tuple[MemoryTier, str] | None:
+        # The hot tier where it is host memory (a CPU device), else the warm tier:
+        # a writer maps the segment; device memory it cannot.
+        for tier in (self._hot, self._warm):
+            name = getattr(tier.arena, "name", None)
+            if name is not None:
+                return tier, str(name)
+        return None
+
+    def shared_capacity_bytes(self) -> int | None:
+        """Size of the tier :meth:`reserve_slots` reserves in (None: none can)."""
+        shared = self._shared_tier()
+        return None if shared is None else shared[0].capacity_bytes
+
+    def slot_view(self, slot: Allocation, shape: tuple[int, ...], dtype: torch.dtype
+                  ) -> torch.Tensor:
+        """A reserved slot's first bytes as a tensor (what a writer put there)."""
+        with self._lock:
+            self.ensure_open()
+            tier = next(t for t in (self._hot, self._warm) if t.arena.owns(slot))
+            return tier.arena.view(slot, shape, dtype, prefix=True)
+
+    def reserve_slots(self, count: int, nbytes: int) -> ReservedSlots | None:
+        """``count`` slots of ``nbytes`` in the shared-memory tier new blocks land in,
+        for a writer on this host to fill and an append to name (:meth:`put`'s
+        ``placed``): the append then stores no copy. All or none; None where no
+        memory tier is shared memory, or there is no room even after evicting.
+
+        The slots belong to no block until a put adopts them; the caller frees
+        the rest with :meth:`free_slots`.
+        """
+        if count <= 0 or nbytes <= 0:
+            raise InvalidInputError(f"reserve a positive count of positive sizes, got "
+                                    f"{count} x {nbytes}")
+        with self._lock:
+            self.ensure_open()
+            shared = self._shared_tier()
+            if shared is None or nbytes > shared[0].arena.max_alloc_bytes:
+                return None
+            tier, segment = shared
+            now = self._clock()
+            slots: list[Allocation] = []
+            while len(slots) < count:
+                slot = tier.arena.allocate(nbytes)
+                if slot is not None:
+                    slots.append(slot)
+                elif not self._evict_one(tier, now):
+                    for taken in slots:
+                        tier.arena.free(taken)
+                    return None
+            return ReservedSlots(tier.tier, str(segment), tier.capacity_bytes, tuple(slots))
+
+    def free_slots(self, slots: Sequence[Allocation]) -> None:
+        """Give back reserved slots no put adopted (see :meth:`reserve_slots`)."""
+        with self._lock:
+            if self._closed:
+                return  # the arenas went with the pool
+            for slot in slots:
+                tier = next(t for t in (self._hot, self._warm) if t.arena.owns(slot))
+                tier.arena.free(slot)
 
     def flush_cold(self) -> None:
         """Wait until every demotion queued so far has reached the cold tier."""

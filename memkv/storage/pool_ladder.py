@@ -16,6 +16,7 @@ from memkv.errors import (
 from memkv.protocol.enums import Tier
 from memkv.protocol.exactness import worse
 from memkv.protocol.hashing import BlockHash
+from memkv.storage.arena import Allocation
 from memkv.storage.codecs import decode_frame, encode_stored
 from memkv.storage.pool_core import (
     _TORCH_DTYPES,
@@ -51,6 +52,21 @@ class TierLadder(PoolCore):
         self._ensure_cold(entry, block)
         entry.tier = None
         self._note_demoted(entry, lossy=_codec_step(entry.cold_codec))
+
+    def _adopt_placed(self, entry: _Block, block: torch.Tensor, slot: Allocation,
+                      now: float) -> bool:
+        """Make a reserved slot holding ``block``'s bytes its copy in that tier (the
+        writer filled it: no copy); False when no memory tier owns the slot."""
+        tier = next((t for t in (self._hot, self._warm) if t.arena.owns(slot)), None)
+        if tier is None:
+            return False
+        # Checksummed where the writer left the bytes: the CRC every read checks.
+        if entry.crc32 is None and _checksummable(entry, block):
+            entry.crc32 = _crc32(block)
+        tier.put(entry.key, block, parent=entry.parent, priority=entry.priority, now=now,
+                 reserve_bytes=slot.nbytes, placed=slot)
+        entry.tier = tier.tier
+        return True
 
     def _put_memory(
         self, tier: MemoryTier, entry: _Block, block: StoredBlock, now: float, evict: bool = True

@@ -20,6 +20,7 @@ from memkv.protocol.events import BlockEvents
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.members import StoredBlocks
 from memkv.protocol.messages import ChainUpdate
+from memkv.storage.arena import Allocation
 from memkv.storage.diagnostics import check_refcounts
 from memkv.storage.layout import KVLayout
 from memkv.storage.pool_core import (
@@ -43,6 +44,7 @@ class References(TierLadder):
         checksums: Sequence[int] | None = None,
         durable: bool = False,
         owner: str = "",
+        placed: dict[int, Allocation] | None = None,
     ) -> StoredBlocks:
         """Apply one append: store its new blocks and count the references it moves.
 
@@ -57,6 +59,10 @@ class References(TierLadder):
                 forced to disk (the ``archive`` acknowledgement mode), written
                 with the lossless online codec.
             owner: whose references these are (a router shard; "" for one owner).
+            placed: blocks whose bytes lie in slots reserved in a memory tier
+                (:meth:`BlockPool.reserve_slots`), by index into ``blocks``: a new
+                block there is adopted in place (no copy) and taken out of the dict;
+                the caller frees what is left (duplicates, or after an error).
 
         Raises:
             LayoutMismatchError: a block's shape/dtype disagrees with the layout
@@ -89,7 +95,7 @@ class References(TierLadder):
                     )
             # Validation is over: from here on the pool changes.
             now = self._clock()
-            created = self._admit_new_blocks(update, chain, blocks, now, checksums)
+            created = self._admit_new_blocks(update, chain, blocks, now, checksums, placed)
             self._recent_put_bytes.append(len(created) * layout.block_nbytes())
             held = set(update.hold)
             dedup = 0
@@ -332,6 +338,7 @@ class References(TierLadder):
         blocks: Sequence[torch.Tensor],
         now: float,
         checksums: Sequence[int] | None = None,
+        placed: dict[int, Allocation] | None = None,
     ) -> set[BlockHash]:
         """Store the blocks of ``chain`` not stored yet; all or nothing."""
         created: list[BlockHash] = []
@@ -355,6 +362,10 @@ class References(TierLadder):
                 self._add_block(entry)
                 created.append(key)
                 block = blocks[i - start_block]
+                if placed and (slot := placed.get(i - start_block)) is not None \
+                        and self._adopt_placed(entry, block, slot, now):
+                    del placed[i - start_block]  # the block's own now: freed with it
+                    continue
                 self._admit(entry, block, now)
                 if entry.crc32 is None and entry.exact:  # went to the cold tier as it is
                     entry.crc32 = _writer_crc32(block)

@@ -140,6 +140,7 @@ class MemoryTier:
         now: float,
         reserve_bytes: int | None = None,
         write: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        placed: Allocation | None = None,
     ) -> bool:
         """Copy ``block`` into the arena. Returns False when there is no room (expected).
 
@@ -148,9 +149,12 @@ class MemoryTier:
                 block takes a full block's slot so one size class serves a layout.
             write: ``write(dst, src)`` copies the block's data into its place (by
                 default ``dst.copy_(src)``): the pool checksums the bytes as it copies.
+            placed: the block's bytes already lie in this live allocation of the
+                arena (a writer filled a reserved slot): it becomes the block's own,
+                nothing is copied. ``block`` must be its view.
 
         Raises:
-            InvalidInputError: the key is already resident.
+            InvalidInputError: the key is already resident, or ``placed`` is too small.
         """
         if key in self._residents:
             raise InvalidInputError(f"block {_short(key)} is already in the {self.tier} tier")
@@ -162,13 +166,20 @@ class MemoryTier:
                     f"reserve_bytes ({reserve_bytes}) is less than the block's {nbytes} bytes"
                 )
             nbytes = reserve_bytes
-        allocation = self.arena.allocate(nbytes)
-        if allocation is None:
-            return False
-        if write is None:
-            self.arena.write(allocation, data, prefix=True)
+        if placed is not None:  # the writer put the bytes there: nothing to copy
+            if placed.nbytes < nbytes:
+                raise InvalidInputError(
+                    f"a placed slot of {placed.nbytes} bytes cannot hold a block of {nbytes}")
+            allocation = placed
         else:
-            write(self.arena.view(allocation, data.shape, data.dtype, prefix=True), data)
+            fresh = self.arena.allocate(nbytes)
+            if fresh is None:
+                return False
+            allocation = fresh
+            if write is None:
+                self.arena.write(allocation, data, prefix=True)
+            else:
+                write(self.arena.view(allocation, data.shape, data.dtype, prefix=True), data)
         if isinstance(block, QuantizedBlock):
             k_scale: torch.Tensor | None = block.k_scale.cpu()
             v_scale: torch.Tensor | None = block.v_scale.cpu()

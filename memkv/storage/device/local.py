@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from memkv.protocol.events import BlockEvents
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.members import DeviceInfo, StoredBlocks, TierOf
+from memkv.protocol.members import DeviceInfo, SlotGrant, StoredBlocks, TierOf
 from memkv.protocol.messages import ChainUpdate
 from memkv.protocol.stats import DeviceStats
 from memkv.storage.device.service import DeviceService
@@ -62,6 +62,10 @@ class LocalBlockStore:
 
     def block_events(self, since: tuple[str, int]) -> asyncio.Future[BlockEvents]:
         return _now(lambda: self.service.block_events(since))
+
+    def reserve_slots(self, count: int, slot_bytes: int,
+                      ttl_s: float) -> asyncio.Future[SlotGrant | None]:
+        return _now(lambda: self.service.reserve_slots(count, slot_bytes, ttl_s))
 
     def adopt(self, layout: KVLayout, chain: Sequence[bytes], tokens: Sequence[int],
               priority: str, exact_only: bool, owner: str,

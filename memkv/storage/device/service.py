@@ -23,19 +23,21 @@ from memkv.config import DeviceSettings
 from memkv.errors import CorruptDataError, InvalidInputError, WrongNodeError
 from memkv.gpu_kernels import backend as kernel_backend
 from memkv.gpu_kernels.unified import PriorityStreams
-from memkv.protocol.dtypes import numpy_view_dtype
+from memkv.protocol.dtypes import numpy_view_dtype, torch_dtype
 from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.events import BlockEvents
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.members import DeviceInfo, StoredBlocks
+from memkv.protocol.members import DeviceInfo, SlotGrant, StoredBlocks
 from memkv.protocol.messages import ChainUpdate, ReadPlan
 from memkv.protocol.stats import DeviceStats, LeaseStats, TierStats
 from memkv.same_node import SegmentMaps
+from memkv.storage.arena import Allocation
 from memkv.storage.block_pool import BlockPool, Holder
 from memkv.storage.config import CodecConfig, StoreConfig
 from memkv.storage.device.headroom import HeadroomKeeper
 from memkv.storage.device.leases import LeaseTable
+from memkv.storage.device.reservations import DEFAULT_RESERVATION_S, SlotReservations
 from memkv.storage.device.warm_segments import (
     SegmentOwnership,
     reclaim_orphans,
@@ -168,6 +170,7 @@ class DeviceService:
             self._ownership.release()
             raise
         self.leases = LeaseTable(lambda keys: self.pool.unpin_blocks([BlockHash(k) for k in keys]))
+        self.reservations = SlotReservations(self.pool, clock=clock)
         # Room for the next put, made between requests (None: demote on demand only).
         self.headroom = (HeadroomKeeper(self.pool).start()
                          if store_config.eviction.headroom_fraction > 0 else None)
@@ -205,7 +208,9 @@ class DeviceService:
         """Apply one append: its new blocks (payloads, refs to them, or staged) and references.
 
         Staged blocks are copied out of the sender's segment before this returns,
-        so the sender may reuse the space once it has the answer.
+        so the sender may reuse the space once it has the answer. Blocks in slots of
+        a write reservation (:meth:`reserve_slots`) are adopted where they are;
+        the reservations an append names end with it (slots it did not use go back).
 
         Args:
             update: what the append changes, from the router.
@@ -219,15 +224,59 @@ class DeviceService:
                 carries the changes after it (this append's among them).
         """
         self.leases.sweep()
-        tensors = [p if isinstance(p, torch.Tensor)  # a caller in this process
-                   else from_payload(self._unstage(p) if isinstance(p, StagedBlock) else p)
-                   for p in blocks]
-        stored = self.pool.put(update, tensors, checksums=checksums, durable=durable, owner=owner)
+        placed: dict[int, Allocation] = {}  # blocks a writer left in reserved slots
+        reservations: set[str] = set()
+        try:
+            tensors = []
+            for i, p in enumerate(blocks):
+                if isinstance(p, StagedBlock) and p.reservation:
+                    reservations.add(p.reservation)
+                    placed[i] = self.reservations.take(p)
+                    tensors.append(self.pool.slot_view(placed[i], p.shape,
+                                                       torch_dtype(p.dtype)))
+                else:
+                    tensors.append(p if isinstance(p, torch.Tensor)  # a caller in this process
+                                   else from_payload(self._unstage(p)
+                                                     if isinstance(p, StagedBlock) else p))
+            named = len(placed)
+            stored = self.pool.put(update, tensors, checksums=checksums, durable=durable,
+                                   owner=owner, placed=placed)
+            self.reservations.note_adopted(named - len(placed))
+        finally:
+            if reservations:
+                self.reservations.finish(reservations, placed.values())
         if self.headroom is not None:
             self.headroom.nudge()
         if since is None:
             return stored
         return replace(stored, events=self.block_events(since))
+
+    def reserve_slots(self, count: int, slot_bytes: int,
+                      ttl_s: float = DEFAULT_RESERVATION_S) -> SlotGrant | None:
+        """A write reservation: ``count`` slots of ``slot_bytes`` in this device's shared
+        memory for a writer on its node to fill and an append to name; the put then
+        adopts the bytes instead of copying them (:mod:`memkv.storage.device.reservations`).
+
+        None where no tier is shared memory or there is no room for them.
+
+        Raises:
+            InvalidInputError: a count or size that is not positive, a bad ``ttl_s``.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0 \
+                or isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) \
+                or slot_bytes <= 0:
+            raise InvalidInputError(
+                f"reserve a positive int of slots of a positive int of bytes, got "
+                f"{count!r} x {slot_bytes!r}")
+        reservation = self.reservations.grant(count, slot_bytes, ttl_s)
+        if reservation is None:
+            return None
+        reserved = reservation.reserved
+        return SlotGrant(
+            reservation_id=reservation.reservation_id, device_id=self.device_id,
+            node_id=self.node_id, incarnation=self.incarnation, segment=reserved.segment,
+            segment_bytes=reserved.segment_bytes, slot_bytes=slot_bytes,
+            offsets=tuple(s.offset for s in reserved.slots), ttl_s=float(ttl_s))
 
     def block_events(self, since: tuple[str, int] = ("", 0)) -> BlockEvents:
         """Blocks stored into and removed from this device's table after ``since``
@@ -496,5 +545,6 @@ class DeviceService:
     def close(self) -> None:
         if self.headroom is not None:
             self.headroom.close()
+        self.reservations.close()
         self.pool.close()
         self._ownership.release()
