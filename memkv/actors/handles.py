@@ -25,9 +25,11 @@ from memkv.protocol.services import (
     AppendTurn,
     CreateSession,
     CreateSessions,
+    ReserveSlots,
     ResumeAnswer,
     SessionView,
     SessionViews,
+    SlotsReserved,
     decode,
     encode,
 )
@@ -121,6 +123,10 @@ def _appended(document: bytes) -> AppendAnswer:
     return decode(AppendAnswer, document)
 
 
+def _reserved(document: bytes) -> SlotsReserved:
+    return decode(SlotsReserved, document)
+
+
 def _resumed(document: bytes) -> ResumeAnswer:
     return decode(ResumeAnswer, document)
 
@@ -146,6 +152,9 @@ class SessionServiceHandle:
 
     def put_blocks(self, request: AppendTurn, blocks: list[Any]) -> Pending[AppendAnswer]:
         return Pending(self.actor.put_blocks_wire.remote(encode(request), blocks), _appended)
+
+    def reserve_slots(self, request: ReserveSlots) -> Pending[SlotsReserved]:
+        return Pending(self.actor.reserve_slots_wire.remote(encode(request)), _reserved)
 
     def resume(self, session_id: str) -> Pending[ResumeAnswer]:
         return Pending(self.actor.resume_wire.remote(session_id), _resumed)

@@ -17,7 +17,14 @@ import ray
 from memkv.actors.archive_journal import ArchiveJournal, journal_name
 from memkv.actors.handles import ArchiveHandle, DeviceHandle, RayDirectory, named_actors
 from memkv.actors.node_env import export_node_id
-from memkv.protocol.services import AppendTurn, CreateSession, CreateSessions, decode, encode
+from memkv.protocol.services import (
+    AppendTurn,
+    CreateSession,
+    CreateSessions,
+    ReserveSlots,
+    decode,
+    encode,
+)
 from memkv.storage.journal import Journal
 from memkv.storage.owned_dir import resolve_on_node
 from memkv.storage.router import RouterState, SessionRouter
@@ -82,6 +89,9 @@ class SessionRouterShell(SessionRouter):
 
     async def put_blocks_wire(self, request: bytes, blocks: list[Any]) -> bytes:
         return encode(await self.put_blocks(decode(AppendTurn, request), blocks))
+
+    async def reserve_slots_wire(self, request: bytes) -> bytes:
+        return encode(await self.reserve_slots(decode(ReserveSlots, request)))
 
     async def resume_wire(self, session_id: str) -> bytes:
         return encode(await self.resume(session_id))

@@ -25,6 +25,7 @@ __all__ = [
     "LeaseOut",
     "LeasedBlockOut",
     "LeasesOut",
+    "ReservationOut",
     "MatchOut",
     "PrefetchOut",
     "ResumeOut",
@@ -158,6 +159,27 @@ class LeasedBlockOut(BaseModel):
             shape=list(entry.shape), dtype=entry.dtype, crc32=entry.crc32,
             exact=entry.exact, lossy=entry.lossy,
         )
+
+
+class ReservationOut(BaseModel):
+    """Slots of the session's device's shared memory to copy an append's blocks into
+    (``id`` None: none, ``reason`` says why; send or stage the blocks instead).
+
+    A client on this host (``host`` equals its :func:`memkv.same_node.shm_identity`)
+    maps ``segment`` (``segment_bytes`` long) writable, copies block i to
+    ``offsets[i]`` and names it in its append as ``staged: {segment, offset,
+    reservation: id}``; the device keeps the bytes where they are. Slots not
+    named within ``ttl_s`` go back: never write into them after that."""
+
+    id: str | None
+    reason: str = ""
+    host: str = ""
+    device_id: str = ""
+    segment: str = ""
+    segment_bytes: int = 0
+    slot_bytes: int = 0
+    offsets: list[int] = []
+    ttl_s: float = 0.0
 
 
 class LeasesOut(BaseModel):

@@ -15,21 +15,31 @@ this host can read ``/dev/shm`` anyway, which is why same-host paths are for
 hosts whose processes are trusted (as same-node reads are). A segment that is
 not on this host answers :class:`~memkv.errors.WrongNodeError`: the client
 sends the bytes instead.
+
+A block may also name a slot of a device's own segment that the device reserved
+for this client (a write reservation, ``staged.reservation``): the gateway
+checks it as any staged block, and the device adopts the slot as the block's
+copy, after checking that the slot is one the reservation holds.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 from memkv.actors.payload import StagedBlock
 from memkv.errors import WrongNodeError
 from memkv.protocol.wire import WireError
 from memkv.same_node import SegmentMaps
 from memkv.staging import CLIENT_STAGE_PREFIX
+from memkv.storage.device.warm_segments import warm_segment_name
 
 __all__ = ["ClientSegments"]
 
 _SHM_DIR = "/dev/shm"
+#: Every segment a device (or a staging) of memkv makes is named under this.
+DEVICE_SEGMENT_PREFIX = warm_segment_name("")
 
 
 class ClientSegments:
@@ -38,14 +48,30 @@ class ClientSegments:
     def __init__(self) -> None:
         self._maps = SegmentMaps()
 
-    def resolve(self, segment: str, offset: int, nbytes: int) -> memoryview:
-        """The ``nbytes`` at ``offset`` of client segment ``segment``.
+    def resolver(self, reservation: str) -> Callable[[str, int, int], memoryview]:
+        """How a block staged under ``reservation`` ("": none) is found: in a client's
+        staging segment, or (with a reservation) in a device's, in a slot the device
+        reserved, which the device checks against the reservation when it adopts it."""
+        if not reservation:
+            return self.resolve
+        return functools.partial(self.resolve, device_slot=True)
+
+    def resolve(self, segment: str, offset: int, nbytes: int,
+                device_slot: bool = False) -> memoryview:
+        """The ``nbytes`` at ``offset`` of client segment ``segment`` (``device_slot``: of
+        a device's segment, the bytes a write reservation's slot holds).
 
         Raises:
-            WireError: not a client staging segment's name, or bytes outside it.
+            WireError: not a client staging segment's name (a device's, for a slot),
+                or bytes outside it.
             WrongNodeError: no such segment on this host.
         """
-        if not segment.startswith(CLIENT_STAGE_PREFIX) or "/" in segment:
+        if device_slot:
+            if not segment.startswith(DEVICE_SEGMENT_PREFIX) \
+                    or segment.startswith(CLIENT_STAGE_PREFIX) or "/" in segment:
+                raise WireError(f"a reserved slot must lie in a device's segment "
+                                f"({DEVICE_SEGMENT_PREFIX}*), got {segment!r:.120}")
+        elif not segment.startswith(CLIENT_STAGE_PREFIX) or "/" in segment:
             raise WireError(f"a staged block must name a client staging segment "
                             f"({CLIENT_STAGE_PREFIX}*), got {segment!r:.120}")
         size, incarnation = self._describe(segment)
@@ -56,11 +82,13 @@ class ClientSegments:
         return view[offset : offset + nbytes].data
 
     def staged_block(self, key: bytes, dtype: str, shape: tuple[int, ...], segment: str,
-                     offset: int, nbytes: int, node_id: str) -> StagedBlock:
-        """What a device on this node needs to copy the block out of the segment."""
+                     offset: int, nbytes: int, node_id: str,
+                     reservation: str = "") -> StagedBlock:
+        """What a device on this node needs to copy the block out of the segment (or,
+        with a ``reservation``, to adopt its own slot)."""
         size, incarnation = self._describe(segment)
         return StagedBlock(key, dtype, shape, segment, size, incarnation, offset, nbytes,
-                           node_id)
+                           node_id, reservation)
 
     def _describe(self, segment: str) -> tuple[int, str]:
         try:

@@ -26,6 +26,7 @@ __all__ = [
     "BlocksByKeyIn",
     "LayoutIn",
     "MatchIn",
+    "ReserveIn",
     "SessionCreate",
     "SessionIdPath",
     "SuspendIn",
@@ -135,6 +136,18 @@ class BlockLeaseIn(BlocksByKeyIn):
         default=DEFAULT_TTL_S, gt=0, le=MAX_TTL_S,
         description="How long the blocks stay pinned unless the lease is given back first.",
     )
+
+
+class ReserveIn(_Model):
+    """A write reservation for a session's next append (same host only)."""
+
+    blocks: int = Field(gt=0, le=4096, description="Block-sized slots wanted.")
+    tokens: list[int] | None = Field(
+        default=None, max_length=1 << 20,
+        description="The session's tokens after the append: a new session is placed by "
+                    "their prefix, as its first append would place it.")
+    ttl_s: float = Field(default=30.0, gt=0, le=300,
+                         description="How long the slots wait for the append that names them.")
 
 
 #: A session id in a path: the one id rule, in the schema too.

@@ -18,6 +18,7 @@ from memkv.protocol.hashing import BlockHash, chain_hashes, token_array
 from memkv.protocol.layout import KV_AXIS_SIZE, KVLayout
 
 if TYPE_CHECKING:
+    from memkv.client.reserved import SlotReservation
     from memkv.staging import PutStaging
 
 from memkv.protocol.wire import (
@@ -83,13 +84,15 @@ def append_body(
     turn: int | None,
     staging: PutStaging | None = None,
     checksum_staged: bool = False,
+    reserved: SlotReservation | None = None,
 ) -> tuple[list[bytes | memoryview], list[BlockHash]]:
     """The frames of an append (only blocks from the first one not stored), and the chain.
 
     ``staging``: blocks that lie in this client staging segment are named
     (segment, offset) rather than sent (a gateway on this host reads them there),
     without a checksum unless ``checksum_staged``: their bytes cross no wire, and
-    the device makes each block's CRC32 as it copies it in.
+    the device makes each block's CRC32 as it copies it in. ``reserved``: blocks
+    that lie in its slots are named with the reservation (the device adopts them).
     """
     tokens = token_array(token_ids)
     layout = session.layout
@@ -132,15 +135,18 @@ def append_body(
             "dtype": layout.dtype,
             "shape": list(array.shape),
         }
-        offset = _staged_at(staging, array)
-        if offset is None:
+        ref = reserved.staged_ref(array) if reserved is not None else None
+        offset = _staged_at(staging, array) if ref is None else None
+        if offset is not None:
+            assert staging is not None
+            ref = {"segment": staging.segment, "offset": offset}
+        if ref is None:
             header["crc32"] = crc32(data)
             chunks.extend(encode_frame(header, data))
         else:
-            assert staging is not None
             if checksum_staged:
                 header["crc32"] = crc32(data)
-            header["staged"] = {"segment": staging.segment, "offset": offset}
+            header["staged"] = ref
             chunks.extend(encode_frame(header))
     return chunks, chain
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -44,8 +45,11 @@ from memkv.protocol.wire import (
 )
 
 if TYPE_CHECKING:
+    from memkv.client.reserved import DeviceSegments, SlotReservation
     from memkv.same_node import HostLease
     from memkv.staging import PutStaging
+
+logger = logging.getLogger(__name__)
 
 
 class Client:
@@ -89,9 +93,12 @@ class Client:
         # need a round trip per append (a stale entry is refreshed on conflict).
         self._known = KnownSessions()
         self._staging = AppendStaging()
+        self._device_segments: DeviceSegments | None = None  # made by reserve_slots
 
     def close(self) -> None:
         self._http.close()
+        if self._device_segments is not None:
+            self._device_segments.close()
         if self._blocks is not None:
             self._blocks.close()
         if self._ports is not None:
@@ -270,6 +277,7 @@ class Client:
         blocks: Sequence[Any] | None = None,
         start_block: int | None = None,
         turn: int | None = None,
+        reserved: SlotReservation | None = None,
     ) -> TurnResult:
         """Append a turn: the session's tokens so far and their KV.
 
@@ -277,16 +285,52 @@ class Client:
         not yet stored for the session are sent), or ready ``blocks`` (numpy
         arrays or tensors ``[layers, 2, kv_heads, tokens, head_dim]``) from
         ``start_block``. ``turn`` defaults to the session's turn + 1; a retry of
-        the same turn is answered without storing anything again.
+        the same turn is answered without storing anything again. ``reserved``:
+        blocks that lie in its slots (:meth:`reserve_slots`) are named, not sent.
         """
         session = self._known.get(session_id) or self.session(session_id)
         try:
-            return self._append(session, token_ids, keys, values, blocks, start_block, turn)
+            return self._append(session, token_ids, keys, values, blocks, start_block, turn,
+                                reserved)
         except errors.ConflictError as e:
             if not self._known.worth_refreshing(e, session_id, turn):
                 raise
             session = self.session(session_id)
-            return self._append(session, token_ids, keys, values, blocks, start_block, turn)
+            return self._append(session, token_ids, keys, values, blocks, start_block, turn,
+                                reserved)
+
+    def reserve_slots(
+        self, session_id: str, blocks: int, *, tokens: Sequence[int] | None = None,
+        ttl_s: float = 30.0,
+    ) -> SlotReservation | None:
+        """Slots of the session's device's shared memory for its next append's ``blocks``
+        blocks (a write reservation; this host only): copy block i into
+        ``reservation.slot(i)`` and pass ``reserved=`` to :meth:`append_turn`; the
+        device keeps the bytes where they are. ``tokens``: the session's tokens after
+        that append (a new session is placed by their prefix). None where the
+        gateway or the device is elsewhere, or short of room: stage or send instead.
+        Fill the slots while ``reservation.writable``, never after.
+        """
+        from memkv.client.reserved import DeviceSegments, SlotReservation
+        from memkv.same_node import shm_identity
+
+        body: dict[str, Any] = {"blocks": blocks, "ttl_s": ttl_s}
+        if tokens is not None:
+            body["tokens"] = [int(t) for t in tokens]
+        doc = self._request("POST", f"/v1/sessions/{quote(session_id, safe='')}/reservations",
+                            json=body, idempotent=False).json()
+        if not doc.get("id"):
+            logger.debug("no write reservation for %s: %s", session_id, doc.get("reason"))
+            return None
+        if doc.get("host") != shm_identity():
+            return None  # let it run out: its slots are of no use here
+        if self._device_segments is None:
+            self._device_segments = DeviceSegments()
+        try:
+            return SlotReservation.from_json(doc, self._device_segments)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            logger.info("memkv write reservation unusable (%s): staging instead", e)
+            return None
 
     def _append(
         self,
@@ -297,14 +341,16 @@ class Client:
         blocks: Sequence[Any] | None,
         start_block: int | None,
         turn: int | None,
+        reserved: SlotReservation | None = None,
     ) -> TurnResult:
         staging = self._staging.active
-        if staging is not None:
+        if staging is not None or reserved is not None:
             try:
                 return self._send_append(session, token_ids, keys, values, blocks,
-                                         start_block, turn, staging)
+                                         start_block, turn, staging, reserved)
             except errors.WrongNodeError as e:
-                self._staging.refused(e)
+                if staging is not None:
+                    self._staging.refused(e)
         return self._send_append(session, token_ids, keys, values, blocks, start_block, turn,
                                  None)
 
@@ -318,9 +364,10 @@ class Client:
         start_block: int | None,
         turn: int | None,
         staging: PutStaging | None,
+        reserved: SlotReservation | None = None,
     ) -> TurnResult:
         body, _ = append_body(session, token_ids, blocks, keys, values, start_block, turn,
-                              staging)
+                              staging, reserved=reserved)
         path = f"/v1/sessions/{session.session_id}/turns"
         sent = (
             self._over_port({"op": "append", "session_id": session.session_id}, body)

@@ -33,10 +33,12 @@ __all__ = [
     "Expected",
     "LayoutSpec",
     "Quota",
+    "ReserveSlots",
     "ResumeAnswer",
     "SessionView",
     "SessionViews",
     "SessionService",
+    "SlotsReserved",
     "decode",
     "encode",
 ]
@@ -220,6 +222,34 @@ class ResumeAnswer(_Message, frozen=True, kw_only=True):
     blocks: tuple[BlockTier, ...]
 
 
+class ReserveSlots(_Message, frozen=True, kw_only=True):
+    """A write reservation for a session's next append: ``count`` block-sized slots
+    in its device's shared memory, for a writer on Ray node ``node`` to fill
+    (:mod:`memkv.storage.device.reservations`). ``chain``: the blocks they are for,
+    which place a new session by prefix like its first append would."""
+
+    session_id: str
+    count: int
+    node: str
+    chain: tuple[bytes, ...] = ()
+    ttl_s: float = 30.0
+
+
+class SlotsReserved(_Message, frozen=True, kw_only=True):
+    """The reservation a device made (``reservation_id`` "": none, ``reason`` says why):
+    the writer maps ``segment`` and copies block i to ``offsets[i]``."""
+
+    reservation_id: str = ""
+    reason: str = ""
+    device_id: str = ""
+    node_id: str = ""
+    segment: str = ""
+    segment_bytes: int = 0
+    slot_bytes: int = 0
+    offsets: tuple[int, ...] = ()
+    ttl_s: float = 0.0
+
+
 class SessionService(Protocol):
     """The session lifecycle, as every owner of sessions answers it."""
 
@@ -230,6 +260,8 @@ class SessionService(Protocol):
     async def session(self, session_id: str) -> SessionView: ...
 
     async def put_blocks(self, request: AppendTurn, blocks: list[Any]) -> AppendAnswer: ...
+
+    async def reserve_slots(self, request: ReserveSlots) -> SlotsReserved: ...
 
     async def resume(self, session_id: str) -> ResumeAnswer: ...
 

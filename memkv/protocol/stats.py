@@ -22,6 +22,7 @@ __all__ = [
     "ClusterStats",
     "DeviceStats",
     "LeaseStats",
+    "ReservationStats",
     "TenantUse",
     "TierStats",
     "as_document",
@@ -48,6 +49,16 @@ class LeaseStats(msgspec.Struct, frozen=True, kw_only=True):
     expired: int = 0
 
 
+class ReservationStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Write reservations of a device: open now, granted and run out since it started,
+    and the slots appends filled that it adopted without a copy."""
+
+    active: int = 0
+    granted: int = 0
+    expired: int = 0
+    adopted_slots: int = 0
+
+
 class DeviceStats(msgspec.Struct, frozen=True, kw_only=True):
     """One device actor: its tiers and what moved between them since it started."""
 
@@ -69,6 +80,7 @@ class DeviceStats(msgspec.Struct, frozen=True, kw_only=True):
     demotions_ahead: int = 0
     kernels: str = "cpu"
     leases: LeaseStats = msgspec.field(default_factory=LeaseStats)
+    reservations: ReservationStats = msgspec.field(default_factory=ReservationStats)
     device_id: str = ""
     #: This process's identity: a restarted device answers another one.
     incarnation: str = ""

@@ -20,6 +20,7 @@ socket into the buffer the block is then read from).
 from __future__ import annotations
 
 import math
+import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ __all__ = [
     "end_frame",
     "numpy_dtype",
     "staged_ref",
+    "staged_reservation",
 ]
 
 MAGIC = b"MKVF"
@@ -208,6 +210,27 @@ def staged_ref(frame: Frame) -> tuple[str, int] | None:
     if len(frame.payload):
         raise WireError(f"block {index}: a staged block carries no payload")
     return segment, offset
+
+
+#: A write reservation's id, as a device makes it (uuid4 hex).
+_RESERVATION_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def staged_reservation(frame: Frame) -> str:
+    """The write reservation a staged block's slot belongs to (its ``staged``'s
+    ``reservation``; "" for bytes in a staging segment, which the device copies).
+
+    Raises:
+        WireError: an ill-formed id.
+    """
+    ref = frame.header.get("staged")
+    reservation = ref.get("reservation", "") if isinstance(ref, dict) else ""
+    if reservation == "":
+        return ""
+    if not isinstance(reservation, str) or not _RESERVATION_ID.fullmatch(reservation):
+        raise WireError(f"block {frame.header.get('index')}: 'staged.reservation' must be a "
+                        f"reservation id (32 hex digits), got {reservation!r:.80}")
+    return reservation
 
 
 def block_payload(

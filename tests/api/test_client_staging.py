@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -184,3 +185,78 @@ def test_the_async_client_stages_its_appends_too(gateway):
             assert all(torch.equal(b.tensor, e) for b, e in zip(got, expected, strict=True))
 
     asyncio.run(main())
+
+
+def _reserved_blocks(client: Client, sid: str, tokens: list[int], seed: int):
+    """A write reservation for the KV of ``tokens``, each block copied into its slot."""
+    keys, values = random_kv(LAYOUT, len(tokens), seed)
+    expected = split_kv(LAYOUT, keys, values)
+    reservation = client.reserve_slots(sid, len(expected), tokens=tokens)
+    assert reservation is not None and reservation.writable
+    blocks = []
+    for i, block in enumerate(expected):
+        nbytes = block.numel() * block.element_size()
+        slot = torch.from_numpy(reservation.slot(i)[:nbytes]).view(block.dtype).view(block.shape)
+        slot.copy_(block)
+        blocks.append(slot)
+    return reservation, blocks, expected
+
+
+@pytest.mark.parametrize("block_port", [True, False], ids=["block port", "http"])
+def test_reserved_slots_are_filled_in_place_and_adopted_without_a_copy(gateway, block_port):
+    with Client(gateway.url, block_port=block_port) as c:
+        sid = _new_session(c)
+        seed = 11 if block_port else 12
+        tokens = _tokens(seed, 10)  # two full blocks and a partial tail
+        reservation, blocks, expected = _reserved_blocks(c, sid, tokens, seed)
+        body, _ = append_body(c.session(sid), tokens, blocks, None, None, 0, None,
+                              reserved=reservation)
+        assert sum(memoryview(x).nbytes for x in body) < 2048  # headers only, no payloads
+        result = c.append_turn(sid, tokens, blocks=blocks, start_block=0, reserved=reservation)
+        assert result.new_blocks == 3
+        # Stored where the client wrote them: no copy was made.
+        lease = c.lease_blocks(None, c.session(sid).chain)
+        try:
+            assert [(e.segment, e.offset) for _, e in lease.blocks] == [
+                (reservation.segment, o) for o in reservation.offsets]
+        finally:
+            for plan in lease.plans:
+                c.release_lease(plan.lease_id)
+        got = list(c.read_blocks(sid))
+        assert all(torch.equal(b.tensor, e) for b, e in zip(got, expected, strict=True))
+
+
+def test_a_reserved_slot_named_wrongly_is_refused_and_nothing_is_stored(gateway):
+    with Client(gateway.url) as c:
+        sid = _new_session(c)
+        tokens = _tokens(13)
+        reservation, blocks, _ = _reserved_blocks(c, sid, tokens, 13)
+        body, _ = append_body(c.session(sid), tokens, blocks, None, None, 0, None,
+                              reserved=reservation)
+        # Block 1 names another offset of the same segment: not a slot it was given.
+        frame = bytes(body[2])  # after the turn frame's prefix and header
+        offset = reservation.offsets[1]
+        assert msgpack.packb(offset) in frame
+        wrong = [*body[:2], frame.replace(msgpack.packb(offset), msgpack.packb(offset + 64)),
+                 *body[3:]]
+        conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
+        try:
+            with pytest.raises(PortError) as bad:
+                conn.request({"op": "append", "session_id": sid}, wrong)
+            assert bad.value.status == 422 and "not an open slot" in bad.value.error["message"]
+        finally:
+            conn.close()
+        assert c.session(sid).turn == 0
+        # A reservation named by a failed append is over: its slots went back.
+        with pytest.raises(Exception, match="not held here"):
+            c.append_turn(sid, tokens, blocks=blocks, start_block=0, reserved=reservation)
+
+
+def test_a_reservation_may_not_name_a_client_staging_segment(gateway):
+    with Client(gateway.url) as c:
+        from memkv.api.client_segments import ClientSegments
+
+        staging = c.staging(1 << 20)
+        assert staging is not None
+        with pytest.raises(InvalidInputError, match="device's segment"):
+            ClientSegments().resolver("ab" * 16)(staging.segment, 0, 16)

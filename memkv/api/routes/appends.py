@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 
 from memkv.actors.handles import Pending
 from memkv.actors.payload import BlockPayload, StagedBlock
-from memkv.api.answers import AppendOut
+from memkv.api.answers import AppendOut, ReservationOut
 from memkv.api.auth import Principal
 from memkv.api.blocks import FRAMES_MEDIA_TYPE
 from memkv.api.body_budget import BodyHold
@@ -29,7 +29,7 @@ from memkv.api.context import (
     scoped,
 )
 from memkv.api.errors import BodyTimeout, PayloadTooLarge
-from memkv.api.models import SessionIdPath
+from memkv.api.models import ReserveIn, SessionIdPath
 from memkv.errors import (
     ConflictError,
     InvalidInputError,
@@ -40,7 +40,14 @@ from memkv.errors import (
 from memkv.protocol.dtypes import non_finite_count
 from memkv.protocol.hashing import chain_hashes, token_array
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.services import AppendAnswer, AppendTurn, Expected, LayoutSpec, Quota
+from memkv.protocol.services import (
+    AppendAnswer,
+    AppendTurn,
+    Expected,
+    LayoutSpec,
+    Quota,
+    ReserveSlots,
+)
 from memkv.protocol.wire import (
     Frame,
     FrameHeader,
@@ -48,6 +55,7 @@ from memkv.protocol.wire import (
     WireError,
     block_payload,
     staged_ref,
+    staged_reservation,
 )
 from memkv.staging import StagingSlot
 
@@ -84,6 +92,48 @@ async def append_turn(
     return AppendOut.of(await receive_append(
         gw, who, session_id, int(declared) if declared and declared.isdigit() else None, read
     ))
+
+
+@router.post("/v1/sessions/{session_id}/reservations", tags=["kv"])
+async def reserve_slots(
+    session_id: SessionIdPath, body: ReserveIn, gw: GatewayState, who: Caller
+) -> ReservationOut:
+    """A write reservation for the session's next append (a client on this host).
+
+    The session's device sets aside block-sized slots of its shared memory; the
+    client copies its blocks there and its append names them, so the device
+    stores them where they lie instead of copying them (a save's second copy).
+    ``id`` null: no reservation here (the device is on another node, or short
+    of room): stage or send the blocks as usual.
+    """
+    sid = scoped(who, session_id, "write")
+    if gw.staging is None or not gw.this_node:
+        return ReservationOut(id=None, reason="no device runs on this gateway's node")
+    if gw.unstaged.get(sid) is not None:
+        return ReservationOut(id=None, reason=f"session {session_id!r} lives on another node")
+    chain: tuple[bytes, ...] = ()
+    if body.tokens is not None:
+        layout, namespace, _ = await _session_facts(gw, sid)
+        chain = tuple(bytes(k) for k in chain_hashes(token_array(body.tokens), layout,
+                                                     namespace))
+    answer = await gw.routers.service(sid).reserve_slots(ReserveSlots(
+        session_id=sid, count=body.blocks, node=gw.this_node, chain=chain, ttl_s=body.ttl_s))
+    if not answer.reservation_id:
+        return ReservationOut(id=None, reason=answer.reason)
+    return ReservationOut(
+        id=answer.reservation_id, host=gw.host_shm, device_id=answer.device_id,
+        segment=answer.segment, segment_bytes=answer.segment_bytes,
+        slot_bytes=answer.slot_bytes, offsets=list(answer.offsets), ttl_s=answer.ttl_s)
+
+
+async def _session_facts(gw: Gateway, sid: str) -> tuple[KVLayout, str, bool]:
+    """A session's layout, namespace and finite_only, from the gateway's cache."""
+    known = gw.sessions.get(sid)
+    if known is None:
+        view = await gw.routers.service(sid).session(sid)
+        known = (view.layout.layout(), view.namespace, view.finite_only)
+        gw.sessions.put(sid, known)
+    return known
 
 
 async def receive_append(
@@ -127,12 +177,7 @@ async def _append(
     if not frames or frames[0].kind != "turn":
         raise WireError("an append body starts with a 'turn' frame")
     head = frames[0].header
-    known = gw.sessions.get(sid)
-    if known is None:
-        view = await gw.routers.service(sid).session(sid)
-        known = (view.layout.layout(), view.namespace, view.finite_only)
-        gw.sessions.put(sid, known)
-    layout, namespace, finite_only = known
+    layout, namespace, finite_only = await _session_facts(gw, sid)
     sent_layout = head.get("layout")
     if sent_layout is not None and KVLayout.from_dict(sent_layout) != layout:
         raise ConflictError(
@@ -157,10 +202,14 @@ async def _append(
         )
     payloads = []
     checksums: list[int | None] = []
-    in_client_segments = []  # each block's (segment, offset) where its client staged it
+    # Each block's (segment, offset, reservation) where its client staged it.
+    in_client_segments: list[tuple[str, int, str] | None] = []
     for i, frame in enumerate(blocks, start=start):
-        key, dtype, array = block_payload(frame, gw.client_segments.resolve)
-        in_client_segments.append(staged_ref(frame))
+        reservation = staged_reservation(frame)
+        key, dtype, array = block_payload(
+            frame, gw.client_segments.resolver(reservation))
+        ref = staged_ref(frame)
+        in_client_segments.append(None if ref is None else (*ref, reservation))
         if key != chain[i]:
             raise WireError(f"block {i}: its key does not match the hash of its tokens")
         if dtype != layout.dtype:
@@ -217,7 +266,7 @@ async def _append(
 
 def _describe(
     gw: Gateway, sid: str, payloads: list[BlockPayload],
-    in_client_segments: list[tuple[str, int] | None], slot: StagingSlot | None,
+    in_client_segments: list[tuple[str, int, str] | None], slot: StagingSlot | None,
 ) -> list[StagedBlock] | None:
     """Where a device on this node copies the blocks from: the client's segment (every
     block staged by the client) or this gateway's slot; None: send them by value."""
@@ -225,7 +274,7 @@ def _describe(
         return None  # no device here, or not the session's (``staging`` needs one)
     if all(ref is not None for ref in in_client_segments):
         return [gw.client_segments.staged_block(p.key, p.dtype, tuple(p.data.shape), ref[0],
-                                                ref[1], p.nbytes, gw.this_node)
+                                                ref[1], p.nbytes, gw.this_node, ref[2])
                 for p, ref in zip(payloads, in_client_segments, strict=True)
                 if ref is not None]
     if slot is None:

@@ -30,7 +30,7 @@ from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.members import DeviceInfo, SlotGrant, StoredBlocks
 from memkv.protocol.messages import ChainUpdate, ReadPlan
-from memkv.protocol.stats import DeviceStats, LeaseStats, TierStats
+from memkv.protocol.stats import DeviceStats, LeaseStats, ReservationStats, TierStats
 from memkv.same_node import SegmentMaps
 from memkv.storage.arena import Allocation
 from memkv.storage.block_pool import BlockPool, Holder
@@ -527,6 +527,10 @@ class DeviceService:
             kernels=kernel_backend(),  # cuda, or cpu (the reference)
             leases=LeaseStats(active=len(self.leases), granted=self.leases.granted,
                               expired=self.leases.expired),
+            reservations=ReservationStats(
+                active=len(self.reservations), granted=self.reservations.granted,
+                expired=self.reservations.expired,
+                adopted_slots=self.reservations.adopted_slots),
             device_id=self.device_id,
             incarnation=self.incarnation,
             prefault_done=self.pool.prefault_done.is_set(),

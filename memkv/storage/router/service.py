@@ -42,10 +42,12 @@ from memkv.protocol.services import (
     BlockTier,
     CreateSession,
     CreateSessions,
+    ReserveSlots,
     ResumeAnswer,
     SessionService,
     SessionView,
     SessionViews,
+    SlotsReserved,
 )
 from memkv.protocol.shards import shard_owner
 from memkv.protocol.stats import ClusterStats, DeviceStats, DrainReport, RepairStats
@@ -68,6 +70,9 @@ logger = logging.getLogger(__name__)
 ACK_MODES = tuple(m.value for m in AckMode)
 #: The journal is rewritten as a snapshot once it holds this many records.
 JOURNAL_SNAPSHOT_RECORDS = 10_000
+#: Slots one write reservation may ask for (a 4096-token prompt of 16-token
+#: blocks is 256; each is a block's size, bounded again by the device).
+MAX_RESERVED_SLOTS = 4096
 #: The largest answer :meth:`SessionRouter.echo` makes.
 _ECHO_MAX_BYTES = 1 << 16
 
@@ -362,6 +367,33 @@ class SessionRouter:
         """Store a turn's blocks on the session's device (:meth:`Appends.put`)."""
         await self._ready()
         return await self.appends.put(request, blocks)
+
+    async def reserve_slots(self, request: ReserveSlots) -> SlotsReserved:
+        """A write reservation on the session's device for a writer on ``request.node``
+        (placing a new session as its first append would); none, with the reason,
+        where that device is on another node or has no shared-memory room."""
+        await self._ready()
+        session_id = request.session_id
+        record = self.state.get(session_id)
+        if not 0 < request.count <= MAX_RESERVED_SLOTS:
+            raise InvalidInputError(
+                f"reserve 1..{MAX_RESERVED_SLOTS} slots, got {request.count}")
+        device_id = self.state.place(session_id, list(request.chain))
+        if device_id not in self.members.devices:
+            raise ClosedError(f"session {session_id!r} is being recovered; retry")
+        node = self.state.node_of.get(device_id, "")
+        if not node or not (node.startswith(request.node) or request.node.startswith(node)):
+            return SlotsReserved(reason=f"session {session_id!r} lives on device {device_id} "
+                                        f"of another node")
+        grant = await self.members.call(device_id, session_id, lambda d: d.reserve_slots(
+            request.count, record.layout.block_nbytes(), request.ttl_s))
+        if grant is None:
+            return SlotsReserved(reason=f"device {device_id} has no shared-memory room for "
+                                        f"{request.count} blocks now")
+        return SlotsReserved(
+            reservation_id=grant.reservation_id, device_id=grant.device_id,
+            node_id=grant.node_id, segment=grant.segment, segment_bytes=grant.segment_bytes,
+            slot_bytes=grant.slot_bytes, offsets=grant.offsets, ttl_s=grant.ttl_s)
 
     async def read_route(
         self, session_id: str, start: int = 0, end: int | None = None
