@@ -278,6 +278,7 @@ class Client:
         start_block: int | None = None,
         turn: int | None = None,
         reserved: SlotReservation | None = None,
+        layout: KVLayout | None = None,
     ) -> TurnResult:
         """Append a turn: the session's tokens so far and their KV.
 
@@ -287,8 +288,17 @@ class Client:
         ``start_block``. ``turn`` defaults to the session's turn + 1; a retry of
         the same turn is answered without storing anything again. ``reserved``:
         blocks that lie in its slots (:meth:`reserve_slots`) are named, not sent.
+        ``layout``: the layout the blocks were computed in; a session of another
+        layout refuses them (ConflictError) rather than storing them under its own
+        model's hashes.
         """
         session = self._known.get(session_id) or self.session(session_id)
+        if layout is not None and session.layout != layout:
+            session = self.session(session_id)  # the view may be stale
+            if session.layout != layout:
+                raise errors.ConflictError(
+                    f"session {session_id!r} holds KV of layout {session.layout.to_dict()}; "
+                    f"these blocks are of {layout.to_dict()}")
         try:
             return self._append(session, token_ids, keys, values, blocks, start_block, turn,
                                 reserved)

@@ -200,10 +200,13 @@ def paged_write(
 
 
 def paged_read(
-    cache: torch.Tensor, block_ids: list[int], layer: int, blocks: torch.Tensor, layout: int
+    cache: torch.Tensor, block_ids: list[int], layer: int,
+    blocks: torch.Tensor | list[torch.Tensor], layout: int,
 ) -> None:
-    """Layer ``layer`` of a paged cache's ``block_ids`` into memkv blocks."""
-    if not _on_gpu(blocks, cache) or not blocks.is_contiguous() or not cache.is_contiguous():
+    """Layer ``layer`` of a paged cache's ``block_ids`` into memkv blocks (one tensor, or
+    one per block where they do not lie back to back)."""
+    if isinstance(blocks, list) or not _on_gpu(blocks, cache) or not blocks.is_contiguous() \
+            or not cache.is_contiguous():
         reference.paged_read(cache, block_ids, layer, blocks, layout)
         return
     _paged("read", blocks, block_ids, layer, cache, layout)

@@ -292,7 +292,8 @@ def paged_write(
 
 
 def paged_read(
-    cache: torch.Tensor, block_ids: list[int], layer: int, blocks: torch.Tensor, layout: int
+    cache: torch.Tensor, block_ids: list[int], layer: int,
+    blocks: torch.Tensor | list[torch.Tensor], layout: int,
 ) -> None:
     """Layer ``layer`` of a paged cache's ``block_ids`` into memkv blocks ``[n, L, 2, H, N, D]``
     (a copy per run of consecutive ids, as :func:`paged_write`)."""

@@ -260,3 +260,21 @@ def test_a_reservation_may_not_name_a_client_staging_segment(gateway):
         assert staging is not None
         with pytest.raises(InvalidInputError, match="device's segment"):
             ClientSegments().resolver("ab" * 16)(staging.segment, 0, 16)
+
+
+def test_blocks_of_another_layout_are_refused_not_hashed_as_the_sessions(gateway):
+    """An engine of another model appending to a session id that exists: refused
+    rather than its KV stored under the session's model's hashes."""
+    from memkv.errors import ConflictError
+
+    other = KVLayout("another-model", num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
+    with Client(gateway.url) as c:
+        sid = _new_session(c)
+        keys, values = random_kv(LAYOUT, 8, 14)
+        with pytest.raises(ConflictError, match="another-model"):
+            c.append_turn(sid, _tokens(14), blocks=split_kv(LAYOUT, keys, values),
+                          start_block=0, layout=other)
+        assert c.session(sid).turn == 0
+        c.append_turn(sid, _tokens(14), blocks=split_kv(LAYOUT, keys, values), start_block=0,
+                      layout=LAYOUT)
+        assert c.session(sid).turn == 1

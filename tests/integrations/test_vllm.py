@@ -81,7 +81,7 @@ def run_engine(
     return json.loads(out.read_text())
 
 
-# Seven engine processes, one after another (~20 s to start each here): 220 s alone on
+# Eight engine processes, one after another (~20 s to start each here): 250 s alone on
 # this machine, past the suite's 300 s default inside a loaded full run.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -111,6 +111,13 @@ def test_vllm_loads_prefixes_and_agent_turns_from_memkv_with_identical_output(
         ),
         "gateway-second": _engine(
             "memkv", tmp_path / "g2.json", {**deployment, "layerwise": False}
+        ),
+        # Saves into write reservations: copied from the paged cache straight into
+        # the device's memory and kept there (a model id of its own: a fresh chain,
+        # so it saves its prompt; each later turn loads what the earlier saved).
+        "gateway-reserved": _engine(
+            "memkv", tmp_path / "g3.json",
+            {**deployment, "model_id": "llama-reserved", "save_reserve_min_bytes": 0},
         ),
         # Inside the cluster (Ray, no HTTP), in a namespace of its own.
         "cluster-first": _engine("memkv", tmp_path / "c1.json", in_cluster),
@@ -149,6 +156,11 @@ def test_vllm_loads_prefixes_and_agent_turns_from_memkv_with_identical_output(
     for name in ("gateway-second", "cluster-first", "cluster-second"):
         saved = runs[name]["connector"]
         assert saved["save_blocks_staged"] == saved["save_blocks"], name
+    reserved = runs["gateway-reserved"]
+    assert reserved["connector"]["save_blocks_reserved"] == reserved["connector"]["save_blocks"]
+    assert reserved["connector"]["save_blocks"] > 0 and reserved["prompt"][1] == 0
+    assert all(t[1] > 0 for t in reserved["turns"][1:])
+    assert reserved["connector"]["save_failures"] == reserved["connector"]["load_failures"] == 0
     assert runs["cluster-first"]["connector"]["save_blocks"] > 0
     assert runs["cluster-first"]["connector"]["save_copy_seconds"] > 0
     from memkv.client import Client

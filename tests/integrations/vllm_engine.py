@@ -79,10 +79,12 @@ def main(mode: str, model: str, out_path: str, extra: dict) -> None:
     result = {"mode": mode, "prompt": None, "turns": []}
     result["prompt"] = run(PROMPT)
     settled()
+    # A session holds one model's KV: a run under another model id has its own.
+    session_id = "agent-1" if "model_id" not in extra else f"agent-1-{extra['model_id']}"
     history: list[int] = []
     for user in TURN_INPUTS:
         history = history + user
-        generated, cached = run(history, session_id="agent-1")
+        generated, cached = run(history, session_id=session_id)
         result["turns"].append([generated, cached])
         history = history + generated
         settled()

@@ -48,6 +48,9 @@ Configuration (``kv_connector_extra_config``)::
                                         #   into this much shared memory (populated at
                                         #   start) and named there, not sent; a save that
                                         #   does not fit goes over the socket (0: never)
+     "save_reserve_min_bytes": 8388608, # same node: a save this big is copied straight
+                                        #   into slots the session's device reserves in
+                                        #   its shared memory, and kept there (null: never)
      "save_wait_s": 2.0,                # a session's next turn waits up to this long for
                                         #   its last turn's save to land (0: never waits)
      "stats_path": null}                # also write the running totals here, as JSON
@@ -102,6 +105,7 @@ from memkv.integrations.vllm.plan import (
     content_session_id,
     paged_layout,
     request_bytes,
+    reserve_min_bytes,
     save_wait_s,
 )
 from memkv.integrations.vllm.stats_file import write_part
@@ -171,6 +175,7 @@ class MemkvConnector(KVConnectorBase_V1):
         )
         self._layerwise = bool(self._extra.get("layerwise", True))
         self._request_bytes = request_bytes(self._extra)
+        self._reserve_min_bytes = reserve_min_bytes(self._extra)
         self._stats_path = self._extra.get("stats_path")
         self._stats_lock = threading.Lock()  # the engine's thread and the saver's
         self._role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
@@ -447,7 +452,7 @@ class MemkvConnector(KVConnectorBase_V1):
         for save in metadata.saves:
             staged = self._staged.get(save.req_id)
             if staged is None:
-                staged = self._staged[save.req_id] = self._save_buffer(len(save.block_ids))
+                staged = self._staged[save.req_id] = self._save_buffer(save)
             kernels.paged_read(kv_layer, save.block_ids, layer, staged.blocks,
                                paged_layout(kv_layer))
         if metadata.saves:
@@ -543,10 +548,17 @@ class MemkvConnector(KVConnectorBase_V1):
             blocks.extend(self.transport().read(chunk, out=self._buffers.take(len(chunk))))
         return blocks
 
-    def _save_buffer(self, count: int) -> Staged:
-        """Where a save's ``count`` blocks are copied out of the paged cache: this host's
-        staging shared memory where the gateway is local (the append then names
-        them, one copy in all), else memory of this process's."""
+    def _save_buffer(self, save: Save) -> Staged:
+        """Where a save's blocks are copied out of the paged cache: slots the session's
+        device reserved in its shared memory (the device keeps the bytes there: one
+        copy in all), else this host's staging shared memory where the gateway is
+        local (the device copies them once more), else memory of this process's."""
+        count = len(save.block_ids)
+        if self._reserve_min_bytes is not None \
+                and count * self.layout.block_nbytes() >= self._reserve_min_bytes:
+            reserved = self._reserved_buffer(save)
+            if reserved is not None:
+                return reserved
         shape = (count, *self.layout.block_shape())
         nbytes = count * self.layout.block_nbytes()
         try:
@@ -560,16 +572,39 @@ class MemkvConnector(KVConnectorBase_V1):
         words = torch.frombuffer(view, dtype=torch.uint8)
         return Staged(words.view(self.layout.torch_dtype).view(shape), slot)
 
+    def _reserved_buffer(self, save: Save) -> Staged | None:
+        count = len(save.block_ids)
+        tokens = save.token_ids[: (save.start_block + count) * self._block_size]
+        try:
+            reservation = self.transport().reserve(self._session_of(save), save.priority,
+                                                   tokens, count)
+        except _FAILURES as e:
+            logger.debug("memkv write reservation failed, staging instead: %s", e)
+            return None
+        if reservation is None or not reservation.writable:
+            return None
+        dtype, block_shape = self.layout.torch_dtype, self.layout.block_shape()
+        run = reservation.run()
+        if run is not None:  # back to back: a run of vLLM blocks is one copy
+            words = torch.from_numpy(run).view(dtype)
+            return Staged(words.view(count, *block_shape), reservation=reservation)
+        return Staged([torch.from_numpy(reservation.slot(i)).view(dtype).view(block_shape)
+                       for i in range(count)], reservation=reservation)
+
+    def _session_of(self, save: Save) -> str:
+        return save.session_id or content_session_id(self.layout, save.token_ids)
+
     def _save(self, session_id: str, save: Save, blocks: list[torch.Tensor],
-              in_staging: bool) -> None:
+              staged: Staged) -> None:
         """Append in requests of at most ``max_request_bytes``, each the tokens up to its end
         (one request for blocks in staging: their bytes are not in the body)."""
-        per = len(blocks) if in_staging else self._chunk_blocks()
+        per = len(blocks) if staged.in_shared_memory else self._chunk_blocks()
         for i in range(0, len(blocks), per):
             chunk = blocks[i : i + per]
             first = save.start_block + i
             tokens = save.token_ids[: (first + len(chunk)) * self._block_size]
-            self.transport().save(session_id, save.priority, tokens, chunk, first)
+            self.transport().save(session_id, save.priority, tokens, chunk, first,
+                                  reserved=staged.reservation)
 
     def _write_stats_file(self) -> None:
         if not self._stats_path:
@@ -599,11 +634,10 @@ class MemkvConnector(KVConnectorBase_V1):
                 return
             save, staged = item
             start = time.perf_counter()
-            session_id = save.session_id or content_session_id(self.layout, save.token_ids)
-            tensor = staged.blocks
-            blocks = [tensor[i] for i in range(tensor.shape[0])]
+            session_id = self._session_of(save)
+            blocks = staged.block_list()
             try:
-                self._save(session_id, save, blocks, staged.slot is not None)
+                self._save(session_id, save, blocks, staged)
             except _FAILURES as e:
                 logger.warning("memkv save of %s failed (a later miss): %s", save.req_id, e)
                 self.stats.add(save_failures=1)
@@ -613,7 +647,8 @@ class MemkvConnector(KVConnectorBase_V1):
                 self.stats.add(
                     save_blocks=len(blocks),
                     save_blocks_staged=len(blocks) if staged.slot is not None else 0,
-                    save_bytes=tensor.numel() * tensor.element_size(),
+                    save_blocks_reserved=len(blocks) if staged.reservation is not None else 0,
+                    save_bytes=staged.nbytes,
                     save_seconds=time.perf_counter() - start,
                 )
             self._saves_done += 1

@@ -43,7 +43,10 @@ COUNTERS: dict[str, str] = {
     "save_seconds": "Seconds the background saver spent storing KV in memkv.",
     "save_copy_seconds": "Seconds the forward pass spent copying blocks to save out of the "
     "paged cache (into this host's staging shared memory where the gateway is local).",
-    "save_blocks_staged": "Of save_blocks: named in this host's shared memory, not sent.",
+    "save_blocks_staged": "Of save_blocks: named in this host's staging shared memory, not "
+    "sent (the device copies them into its own).",
+    "save_blocks_reserved": "Of save_blocks: copied straight into slots the session's device "
+    "reserved in its shared memory, and kept there (one copy in all).",
     "save_failures": "Saves that failed (those blocks miss later).",
 }
 

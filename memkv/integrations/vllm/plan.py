@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from memkv.client.reserved import SlotReservation
 from memkv.errors import InvalidInputError
 from memkv.gpu_kernels import ops as kernels
 from memkv.integrations.vllm.direct_load import DirectLoad
@@ -30,6 +31,7 @@ __all__ = [
     "content_session_id",
     "paged_layout",
     "request_bytes",
+    "reserve_min_bytes",
 ]
 
 #: Blocks travel in requests of at most this many bytes: a 4096-token prompt of a
@@ -41,6 +43,24 @@ def request_bytes(extra: dict[str, Any]) -> int:
     value = extra.get("max_request_bytes", REQUEST_BYTES)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidInputError(f"max_request_bytes must be a positive int, got {value!r}")
+    return value
+
+
+#: A save of at least this many bytes asks the session's device for a write
+#: reservation (one round trip on the forward pass, ~1-3 ms here) and is copied
+#: straight into its memory; smaller ones are staged (the device copies them in
+#: the background, which costs less than the round trip for a few blocks).
+RESERVE_MIN_BYTES = 8 << 20
+
+
+def reserve_min_bytes(extra: dict[str, Any]) -> int | None:
+    """``save_reserve_min_bytes`` (None: saves never ask for a reservation)."""
+    value = extra.get("save_reserve_min_bytes", RESERVE_MIN_BYTES)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInputError(f"save_reserve_min_bytes must be an int >= 0 or null, "
+                                f"got {value!r}")
     return value
 
 
@@ -76,11 +96,26 @@ STAGING_QUARANTINE_S = 120.0
 @dataclass
 class Staged:
     """A save's blocks ``[blocks, layers, 2, kv_heads, tokens, head_dim]``, copied out of
-    the paged cache; ``slot``: where they lie in this host's staging shared memory
-    (None: in this process's memory)."""
+    the paged cache; ``slot``: where they lie in this host's staging shared memory;
+    ``reservation``: in slots the session's device reserved (a list of blocks where
+    the slots are not back to back); neither: in this process's memory."""
 
-    blocks: torch.Tensor
+    blocks: torch.Tensor | list[torch.Tensor]
     slot: StagingSlot | None = None
+    reservation: SlotReservation | None = None
+
+    def block_list(self) -> list[torch.Tensor]:
+        return list(self.blocks) if isinstance(self.blocks, list) \
+            else [self.blocks[i] for i in range(self.blocks.shape[0])]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.block_list())
+
+    @property
+    def in_shared_memory(self) -> bool:
+        """Named in the append rather than sent (staged or reserved)."""
+        return self.slot is not None or self.reservation is not None
 
     def release(self, after_s: float = 0.0) -> None:
         """Give the staging space back, now or ``after_s`` from now."""

@@ -27,11 +27,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from memkv.errors import ConflictError, CorruptDataError, InvalidInputError
+from memkv.errors import (
+    ConflictError,
+    CorruptDataError,
+    InvalidInputError,
+    UnknownSessionError,
+)
 from memkv.protocol.ids import scoped_session_id
 from memkv.protocol.layout import KVLayout
 
 if TYPE_CHECKING:
+    from memkv.client.reserved import SlotReservation
     from memkv.cluster import MemkvCluster
     from memkv.same_node import HostLease
     from memkv.staging import PutStaging, StagingSlot
@@ -49,6 +55,8 @@ TRANSPORTS = ("gateway", "cluster")
 Leased = tuple["HostLease", Callable[[], None]]
 #: After an answer without shared memory, how long loads go the plain way before asking again.
 _NO_LEASES_RECHECK_S = 60.0
+#: After no write reservation, how long saves are staged before one is asked for again.
+_NO_RESERVATIONS_RECHECK_S = 10.0
 
 
 class KVTransport(Protocol):
@@ -71,8 +79,17 @@ class KVTransport(Protocol):
         token_ids: Sequence[int],
         blocks: Sequence[torch.Tensor],
         start_block: int,
+        reserved: SlotReservation | None = None,
     ) -> None:
-        """Append blocks ``start_block ..`` of ``token_ids`` to the session (created if new)."""
+        """Append blocks ``start_block ..`` of ``token_ids`` to the session (created if new);
+        blocks in ``reserved``'s slots are named, not sent."""
+        ...
+
+    def reserve(self, session_id: str, priority: str, token_ids: Sequence[int],
+                count: int) -> SlotReservation | None:
+        """Slots of the session's device's shared memory for the next save's ``count``
+        blocks, ``token_ids`` the session's tokens after it (None: no such path here,
+        or no room: stage or send instead)."""
         ...
 
     def lease(self, keys: Sequence[bytes]) -> Leased | None:
@@ -129,7 +146,9 @@ class GatewayTransport:
         self._namespace = namespace
         self._client = Client(url, token=token, timeout=30.0, retries=1, block_port=block_port)
         self._plain_until = 0.0
+        self._no_reservations_until = 0.0
         self.path = "unknown"  # how loads come: "shared memory", "block port" or "http"
+        self.save_path = "unknown"  # how saves go: "reserved", "staging", or by value
 
     def match(self, token_ids: Sequence[int]) -> tuple[int, list[bytes]]:
         match = self._client.match(self.layout, self._namespace, list(token_ids))
@@ -148,13 +167,44 @@ class GatewayTransport:
         token_ids: Sequence[int],
         blocks: Sequence[torch.Tensor],
         start_block: int,
+        reserved: SlotReservation | None = None,
     ) -> None:
+        if reserved is None:  # a reservation was made for a session that exists
+            self._create(session_id, priority)
+        self._client.append_turn(
+            session_id, list(token_ids), blocks=list(blocks), start_block=start_block,
+            reserved=reserved, layout=self.layout,
+        )
+
+    def _create(self, session_id: str, priority: str) -> None:
         _created_or_there(lambda: self._client.create_session(
             session_id, self.layout, namespace=self._namespace, priority=priority
         ))
-        self._client.append_turn(
-            session_id, list(token_ids), blocks=list(blocks), start_block=start_block
-        )
+
+    def reserve(self, session_id: str, priority: str, token_ids: Sequence[int],
+                count: int) -> SlotReservation | None:
+        """A write reservation where the gateway is on this host (one round trip for a
+        session that exists; after an answer of none, none asked for a while)."""
+        if not self._same_node or self._save_staging_bytes <= 0 \
+                or time.monotonic() < self._no_reservations_until:
+            return None
+        try:
+            reserved = self._client.reserve_slots(session_id, count, tokens=token_ids)
+        except UnknownSessionError:
+            self._create(session_id, priority)
+            reserved = self._client.reserve_slots(session_id, count, tokens=token_ids)
+        if reserved is None:
+            self._no_reservations_until = time.monotonic() + _NO_RESERVATIONS_RECHECK_S
+            if self.save_path != "staging":
+                logger.info("memkv saves are staged in this host's shared memory (no write "
+                            "reservation from the session's device)")
+            self.save_path = "staging"
+            return None
+        if self.save_path != "reserved":
+            logger.info("memkv saves go straight into the device's shared memory "
+                        "(write reservations)")
+        self.save_path = "reserved"
+        return reserved
 
     def save_slot(self, nbytes: int) -> StagingSlot | None:
         """Space in the client's staging segment, while the gateway is on this host."""
@@ -316,6 +366,7 @@ class ClusterTransport:
         token_ids: Sequence[int],
         blocks: Sequence[torch.Tensor],
         start_block: int,
+        reserved: SlotReservation | None = None,
     ) -> None:
         # The id a gateway tenant of this name has for it: sessions of other
         # namespaces never collide with this one's.
@@ -325,6 +376,10 @@ class ClusterTransport:
         ))
         self._cluster.put_blocks(scoped, list(token_ids), list(blocks), start_block,
                                  staging=self._save_staging)
+
+    def reserve(self, session_id: str, priority: str, token_ids: Sequence[int],
+                count: int) -> SlotReservation | None:
+        return None  # in-cluster saves stage through the node's staging segment
 
     def lease(self, keys: Sequence[bytes]) -> Leased | None:
         if not self._same_node:
