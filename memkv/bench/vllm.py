@@ -133,19 +133,23 @@ def _save_split(counters: dict[str, Any] | None) -> str:
     if not counters or not counters.get("save_seconds"):
         return "The cold engine saved nothing (see its connector counters in vllm.json)."
     staged = int(counters.get("save_blocks_staged", 0))
+    reserved = int(counters.get("save_blocks_reserved", 0))
+    where = (", straight into slots the session's device reserved in its shared memory, "
+             "after one reservation call)" if reserved
+             else ", straight into this host's staging shared memory)" if staged else ")")
+    saver = (
+        "the append names the reserved slots; the device adopts them where they lie (no "
+        "copy) and makes their CRC32s there, plus the append's calls (gateway, router, "
+        "device, journal)." if reserved
+        else "the append names the staged blocks, the device copies them from the staging "
+        "into its arena and makes their CRC32s, plus the append's calls (gateway, router, "
+        "device, journal)." if staged
+        else "frames over the socket, the gateway's checks and the device's copy.")
     return (
         f"The cold engine's save: {float(counters.get('save_copy_seconds', 0)):.3f} s copying "
         f"its blocks out of the paged cache on the forward pass (a copy per run of "
-        f"consecutive vLLM blocks"
-        + (", straight into this host's staging shared memory)" if staged else ")")
-        + f", then {float(counters['save_seconds']):.3f} s in the saver: "
-        + ("the append names the staged blocks, the device copies them from the staging into "
-           "its arena and makes their CRC32s, plus the append's calls (gateway, router, "
-           "device, journal). At 0.4x memcpy the whole save has about the time of the "
-           "copy out plus as much again: the device's second copy is what is left to remove "
-           "(the engine writing into memory the device adopts as the blocks' own)."
-           if staged else "frames over the socket, the gateway's checks and the device's "
-           "copy.")
+        f"consecutive vLLM blocks{where}, then {float(counters['save_seconds']):.3f} s in "
+        f"the saver: {saver}"
     )
 
 
