@@ -26,6 +26,8 @@ __all__ = [
     "LeasedBlockOut",
     "LeasesOut",
     "ReservationOut",
+    "ReservationSegmentsOut",
+    "SegmentOut",
     "MatchOut",
     "PrefetchOut",
     "ResumeOut",
@@ -180,6 +182,20 @@ class ReservationOut(BaseModel):
     slot_bytes: int = 0
     offsets: list[int] = []
     ttl_s: float = 0.0
+
+
+class SegmentOut(BaseModel):
+    device_id: str
+    segment: str
+    segment_bytes: int
+
+
+class ReservationSegmentsOut(BaseModel):
+    """The segments write reservations on this gateway's node are made in (a client on
+    this ``host`` maps them at start, so that its first save pays no page faults)."""
+
+    host: str
+    segments: list[SegmentOut]
 
 
 class LeasesOut(BaseModel):

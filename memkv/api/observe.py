@@ -191,6 +191,21 @@ class _Snapshot:
         expired = CounterMetricFamily(
             "memkv_leases_expired", "Read plans that ran out before release.", labels=["device"]
         )
+        reservations = GaugeMetricFamily(
+            "memkv_reservations_active", "Write reservations waiting for their append.",
+            labels=["device"],
+        )
+        reserved = {
+            "granted": CounterMetricFamily(
+                "memkv_reservations_granted", "Write reservations granted (same-host saves).",
+                labels=["device"]),
+            "expired": CounterMetricFamily(
+                "memkv_reservations_expired", "Write reservations that ran out unused.",
+                labels=["device"]),
+            "adopted_slots": CounterMetricFamily(
+                "memkv_reserved_slots_adopted", "Reserved slots stored as blocks where the "
+                "writer filled them (no copy).", labels=["device"]),
+        }
         kernels = GaugeMetricFamily(
             "memkv_kernels_backend", "Where the device's conversion and copy kernels run "
             "(cuda, or cpu: the reference).", labels=["device", "backend"],
@@ -212,10 +227,14 @@ class _Snapshot:
             leases.add_metric([device], st.leases.active)
             granted.add_metric([device], st.leases.granted)
             expired.add_metric([device], st.leases.expired)
+            reservations.add_metric([device], st.reservations.active)
+            for key, family in reserved.items():
+                family.add_metric([device], getattr(st.reservations, key))
         yield from gauges.values()
         yield from counters.values()
         yield from per_device.values()
-        yield from (accuracy, unique, leases, granted, expired, kernels)
+        yield from (accuracy, unique, leases, granted, expired, reservations, kernels)
+        yield from reserved.values()
 
     @staticmethod
     def _archives(archives: dict[str, ArchiveStats]) -> Iterator[Metric]:

@@ -309,6 +309,29 @@ class Client:
             return self._append(session, token_ids, keys, values, blocks, start_block, turn,
                                 reserved)
 
+    def map_reservation_segments(self) -> int:
+        """Map the segments write reservations on the gateway's host are made in, their
+        page tables populated now (a client that saves through reservations calls it
+        at start: its first save then pays no page faults). Returns how many; 0
+        where the gateway is on another host or has no device there."""
+        from memkv.client.reserved import DeviceSegments
+        from memkv.same_node import shm_identity
+
+        doc = self._request("GET", "/v1/reservations/segments", idempotent=True).json()
+        if doc.get("host") != shm_identity():
+            return 0
+        if self._device_segments is None:
+            self._device_segments = DeviceSegments()
+        mapped = 0
+        for segment in doc.get("segments", []):
+            try:
+                self._device_segments.view(str(segment["segment"]),
+                                           int(segment["segment_bytes"]))
+                mapped += 1
+            except (OSError, KeyError, TypeError, ValueError) as e:
+                logger.info("memkv segment %s not mapped: %s", segment, e)
+        return mapped
+
     def reserve_slots(
         self, session_id: str, blocks: int, *, tokens: Sequence[int] | None = None,
         ttl_s: float = 30.0,

@@ -322,9 +322,10 @@ class BlockPool(Reads):
             self._debug_check()
         return moved
 
-    def _shared_tier(self) -> tuple[MemoryTier, str] | None:
-        # The hot tier where it is host memory (a CPU device), else the warm tier:
-        # a writer maps the segment; device memory it cannot.
+    def shared_tier(self) -> tuple[MemoryTier, str] | None:
+        """The tier write reservations are made in, and its segment's name: the hot
+        tier where it is host memory (a CPU device), else the warm tier (a writer
+        maps the segment; device memory it cannot)."""
         for tier in (self._hot, self._warm):
             name = getattr(tier.arena, "name", None)
             if name is not None:
@@ -333,7 +334,7 @@ class BlockPool(Reads):
 
     def shared_capacity_bytes(self) -> int | None:
         """Size of the tier :meth:`reserve_slots` reserves in (None: none can)."""
-        shared = self._shared_tier()
+        shared = self.shared_tier()
         return None if shared is None else shared[0].capacity_bytes
 
     def slot_view(self, slot: Allocation, shape: tuple[int, ...], dtype: torch.dtype
@@ -358,7 +359,7 @@ class BlockPool(Reads):
                                     f"{count} x {nbytes}")
         with self._lock:
             self.ensure_open()
-            shared = self._shared_tier()
+            shared = self.shared_tier()
             if shared is None or nbytes > shared[0].arena.max_alloc_bytes:
                 return None
             tier, segment = shared

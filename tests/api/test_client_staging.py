@@ -278,3 +278,13 @@ def test_blocks_of_another_layout_are_refused_not_hashed_as_the_sessions(gateway
         c.append_turn(sid, _tokens(14), blocks=split_kv(LAYOUT, keys, values), start_block=0,
                       layout=LAYOUT)
         assert c.session(sid).turn == 1
+
+
+def test_a_client_maps_the_reservation_segments_of_its_host_at_start(gateway):
+    with Client(gateway.url) as c:
+        assert c.map_reservation_segments() == 2  # the test cluster's two devices
+        segments = c._device_segments
+        assert segments is not None and len(segments._maps) == 2
+        sid = _new_session(c)
+        reservation, _, _ = _reserved_blocks(c, sid, _tokens(15), 15)
+        assert reservation.segment in segments._maps  # the mapping made at start

@@ -30,6 +30,7 @@ STATS = {
             "precision_fallbacks": 1, "unique_bytes": 140, "blocks": 14,
             "cold_write_batches": 2, "cold_blocks_written": 5,
             "leases": {"active": 1, "granted": 9, "expired": 0},
+            "reservations": {"active": 0, "granted": 3, "expired": 1, "adopted_slots": 40},
             "kernels": "cpu",
         }
     },
@@ -63,6 +64,8 @@ def test_engine_figures_become_metrics():
     assert got[("memkv_lossy_conversions_total", device)] == 2
     assert got[("memkv_cold_blocks_written_total", device)] == 5
     assert got[("memkv_leases_granted_total", device)] == 9
+    assert got[("memkv_reservations_expired_total", device)] == 1
+    assert got[("memkv_reserved_slots_adopted_total", device)] == 40
     assert got[("memkv_kernels_backend", (("backend", "cpu"), ("device", "dev-0")))] == 1
     assert got[("memkv_tenant_bytes", (("tenant", "acme"),))] == 3000
     assert got[("memkv_tenant_sessions", (("tenant", "(unscoped)"),))] == 1

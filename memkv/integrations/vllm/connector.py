@@ -322,6 +322,8 @@ class MemkvConnector(KVConnectorBase_V1):
         self._warm_up()
         try:  # the save staging made (and its pages populated) now, not in the first save
             self.transport().save_slot(0)
+            if self._reserve_min_bytes is not None:
+                self.transport().prepare_reservations()  # the devices' segments, mapped
         except _FAILURES as e:
             logger.debug("memkv save staging not ready: %s", e)
 

@@ -85,6 +85,10 @@ class KVTransport(Protocol):
         blocks in ``reserved``'s slots are named, not sent."""
         ...
 
+    def prepare_reservations(self) -> None:
+        """Get ready for :meth:`reserve` (map what it will write into)."""
+        ...
+
     def reserve(self, session_id: str, priority: str, token_ids: Sequence[int],
                 count: int) -> SlotReservation | None:
         """Slots of the session's device's shared memory for the next save's ``count``
@@ -180,6 +184,11 @@ class GatewayTransport:
         _created_or_there(lambda: self._client.create_session(
             session_id, self.layout, namespace=self._namespace, priority=priority
         ))
+
+    def prepare_reservations(self) -> None:
+        """Map this host's device segments now (an engine's start), not in its first save."""
+        if self._same_node and self._save_staging_bytes > 0:
+            self._client.map_reservation_segments()
 
     def reserve(self, session_id: str, priority: str, token_ids: Sequence[int],
                 count: int) -> SlotReservation | None:
@@ -376,6 +385,9 @@ class ClusterTransport:
         ))
         self._cluster.put_blocks(scoped, list(token_ids), list(blocks), start_block,
                                  staging=self._save_staging)
+
+    def prepare_reservations(self) -> None:
+        pass  # in-cluster saves stage through the node's staging segment
 
     def reserve(self, session_id: str, priority: str, token_ids: Sequence[int],
                 count: int) -> SlotReservation | None:

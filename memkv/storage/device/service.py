@@ -278,6 +278,12 @@ class DeviceService:
             segment_bytes=reserved.segment_bytes, slot_bytes=slot_bytes,
             offsets=tuple(s.offset for s in reserved.slots), ttl_s=float(ttl_s))
 
+    def reservable_segment(self) -> tuple[str, int] | None:
+        """The shared-memory segment write reservations are made in, and its size (a
+        writer on this node maps it once, at start; None: no tier is host memory)."""
+        shared = self.pool.shared_tier()
+        return None if shared is None else (shared[1], shared[0].capacity_bytes)
+
     def block_events(self, since: tuple[str, int] = ("", 0)) -> BlockEvents:
         """Blocks stored into and removed from this device's table after ``since``
         (``(epoch, position)``; another epoch or a position too far back: a snapshot)."""
