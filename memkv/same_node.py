@@ -85,8 +85,10 @@ class SegmentMaps:
         self._maps: dict[str, tuple[str, mmap.mmap, np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    def view(self, segment: str, nbytes: int, incarnation: str) -> np.ndarray:
-        """The whole segment as a read-only uint8 array."""
+    def view(self, segment: str, nbytes: int, incarnation: str,
+             populate: bool = False) -> np.ndarray:
+        """The whole segment as a read-only uint8 array (``populate``: its page tables
+        filled now, so that the first copy out of it takes no page faults)."""
         with self._lock:
             cached = self._maps.get(segment)
             if cached is not None and cached[0] == incarnation and cached[2].size >= nbytes:
@@ -102,7 +104,8 @@ class SegmentMaps:
                     f"segment {segment!r} is gone (its device restarted); ask for a new plan"
                 ) from None
             try:
-                mapped = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+                flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+                mapped = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
             array = np.frombuffer(mapped, dtype=np.uint8)

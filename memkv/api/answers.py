@@ -26,8 +26,8 @@ __all__ = [
     "LeasedBlockOut",
     "LeasesOut",
     "ReservationOut",
-    "ReservationSegmentsOut",
     "SegmentOut",
+    "SegmentsOut",
     "MatchOut",
     "PrefetchOut",
     "ResumeOut",
@@ -186,13 +186,15 @@ class ReservationOut(BaseModel):
 
 class SegmentOut(BaseModel):
     device_id: str
+    incarnation: str  # the device process's (a restarted device makes new segments)
     segment: str
     segment_bytes: int
+    reservable: bool  # write reservations are made in it
 
 
-class ReservationSegmentsOut(BaseModel):
-    """The segments write reservations on this gateway's node are made in (a client on
-    this ``host`` maps them at start, so that its first save pays no page faults)."""
+class SegmentsOut(BaseModel):
+    """The devices' shared-memory segments on this gateway's node (a client on this
+    ``host`` maps them at start, so that its first load or save pays no page faults)."""
 
     host: str
     segments: list[SegmentOut]

@@ -309,21 +309,33 @@ class Client:
             return self._append(session, token_ids, keys, values, blocks, start_block, turn,
                                 reserved)
 
-    def map_reservation_segments(self) -> int:
-        """Map the segments write reservations on the gateway's host are made in, their
-        page tables populated now (a client that saves through reservations calls it
-        at start: its first save then pays no page faults). Returns how many; 0
-        where the gateway is on another host or has no device there."""
-        from memkv.client.reserved import DeviceSegments
+    def host_segments(self) -> list[dict[str, Any]]:
+        """The shared-memory segments of the devices on the gateway's host (``device_id``,
+        ``incarnation``, ``segment``, ``segment_bytes``, ``reservable``); [] where the
+        gateway runs on another host."""
         from memkv.same_node import shm_identity
 
-        doc = self._request("GET", "/v1/reservations/segments", idempotent=True).json()
+        doc = self._request("GET", "/v1/segments", idempotent=True).json()
         if doc.get("host") != shm_identity():
-            return 0
+            return []
+        return list(doc.get("segments", []))
+
+    def map_reservation_segments(self, segments: Sequence[dict[str, Any]] | None = None
+                                 ) -> int:
+        """Map the segments write reservations are made in (of :meth:`host_segments`),
+        their page tables populated now: a client that saves through reservations
+        calls it at start, so that its first save pays no page faults. Returns how
+        many were mapped."""
+        from memkv.client.reserved import DeviceSegments
+
+        if segments is None:
+            segments = self.host_segments()
         if self._device_segments is None:
             self._device_segments = DeviceSegments()
         mapped = 0
-        for segment in doc.get("segments", []):
+        for segment in segments:
+            if not segment.get("reservable"):
+                continue
             try:
                 self._device_segments.view(str(segment["segment"]),
                                            int(segment["segment_bytes"]))

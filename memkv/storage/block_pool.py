@@ -322,6 +322,14 @@ class BlockPool(Reads):
             self._debug_check()
         return moved
 
+    @property
+    def hot_tier(self) -> MemoryTier:
+        return self._hot
+
+    @property
+    def warm_tier(self) -> MemoryTier:
+        return self._warm
+
     def shared_tier(self) -> tuple[MemoryTier, str] | None:
         """The tier write reservations are made in, and its segment's name: the hot
         tier where it is host memory (a CPU device), else the warm tier (a writer

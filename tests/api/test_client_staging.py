@@ -282,7 +282,10 @@ def test_blocks_of_another_layout_are_refused_not_hashed_as_the_sessions(gateway
 
 def test_a_client_maps_the_reservation_segments_of_its_host_at_start(gateway):
     with Client(gateway.url) as c:
-        assert c.map_reservation_segments() == 2  # the test cluster's two devices
+        segments = c.host_segments()
+        # Each device's hot and warm tiers; reservations in the hot one (a CPU device's).
+        assert len(segments) == 4 and sum(s["reservable"] for s in segments) == 2
+        assert c.map_reservation_segments(segments) == 2
         segments = c._device_segments
         assert segments is not None and len(segments._maps) == 2
         sid = _new_session(c)

@@ -16,12 +16,7 @@ from fastapi import APIRouter, Request
 
 from memkv.actors.handles import Pending
 from memkv.actors.payload import BlockPayload, StagedBlock
-from memkv.api.answers import (
-    AppendOut,
-    ReservationOut,
-    ReservationSegmentsOut,
-    SegmentOut,
-)
+from memkv.api.answers import AppendOut, ReservationOut
 from memkv.api.auth import Principal
 from memkv.api.blocks import FRAMES_MEDIA_TYPE
 from memkv.api.body_budget import BodyHold
@@ -129,24 +124,6 @@ async def reserve_slots(
         id=answer.reservation_id, host=gw.host_shm, device_id=answer.device_id,
         segment=answer.segment, segment_bytes=answer.segment_bytes,
         slot_bytes=answer.slot_bytes, offsets=list(answer.offsets), ttl_s=answer.ttl_s)
-
-
-@router.get("/v1/reservations/segments", tags=["kv"])
-async def reservation_segments(gw: GatewayState, who: Caller) -> ReservationSegmentsOut:
-    """Where write reservations on this node are made: each device's segment (none
-    without a device here). A client on this host maps them when it starts."""
-    who.require("write")
-    segments: list[SegmentOut] = []
-    if gw.staging is not None and gw.this_node:
-        gw.devices_by_id.update(await gw.routers.first.devices.remote())
-        for device_id, device in sorted(gw.devices_by_id.items()):
-            if await gw.node_of_device(device_id) != gw.this_node:
-                continue
-            found = await device.reservable_segment.remote()
-            if found is not None:
-                segments.append(SegmentOut(device_id=device_id, segment=found[0],
-                                           segment_bytes=found[1]))
-    return ReservationSegmentsOut(host=gw.host_shm, segments=segments)
 
 
 async def _session_facts(gw: Gateway, sid: str) -> tuple[KVLayout, str, bool]:

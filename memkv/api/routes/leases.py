@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Response
 
 from memkv.actors.router_shards import merge_located
-from memkv.api.answers import LeasedBlockOut, LeaseOut, LeasesOut
+from memkv.api.answers import LeasedBlockOut, LeaseOut, LeasesOut, SegmentOut, SegmentsOut
 from memkv.api.client_leases import parse_lease_id
 from memkv.api.context import Caller, GatewayState
 from memkv.api.models import BlockLeaseIn
@@ -18,6 +18,25 @@ from memkv.errors import InvalidInputError, UnknownBlockError
 __all__ = ["router"]
 
 router = APIRouter()
+
+
+@router.get("/v1/segments", tags=["kv"])
+async def host_segments(gw: GatewayState, who: Caller) -> SegmentsOut:
+    """The shared-memory segments of the devices on this node (none without a device
+    here): what a client on this host reads leased blocks from and writes reserved
+    slots into. It maps them when it starts, its page tables populated then."""
+    who.require("read")
+    segments: list[SegmentOut] = []
+    if gw.this_node:
+        gw.devices_by_id.update(await gw.routers.first.devices.remote())
+        for device_id, device in sorted(gw.devices_by_id.items()):
+            if await gw.node_of_device(device_id) != gw.this_node:
+                continue
+            incarnation, found = await device.shared_segments.remote()
+            segments.extend(SegmentOut(device_id=device_id, incarnation=incarnation,
+                                       segment=name, segment_bytes=size, reservable=reservable)
+                            for name, size, reservable in found)
+    return SegmentsOut(host=gw.host_shm, segments=segments)
 
 
 @router.post("/v1/blocks/lease", tags=["kv"])

@@ -322,10 +322,12 @@ class MemkvConnector(KVConnectorBase_V1):
         self._warm_up()
         try:  # the save staging made (and its pages populated) now, not in the first save
             self.transport().save_slot(0)
-            if self._reserve_min_bytes is not None:
-                self.transport().prepare_reservations()  # the devices' segments, mapped
+            # This host's device segments, mapped with their page tables populated: a
+            # fresh engine's first load or save pays no page faults (~35 ms per 512 MiB).
+            self.transport().prepare_shared_memory(self._maps,
+                                                   self._reserve_min_bytes is not None)
         except _FAILURES as e:
-            logger.debug("memkv save staging not ready: %s", e)
+            logger.debug("memkv shared memory not ready: %s", e)
 
     def _warm_up(self) -> None:
         """Reach memkv at engine start: a first request should not pay for joining Ray

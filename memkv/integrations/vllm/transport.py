@@ -39,7 +39,7 @@ from memkv.protocol.layout import KVLayout
 if TYPE_CHECKING:
     from memkv.client.reserved import SlotReservation
     from memkv.cluster import MemkvCluster
-    from memkv.same_node import HostLease
+    from memkv.same_node import HostLease, SegmentMaps
     from memkv.staging import PutStaging, StagingSlot
 
 __all__ = [
@@ -85,8 +85,9 @@ class KVTransport(Protocol):
         blocks in ``reserved``'s slots are named, not sent."""
         ...
 
-    def prepare_reservations(self) -> None:
-        """Get ready for :meth:`reserve` (map what it will write into)."""
+    def prepare_shared_memory(self, read_maps: SegmentMaps, reservations: bool) -> None:
+        """Map this host's device segments (into ``read_maps``; with ``reservations``,
+        also writable for :meth:`reserve`) at an engine's start."""
         ...
 
     def reserve(self, session_id: str, priority: str, token_ids: Sequence[int],
@@ -185,10 +186,18 @@ class GatewayTransport:
             session_id, self.layout, namespace=self._namespace, priority=priority
         ))
 
-    def prepare_reservations(self) -> None:
-        """Map this host's device segments now (an engine's start), not in its first save."""
-        if self._same_node and self._save_staging_bytes > 0:
-            self._client.map_reservation_segments()
+    def prepare_shared_memory(self, read_maps: SegmentMaps, reservations: bool) -> None:
+        """Map this host's device segments now (an engine's start), not in its first
+        load or save: ``read_maps`` those leased blocks are read from, and (with
+        ``reservations``) those reserved slots are written into."""
+        if not self._same_node:
+            return
+        segments = self._client.host_segments()
+        for segment in segments:
+            read_maps.view(str(segment["segment"]), int(segment["segment_bytes"]),
+                           str(segment["incarnation"]), populate=True)
+        if reservations and self._save_staging_bytes > 0:
+            self._client.map_reservation_segments(segments)
 
     def reserve(self, session_id: str, priority: str, token_ids: Sequence[int],
                 count: int) -> SlotReservation | None:
@@ -386,8 +395,8 @@ class ClusterTransport:
         self._cluster.put_blocks(scoped, list(token_ids), list(blocks), start_block,
                                  staging=self._save_staging)
 
-    def prepare_reservations(self) -> None:
-        pass  # in-cluster saves stage through the node's staging segment
+    def prepare_shared_memory(self, read_maps: SegmentMaps, reservations: bool) -> None:
+        pass  # reads map their plans' segments as they come; saves stage
 
     def reserve(self, session_id: str, priority: str, token_ids: Sequence[int],
                 count: int) -> SlotReservation | None:

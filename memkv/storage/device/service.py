@@ -278,11 +278,19 @@ class DeviceService:
             segment_bytes=reserved.segment_bytes, slot_bytes=slot_bytes,
             offsets=tuple(s.offset for s in reserved.slots), ttl_s=float(ttl_s))
 
-    def reservable_segment(self) -> tuple[str, int] | None:
-        """The shared-memory segment write reservations are made in, and its size (a
-        writer on this node maps it once, at start; None: no tier is host memory)."""
-        shared = self.pool.shared_tier()
-        return None if shared is None else (shared[1], shared[0].capacity_bytes)
+    def shared_segments(self) -> tuple[str, list[tuple[str, int, bool]]]:
+        """This process's incarnation and its tiers' shared-memory segments: ``(name,
+        size, reservable)`` (``reservable``: where write reservations are made). A
+        reader or writer on this node maps them once, at its start, rather than
+        paying the page faults in its first request."""
+        reservable = self.pool.shared_tier()
+        out = []
+        for tier in (self.pool.hot_tier, self.pool.warm_tier):
+            name = getattr(tier.arena, "name", None)
+            if name is not None:
+                out.append((str(name), tier.capacity_bytes,
+                            reservable is not None and reservable[1] == name))
+        return self.incarnation, out
 
     def block_events(self, since: tuple[str, int] = ("", 0)) -> BlockEvents:
         """Blocks stored into and removed from this device's table after ``since``
