@@ -169,3 +169,30 @@ def test_reservations_are_bounded(device):
     assert device.reserve_slots(half + 1, BLOCK) is None
     assert device.reserve_slots(half, BLOCK) is not None
     assert device.reserve_slots(1, BLOCK) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_device_reserves_in_its_warm_tier_and_adopts_there(tmp_path):
+    """A writer cannot map GPU memory: a CUDA device's slots are in its (pinned,
+    shared) warm tier, and blocks adopted there read back exactly."""
+    from memkv.protocol.enums import Tier
+
+    cfg = StoreConfig(
+        device="cuda:0", hot_capacity_bytes=16 * UNIT, warm_capacity_bytes=16 * UNIT,
+        allocator=AllocatorConfig(min_unit_bytes=UNIT),
+        archive=ArchiveConfig(directory=tmp_path, fsync="never"),
+    )
+    service = DeviceService(f"reserve-gpu-{uuid.uuid4().hex[:8]}", cfg, node_id="n1")
+    try:
+        table = SessionTable()
+        update, chain, blocks = _turn(table, "s", list(range(8)))
+        grant = service.reserve_slots(len(blocks), BLOCK)
+        assert grant is not None and grant.segment == service.pool.warm_tier.arena.name
+        _write(grant, blocks)
+        service.put(update, _named(grant, chain, blocks))
+        for key, block in zip(chain, blocks, strict=True):
+            assert service.pool.locate(key) is Tier.WARM
+            assert torch.equal(from_payload(service.get_blocks([key])[0]), block)
+    finally:
+        service.close()
