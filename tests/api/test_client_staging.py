@@ -291,3 +291,21 @@ def test_a_client_maps_the_reservation_segments_of_its_host_at_start(gateway):
         sid = _new_session(c)
         reservation, _, _ = _reserved_blocks(c, sid, _tokens(15), 15)
         assert reservation.segment in segments._maps  # the mapping made at start
+
+
+def test_the_vllm_transport_maps_this_hosts_device_segments_at_start(gateway):
+    """What the connector does when its engine starts: every device segment of the host
+    mapped for loads, the reservable ones writable for saves, page tables populated."""
+    from memkv.integrations.vllm.transport import GatewayTransport
+    from memkv.same_node import SegmentMaps
+
+    transport = GatewayTransport(LAYOUT, url=gateway.url, token=None, namespace=None,
+                                 save_staging_bytes=1 << 20)
+    maps = SegmentMaps()
+    try:
+        transport.prepare_shared_memory(maps, reservations=True)
+        assert len(maps._maps) == 4  # two devices, hot and warm each
+        assert len(transport._client._device_segments._maps) == 2
+    finally:
+        maps.close()
+        transport.close()

@@ -192,12 +192,18 @@ class GatewayTransport:
         ``reservations``) those reserved slots are written into."""
         if not self._same_node:
             return
+        started = time.monotonic()
         segments = self._client.host_segments()
         for segment in segments:
             read_maps.view(str(segment["segment"]), int(segment["segment_bytes"]),
                            str(segment["incarnation"]), populate=True)
-        if reservations and self._save_staging_bytes > 0:
-            self._client.map_reservation_segments(segments)
+        writable = (self._client.map_reservation_segments(segments)
+                    if reservations and self._save_staging_bytes > 0 else 0)
+        if segments:
+            logger.info("memkv mapped %d device segments of this host (%.1f GiB; %d writable "
+                        "for saves) in %.2f s", len(segments),
+                        sum(int(s["segment_bytes"]) for s in segments) / 2**30, writable,
+                        time.monotonic() - started)
 
     def reserve(self, session_id: str, priority: str, token_ids: Sequence[int],
                 count: int) -> SlotReservation | None:
