@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 import numpy as np
@@ -42,6 +42,7 @@ from memkv.protocol.wire import (
 )
 
 if TYPE_CHECKING:
+    from memkv.client.reserved import DeviceSegments, SlotReservation
     from memkv.staging import PutStaging
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class AsyncClient:
         self._port_lock = asyncio.Lock()
         self._known = KnownSessions()
         self._staging = AppendStaging()
+        self._device_segments: DeviceSegments | None = None  # made by reserve_slots
 
     def staging(self, nbytes: int) -> PutStaging | None:
         """This client's staging segment (as :meth:`memkv.client.Client.staging`): blocks
@@ -142,6 +144,8 @@ class AsyncClient:
         if self._port is not None:
             await self._port.aclose()
         self._staging.close()
+        if self._device_segments is not None:
+            self._device_segments.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -216,17 +220,42 @@ class AsyncClient:
         blocks: Sequence[Any] | None = None,
         start_block: int | None = None,
         turn: int | None = None,
+        reserved: SlotReservation | None = None,
+        layout: KVLayout | None = None,
     ) -> TurnResult:
         """Append a turn (as :meth:`Client.append_turn`: only blocks not yet stored are
-        sent, and a view gone stale is refreshed once)."""
+        sent, a view gone stale is refreshed once, blocks in ``reserved``'s slots are
+        named, and a session of another ``layout`` refuses the blocks)."""
         session = self._known.get(session_id) or await self.session(session_id)
+        if layout is not None and session.layout != layout:
+            session = await self.session(session_id)  # the view may be stale
+            if session.layout != layout:
+                raise errors.ConflictError(
+                    f"session {session_id!r} holds KV of layout {session.layout.to_dict()}; "
+                    f"these blocks are of {layout.to_dict()}")
         try:
-            return await self._append(session, token_ids, keys, values, blocks, start_block, turn)
+            return await self._append(session, token_ids, keys, values, blocks, start_block,
+                                      turn, reserved)
         except errors.ConflictError as e:
             if not self._known.worth_refreshing(e, session_id, turn):
                 raise
             session = await self.session(session_id)
-            return await self._append(session, token_ids, keys, values, blocks, start_block, turn)
+            return await self._append(session, token_ids, keys, values, blocks, start_block,
+                                      turn, reserved)
+
+    async def reserve_slots(
+        self, session_id: str, blocks: int, *, tokens: Sequence[int] | None = None,
+        ttl_s: float = 30.0,
+    ) -> SlotReservation | None:
+        """A write reservation for the session's next append (as
+        :meth:`Client.reserve_slots`)."""
+        from memkv.client.reserved import DeviceSegments, parse_reservation, reservation_body
+
+        r = await self._request("POST", f"/v1/sessions/{quote(session_id, safe='')}/reservations",
+                                json=reservation_body(blocks, tokens, ttl_s), idempotent=False)
+        if self._device_segments is None:
+            self._device_segments = DeviceSegments()
+        return parse_reservation(r.json(), self._device_segments)
 
     async def _append(
         self,
@@ -237,14 +266,16 @@ class AsyncClient:
         blocks: Sequence[Any] | None,
         start_block: int | None,
         turn: int | None,
+        reserved: SlotReservation | None = None,
     ) -> TurnResult:
         staging = self._staging.active
-        if staging is not None:
+        if staging is not None or reserved is not None:
             try:
                 return await self._send_append(session, token_ids, keys, values, blocks,
-                                               start_block, turn, staging)
+                                               start_block, turn, staging, reserved)
             except errors.WrongNodeError as e:
-                self._staging.refused(e)
+                if staging is not None:
+                    self._staging.refused(e)
         return await self._send_append(session, token_ids, keys, values, blocks, start_block,
                                        turn, None)
 
@@ -258,9 +289,10 @@ class AsyncClient:
         start_block: int | None,
         turn: int | None,
         staging: PutStaging | None,
+        reserved: SlotReservation | None = None,
     ) -> TurnResult:
         body, _ = append_body(session, token_ids, blocks, keys, values, start_block, turn,
-                              staging)
+                              staging, reserved=reserved)
         sent = await self._over_port({"op": "append", "session_id": session.session_id}, body)
         if sent is not None:
             _, reply, _, done = sent

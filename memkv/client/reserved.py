@@ -13,16 +13,20 @@ costs no page faults in the writer.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["DeviceSegments", "SlotReservation"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["DeviceSegments", "SlotReservation", "parse_reservation", "reservation_body"]
 
 _SHM_DIR = "/dev/shm"
 #: A reservation is not written into once less than this is left of it: the
@@ -123,3 +127,28 @@ class SlotReservation:
         if offset not in self.offsets:
             return None
         return {"segment": self.segment, "offset": offset, "reservation": self.reservation_id}
+
+
+def reservation_body(blocks: int, tokens: Sequence[int] | None, ttl_s: float) -> dict[str, Any]:
+    """The JSON of ``POST /v1/sessions/{id}/reservations``."""
+    body: dict[str, Any] = {"blocks": blocks, "ttl_s": ttl_s}
+    if tokens is not None:
+        body["tokens"] = [int(t) for t in tokens]
+    return body
+
+
+def parse_reservation(doc: dict[str, Any], segments: DeviceSegments) -> SlotReservation | None:
+    """The gateway's answer as a reservation this process can write into (None: none was
+    made, or it is of another host, or its segment cannot be mapped here)."""
+    from memkv.same_node import shm_identity
+
+    if not doc.get("id"):
+        logger.debug("no write reservation: %s", doc.get("reason"))
+        return None
+    if doc.get("host") != shm_identity():
+        return None  # let it run out: its slots are of no use here
+    try:
+        return SlotReservation.from_json(doc, segments)
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        logger.info("memkv write reservation unusable (%s): staging instead", e)
+        return None

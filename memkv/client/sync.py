@@ -356,26 +356,14 @@ class Client:
         gateway or the device is elsewhere, or short of room: stage or send instead.
         Fill the slots while ``reservation.writable``, never after.
         """
-        from memkv.client.reserved import DeviceSegments, SlotReservation
-        from memkv.same_node import shm_identity
+        from memkv.client.reserved import DeviceSegments, parse_reservation, reservation_body
 
-        body: dict[str, Any] = {"blocks": blocks, "ttl_s": ttl_s}
-        if tokens is not None:
-            body["tokens"] = [int(t) for t in tokens]
         doc = self._request("POST", f"/v1/sessions/{quote(session_id, safe='')}/reservations",
-                            json=body, idempotent=False).json()
-        if not doc.get("id"):
-            logger.debug("no write reservation for %s: %s", session_id, doc.get("reason"))
-            return None
-        if doc.get("host") != shm_identity():
-            return None  # let it run out: its slots are of no use here
+                            json=reservation_body(blocks, tokens, ttl_s),
+                            idempotent=False).json()
         if self._device_segments is None:
             self._device_segments = DeviceSegments()
-        try:
-            return SlotReservation.from_json(doc, self._device_segments)
-        except (OSError, KeyError, TypeError, ValueError) as e:
-            logger.info("memkv write reservation unusable (%s): staging instead", e)
-            return None
+        return parse_reservation(doc, self._device_segments)
 
     def _append(
         self,

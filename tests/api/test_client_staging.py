@@ -309,3 +309,31 @@ def test_the_vllm_transport_maps_this_hosts_device_segments_at_start(gateway):
     finally:
         maps.close()
         transport.close()
+
+
+def test_the_async_client_fills_reserved_slots_too(gateway):
+    import asyncio
+
+    from memkv.client import AsyncClient
+
+    async def main() -> None:
+        async with AsyncClient(gateway.url) as c:
+            sid = f"stage-{uuid.uuid4().hex[:8]}"
+            await c.create_session(sid, LAYOUT, namespace=None)
+            tokens = _tokens(16)
+            keys, values = random_kv(LAYOUT, len(tokens), 16)
+            expected = split_kv(LAYOUT, keys, values)
+            reservation = await c.reserve_slots(sid, len(expected), tokens=tokens)
+            assert reservation is not None
+            blocks = []
+            for i, block in enumerate(expected):
+                slot = torch.from_numpy(reservation.slot(i)).view(block.dtype)
+                blocks.append(slot[: block.numel()].view(block.shape))
+                blocks[-1].copy_(block)
+            result = await c.append_turn(sid, tokens, blocks=blocks, start_block=0,
+                                         reserved=reservation, layout=LAYOUT)
+            assert result.new_blocks == len(expected)
+            got = [b async for b in c.read_blocks(sid)]
+            assert all(torch.equal(b.tensor, e) for b, e in zip(got, expected, strict=True))
+
+    asyncio.run(main())
