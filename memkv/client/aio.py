@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 
 from memkv import errors
-from memkv.client.base import AppendStaging, KnownSessions
+from memkv.client.base import AppendStaging, KnownSessions, layout_conflict
 from memkv.client.frames import FRAMES_MEDIA_TYPE, BlockStream, append_body, joined
 from memkv.client.transport import (
     DEFAULT_URL,
@@ -227,12 +227,10 @@ class AsyncClient:
         sent, a view gone stale is refreshed once, blocks in ``reserved``'s slots are
         named, and a session of another ``layout`` refuses the blocks)."""
         session = self._known.get(session_id) or await self.session(session_id)
-        if layout is not None and session.layout != layout:
+        if layout_conflict(session, layout) is not None:
             session = await self.session(session_id)  # the view may be stale
-            if session.layout != layout:
-                raise errors.ConflictError(
-                    f"session {session_id!r} holds KV of layout {session.layout.to_dict()}; "
-                    f"these blocks are of {layout.to_dict()}")
+            if (conflict := layout_conflict(session, layout)) is not None:
+                raise conflict
         try:
             return await self._append(session, token_ids, keys, values, blocks, start_block,
                                       turn, reserved)

@@ -19,13 +19,24 @@ import numpy as np
 from memkv.client.views import SessionView, TurnResult, after_append
 from memkv.errors import ConflictError
 from memkv.protocol.hashing import token_array
+from memkv.protocol.layout import KVLayout
 
 if TYPE_CHECKING:
     from memkv.staging import PutStaging
 
-__all__ = ["AppendStaging", "KnownSessions"]
+__all__ = ["AppendStaging", "KnownSessions", "layout_conflict"]
 
 logger = logging.getLogger(__name__)
+
+
+def layout_conflict(session: SessionView, layout: KVLayout | None) -> ConflictError | None:
+    """The error an append of blocks computed in ``layout`` meets when ``session`` holds
+    another layout's KV (None: no layout given, or the same): refused rather than
+    stored under the session's model's hashes."""
+    if layout is None or session.layout == layout:
+        return None
+    return ConflictError(f"session {session.session_id!r} holds KV of layout "
+                         f"{session.layout.to_dict()}; these blocks are of {layout.to_dict()}")
 
 
 class AppendStaging:
