@@ -16,17 +16,22 @@ A connection (docs/wire-format.md, "The block port")::
     server: reply {id, status, ...} [block frames + end]       (in request order)
 
 Requests may be pipelined: a client sends several before reading a reply; the
-server answers them in order. An error the connection can go on from (a 404
-read) is a reply; one that leaves the stream's position unknown (a malformed
-frame, a refused body) is a reply and then the connection is closed.
+server answers them in order. An append's body is read as soon as it comes and
+stored while the next request is read (up to ``MAX_PIPELINED`` per connection;
+one session's appends reach its router in request order); a read runs when its
+turn to answer comes, so it sees every append sent before it. An error the
+connection can go on from (a 404 read) is a reply; one that leaves the stream's
+position unknown (a malformed frame, a refused body) is a reply and then the
+connection is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +67,9 @@ _SPARE_BYTES = 256 << 10
 #: At most this much is read ahead at once: the part of a payload that arrives
 #: with its header is copied once more; the rest goes straight to its buffer.
 _READ_AHEAD_BYTES = 64 << 10
+#: Requests of one connection taken off the socket before their answers are written;
+#: reading stops while this many wait (each append holds its body in staging).
+MAX_PIPELINED = 8
 #: A new connection has this long to say hello.
 HELLO_TIMEOUT_S = 10.0
 
@@ -257,6 +265,41 @@ class PortStats:
     errors: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _Answer:
+    """A request taken off a connection: ``write`` answers it when its turn comes;
+    ``settle`` waits for its work when no answer can be written (None: no work
+    started before its turn)."""
+
+    write: Callable[[], Awaitable[None]]
+    closing: bool = False  # the connection closes after it
+    settle: Callable[[], Awaitable[Any]] | None = None
+
+    async def finish_unanswered(self) -> None:
+        if self.settle is not None:
+            await self.settle()
+
+
+class _SessionOrder:
+    """The last append of each session on one connection, so that a session's
+    appends reach its router in request order while other sessions' overlap."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, asyncio.Task[Any]] = {}
+
+    def last(self, session_id: str) -> asyncio.Task[Any] | None:
+        return self._last.get(session_id)
+
+    def follow(self, session_id: str, task: asyncio.Task[Any]) -> None:
+        self._last[session_id] = task
+
+        def forget(done: asyncio.Task[Any]) -> None:
+            if self._last.get(session_id) is done:
+                del self._last[session_id]
+
+        task.add_done_callback(forget)
+
+
 class _FatalToConnection(Exception):
     """Wraps an error after which the connection cannot go on (its stream position is lost)."""
 
@@ -305,25 +348,59 @@ class BlockPortServer:
         self._connections.add(inbox)
         self.stats.connections += 1
         self.stats.open_connections += 1
+        replies: asyncio.Queue[_Answer | None] = asyncio.Queue()
+        room = asyncio.Semaphore(MAX_PIPELINED)  # requests taken and not yet answered
+        writer: asyncio.Task[None] | None = None
         try:
             who = await self._hello(inbox)
             if who is None:
                 return
-            while True:
+            writer = asyncio.get_running_loop().create_task(
+                self._answer(inbox, replies, room))
+            appends = _SessionOrder()
+            while not writer.done():
+                await room.acquire()
                 try:
-                    header, nbytes = await inbox.read_header(MAX_CONTROL_HEADER_BYTES, 0)
+                    header, _ = await inbox.read_header(MAX_CONTROL_HEADER_BYTES, 0)
                 except ConnectionGone:
-                    return  # a clean close between requests
-                if not await self._request(inbox, who, header):
+                    return  # a clean close between requests (answers still go out)
+                answer = await self._accept(inbox, who, header, appends)
+                replies.put_nowait(answer)
+                if answer.closing:
                     return
         except ConnectionGone:
             pass
         except Exception:  # noqa: BLE001 - one connection's fault must not end the server
             logger.exception("block port connection from %s failed", inbox.peer)
         finally:
+            if writer is not None:
+                replies.put_nowait(None)  # the writer answers what is queued, then stops
+                await writer
             self.stats.open_connections -= 1
             self._connections.discard(inbox)
             inbox.close()
+
+    async def _answer(self, inbox: _Inbox, replies: asyncio.Queue[_Answer | None],
+                      room: asyncio.Semaphore) -> None:
+        """Write the answers in request order; after a closing one, or once the
+        connection is gone, the rest are awaited (their work finishes) unanswered."""
+        writable = True
+        while (answer := await replies.get()) is not None:
+            try:
+                if not writable:
+                    await answer.finish_unanswered()
+                    continue
+                await answer.write()
+            except ConnectionGone:  # gone, or a read cut short: no answer can follow
+                writable = False
+            except Exception:  # noqa: BLE001 - as _serve: this connection only
+                logger.exception("block port connection from %s failed", inbox.peer)
+                writable = False
+            finally:
+                room.release()
+            if answer.closing or not writable:
+                writable = False
+                inbox.close()  # the reader stops at its next read
 
     async def _hello(self, inbox: _Inbox) -> Principal | None:
         """Check the connection's token before anything else is read from it."""
@@ -354,68 +431,105 @@ class BlockPortServer:
         }))
         return who
 
-    async def _request(self, inbox: _Inbox, who: Principal, header: FrameHeader) -> bool:
-        """Answer one request; False when the connection must close after it."""
+    async def _accept(self, inbox: _Inbox, who: Principal, header: FrameHeader,
+                      appends: _SessionOrder) -> _Answer:
+        """Take one request off the connection: an append's body is read now and
+        stored while the next request is read; other requests run when their turn
+        to answer comes (so a read sees every append before it)."""
         rid = header.get("id")
         op = header.get("op")
         self.stats.requests[str(op)] = self.stats.requests.get(str(op), 0) + 1
-        try:
-            if header.get("kind") != "request" or not isinstance(rid, int):
-                raise _FatalToConnection(WireError(
-                    "expected a 'request' frame with an int 'id'"))
-            if op == "append":
-                await self._append(inbox, who, rid, header)
-            elif op == "read":
-                await self._read(inbox, who, rid, header)
-            elif op == "read_keys":
-                await self._read_keys(inbox, who, rid, header)
-            elif op == "ping":
-                await inbox.write(encode_frame({"kind": "reply", "id": rid, "status": 200}))
-            else:
-                raise InvalidInputError(
-                    f"unknown op {op!r}; expected append, read, read_keys or ping")
-        except ConnectionGone:
-            return False
-        except _FatalToConnection as e:
-            await self._reply_error(inbox, rid if isinstance(rid, int) else 0, e.cause,
-                                    closing=True)
-            return False
-        except Exception as e:  # noqa: BLE001 - answered like the HTTP routes answer it
-            assert isinstance(rid, int)
-            await self._reply_error(inbox, rid, e)
-        return True
+        if header.get("kind") != "request" or not isinstance(rid, int):
+            return self._fatal(inbox, rid, WireError("expected a 'request' frame with an int 'id'"))
+        if op == "append":
+            return await self._append(inbox, who, rid, header, appends)
+        if op == "read":
+            run = functools.partial(self._read, inbox, who, rid, header)
+        elif op == "read_keys":
+            run = functools.partial(self._read_keys, inbox, who, rid, header)
+        elif op == "ping":
+            run = functools.partial(inbox.write, encode_frame(
+                {"kind": "reply", "id": rid, "status": 200}))
+        else:
+            error = InvalidInputError(
+                f"unknown op {op!r}; expected append, read, read_keys or ping")
+            return _Answer(functools.partial(self._reply_error, inbox, rid, error))
 
-    async def _append(self, inbox: _Inbox, who: Principal, rid: int,
-                      header: FrameHeader) -> None:
+        async def write() -> None:
+            try:
+                await run()
+            except ConnectionGone:
+                raise
+            except Exception as e:  # noqa: BLE001 - answered like the HTTP routes answer it
+                await self._reply_error(inbox, rid, e)
+
+        return _Answer(write)
+
+    def _fatal(self, inbox: _Inbox, rid: object, error: BaseException) -> _Answer:
+        """An answer after which the connection closes (its stream position is lost)."""
+        return _Answer(functools.partial(
+            self._reply_error, inbox, rid if isinstance(rid, int) else 0, error, closing=True),
+            closing=True)
+
+    async def _append(self, inbox: _Inbox, who: Principal, rid: int, header: FrameHeader,
+                      appends: _SessionOrder) -> _Answer:
+        """Read the append's body, then store it in the background (after the
+        connection's earlier appends to the same session): its answer."""
         session_id = header.get("session_id")
         body_bytes = header.get("body_bytes")
         if not isinstance(session_id, str):
-            raise _FatalToConnection(InvalidInputError("append needs a 'session_id' string"))
+            return self._fatal(inbox, rid, InvalidInputError("append needs a 'session_id' string"))
         if isinstance(body_bytes, bool) or not isinstance(body_bytes, int) or body_bytes < 0:
-            raise _FatalToConnection(WireError("append needs 'body_bytes', a non-negative int"))
+            return self._fatal(inbox, rid,
+                               WireError("append needs 'body_bytes', a non-negative int"))
         if body_bytes > self._max_body_bytes:
-            raise _FatalToConnection(PayloadTooLarge(
+            return self._fatal(inbox, rid, PayloadTooLarge(
                 f"body of {body_bytes} bytes exceeds the limit of {self._max_body_bytes}"))
 
-        body_read = False
+        loop = asyncio.get_running_loop()
+        body_read: asyncio.Future[None] = loop.create_future()
+        before = appends.last(session_id)
 
         async def read(allocate: Callable[[int], memoryview | None] | None,
                        hold: BodyHold) -> list[Frame]:
-            nonlocal body_read
-            frames = await self._body_frames(inbox, body_bytes, allocate, hold)
-            body_read = True
+            try:
+                frames = await self._body_frames(inbox, body_bytes, allocate, hold)
+            except BaseException as e:
+                body_read.set_exception(e)
+                body_read.exception()  # retrieved: the store task raises it too
+                raise
+            body_read.set_result(None)
+            if before is not None:
+                await asyncio.wait([before])  # the session's appends in request order
             return frames
 
-        try:
-            result = await self._app.state.receive_append(who, session_id, body_bytes, read)
-        except (_FatalToConnection, ConnectionGone):
-            raise
-        except Exception as e:
-            # Refused before its body was read (a read-only token, a full gateway):
-            # the body is still on the wire, so the connection cannot go on.
-            raise (e if body_read else _FatalToConnection(e)) from None
-        await inbox.write(encode_frame({"kind": "reply", "id": rid, "status": 200,
-                                        "result": AppendOut.of(result).model_dump()}))
+        store = loop.create_task(self._app.state.receive_append(who, session_id, body_bytes,
+                                                                read))
+        appends.follow(session_id, store)
+        await asyncio.wait([body_read, store], return_when=asyncio.FIRST_COMPLETED)
+        if not body_read.done() or body_read.exception() is not None:
+            # Refused before its body was read (a read-only token, a full gateway), or
+            # the body broke off: the stream's position is lost, the connection ends.
+            try:
+                await store
+            except ConnectionGone:
+                raise
+            except _FatalToConnection as e:  # a malformed or stalled body
+                return self._fatal(inbox, rid, e.cause)
+            except Exception as e:  # noqa: BLE001 - answered, then the connection closes
+                return self._fatal(inbox, rid, e)
+            raise AssertionError("an append stored without its body read")
+
+        async def write() -> None:
+            try:
+                result = await store
+            except Exception as e:  # noqa: BLE001 - answered like the HTTP routes answer it
+                await self._reply_error(inbox, rid, e)
+                return
+            await inbox.write(encode_frame({"kind": "reply", "id": rid, "status": 200,
+                                            "result": AppendOut.of(result).model_dump()}))
+
+        return _Answer(write, settle=functools.partial(asyncio.wait, [store]))
 
     async def _body_frames(
         self,

@@ -124,9 +124,27 @@ def _raw(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
     def put(_: int) -> None:
         conn.sendall(RAW_PUT * RAW_REQUEST_BYTES)
         conn.sendall(memoryview(src))
-        if conn.recv(len(RAW_ACK)) != RAW_ACK:
+        if conn.recv(len(RAW_ACK), socket.MSG_WAITALL) != RAW_ACK:
             raise RuntimeError("the raw server did not acknowledge")
 
+    def pipelined_puts() -> list[float]:
+        """``window`` PUTs on the wire at once; each one's latency, send to ack."""
+        sent: list[float] = []
+        latencies = []
+        for i in range(ops + window):
+            if i >= window:  # the oldest request's ack frees a place in the window
+                if conn.recv(len(RAW_ACK), socket.MSG_WAITALL) != RAW_ACK:
+                    raise RuntimeError("the raw server did not acknowledge")
+                latencies.append(time.perf_counter() - sent[i - window])
+            if i < ops:
+                sent.append(time.perf_counter())
+                conn.sendall(RAW_PUT * RAW_REQUEST_BYTES)
+                conn.sendall(memoryview(src))
+        return latencies
+
+    window = int(params.get("window", 1))
+    if op == "put" and window > 1:
+        return pipelined_puts
     return lambda: _timed(get if op == "get" else put, ops)
 
 
@@ -236,6 +254,48 @@ def _gateway(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
     return lambda: _timed(get, ops)
 
 
+def _gateway_pipelined(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
+    """:func:`_gateway`'s appends from one :class:`~memkv.client.AsyncClient`, ``window``
+    of them in flight on its one block-port connection (each lane its own sessions);
+    each one's latency."""
+    import asyncio
+
+    import numpy as np
+
+    from memkv.client import AsyncClient
+    from memkv.protocol.layout import KVLayout
+
+    layout = KVLayout.from_dict(params["layout"])
+    ops, window, per_session = params["ops"], params["window"], params["session_blocks"]
+    block = np.random.default_rng(index).standard_normal(layout.block_shape()).astype(np.float16)
+    bt = layout.block_tokens
+
+    async def lane(client: AsyncClient, lane_index: int, count: int) -> list[float]:
+        latencies = []
+        for i in range(count):
+            n = i % per_session
+            sid = f"{params['run']}-pipelined-{index}-{lane_index}-{i // per_session}"
+            if n == 0:
+                await client.create_session(sid, layout, namespace=params["namespace"])
+            tokens = np.arange((n + 1) * bt, dtype=np.int64)
+            tokens[0] = zlib.crc32(sid.encode())  # new blocks, as _gateway's
+            t0 = time.perf_counter()
+            await client.append_turn(sid, tokens, blocks=[block], start_block=n)
+            latencies.append(time.perf_counter() - t0)
+        return latencies
+
+    async def run() -> list[float]:
+        async with AsyncClient(params["url"]) as client:
+            await lane(client, -1, 2)  # the connection open and warm, untimed
+            if client.block_path != "block port":
+                raise RuntimeError("the gateway's block port was not used")
+            lanes = await asyncio.gather(*(lane(client, k, ops // window)
+                                           for k in range(window)))
+        return [lat for latencies in lanes for lat in latencies]
+
+    return lambda: asyncio.run(run())
+
+
 def _gateway_session(params: dict[str, Any], index: int) -> Callable[[], list[float]]:
     """Reads of a whole stored session into preallocated buffers (the real-size row)."""
     import numpy as np
@@ -325,6 +385,7 @@ _OPS: dict[str, Callable[[dict[str, Any], int], Callable[[], list[float]]]] = {
     "bare_http": _bare_http,
     "redis": _redis,
     "gateway": _gateway,
+    "gateway_pipelined": _gateway_pipelined,
     "gateway_session": _gateway_session,
     "gateway_append": _gateway_append,
 }

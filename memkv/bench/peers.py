@@ -53,7 +53,8 @@ def _serve_raw(conn: socket.socket, nbytes: int) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with conn:
         while True:
-            request = conn.recv(RAW_REQUEST_BYTES)
+            # Exactly one request's bytes (pipelined clients send the next one early).
+            request = conn.recv(RAW_REQUEST_BYTES, socket.MSG_WAITALL)
             if len(request) < RAW_REQUEST_BYTES:
                 return
             if request[:1] == RAW_GET:

@@ -142,6 +142,36 @@ def test_pipelined_requests_are_answered_in_order(gateway):
             conn.close()
 
 
+def test_a_sessions_pipelined_turns_are_stored_in_order_and_read_back(gateway):
+    """Turns sent back to back (each body read while the one before is stored) land
+    in request order; a read sent after them sees all of them."""
+    with Client(gateway.url) as c:
+        sid, _, expected = _session(c, tokens=12, seed=5)
+        other, other_body, other_expected = _session(c, tokens=8, seed=6)
+        session, tokens = c.session(sid), list(range(5, 17))
+        conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
+        try:
+            ids = []
+            for turn in range(3):
+                body, _ = append_body(session, tokens[: 4 * (turn + 1)],
+                                      expected[turn: turn + 1], None, None, turn, turn + 1)
+                ids.append(conn.send({"op": "append", "session_id": sid}, body))
+                if turn == 0:  # another session's append in between overlaps them
+                    ids.append(conn.send({"op": "append", "session_id": other}, other_body))
+            read = conn.send({"op": "read", "session_id": sid})
+            turns = [conn.reply(i)[0]["result"] for i in ids]
+            assert [t["turn"] for t in turns] == [1, 1, 2, 3]
+            assert [t["new_blocks"] for t in turns] == [1, 2, 1, 1]
+            _, reply_body = conn.reply(read)
+            blocks = list(read_block_frames(reply_body))
+            assert [b.index for b in blocks] == [0, 1, 2]
+            assert all(torch.equal(b.tensor, e) for b, e in zip(blocks, expected, strict=True))
+        finally:
+            conn.close()
+        assert [b.index for b in c.read_blocks(other)] == [0, 1]
+        assert torch.equal(next(iter(c.read_blocks(other, 1))).tensor, other_expected[1])
+
+
 def test_blocks_by_key_come_over_the_port_and_the_connection_goes_on(gateway):
     with Client(gateway.url) as c:
         sid, body, expected = _session(c, tokens=12, seed=11)
