@@ -240,25 +240,35 @@ class BlockFetcher:
         drained: list[_HeldLease | ReadPlan] = []
         releases: list[Any] = []
         hold: Any = None
+        # Every block in plans this gateway holds: their leases pin them already, so
+        # the read needs no pin of its own (nor the device round trip it costs).
+        pinned = self._pin_held(device_id, keys)
         try:
             # Sent before the first batch's call, so the device runs it first.
-            pending_hold = device.hold_for_read.remote(list(keys)) if keys else None
+            pending_hold = device.hold_for_read.remote(list(keys)) \
+                if keys and pinned is None else None
             for n, batch in enumerate(batches):
                 in_flight.append(
                     self._ask(device_id, device, batch, stream, ahead, n * READ_BATCH_BLOCKS)
+                    if pinned is None else _Asked(device_id, batch, None, True, 0.0)
                 )
                 if n == 0 and pending_hold is not None:
                     hold = await pending_hold  # UnknownBlockError: before any byte
                 if len(in_flight) > READ_WINDOW_BATCHES:
                     held = len(drained)
-                    async for item in self._drain(device, in_flight.popleft(), stream, drained):
+                    async for item in self._drain(device, in_flight.popleft(), stream, drained,
+                                                  pinned):
                         yield item
                     releases += self._let_go(drained[:held], device)
                     del drained[:held]
             while in_flight:
-                async for item in self._drain(device, in_flight.popleft(), stream, drained):
+                async for item in self._drain(device, in_flight.popleft(), stream, drained,
+                                              pinned):
                     yield item
         finally:
+            if pinned is not None:
+                for lease in {id(h): h for h, _ in pinned.values()}.values():
+                    lease.in_use -= 1
             releases += self._let_go(drained, device)
             if hold:
                 releases.append(device.release_lease.remote(hold))
@@ -269,6 +279,24 @@ class BlockFetcher:
             task = asyncio.ensure_future(self._settle(releases))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
+
+    def _pin_held(self, device_id: str, keys: Sequence[bytes]
+                  ) -> dict[bytes, tuple[_HeldLease, PlanEntry]] | None:
+        """Where every block of ``keys`` is in a plan this gateway holds: those plans,
+        kept (``in_use``) until the read ends; None if any block is not."""
+        if (self._plans is None or self._maps is None or not keys
+                or device_id in self._in_cluster_only):
+            return None
+        found = {}
+        for key in keys:
+            entry = self._plans.lookup(device_id, bytes(key))
+            if entry is None:
+                return None
+            found[bytes(key)] = entry
+        for held in {id(h): h for h, _ in found.values()}.values():
+            held.in_use += 1
+        self._plans.hits += 1
+        return found
 
     def _let_go(self, drained: Sequence[_HeldLease | ReadPlan], device: Any) -> list[Any]:
         """Plans done with: release them, or (with a cache) mark them free and sweep."""
@@ -333,6 +361,7 @@ class BlockFetcher:
         asked: _Asked,
         stream: str | None,
         drained: list[_HeldLease | ReadPlan],
+        pinned: dict[bytes, tuple[_HeldLease, PlanEntry]] | None = None,
     ) -> AsyncIterator[FetchedBytes]:
         batch = asked.batch
         if not asked.planned:
@@ -342,7 +371,9 @@ class BlockFetcher:
             return
         if asked.ref is None:  # every block was in plans the gateway holds
             assert self._plans is not None
-            serving = [self._plans.lookup(asked.device_id, bytes(k)) for k in batch]
+            # (found when the read began and kept since, or looked up now)
+            serving = [pinned[bytes(k)] if pinned is not None
+                       else self._plans.lookup(asked.device_id, bytes(k)) for k in batch]
             if all(found is not None for found in serving):
                 for found in serving:
                     assert found is not None

@@ -146,9 +146,9 @@ def test_a_sessions_pipelined_turns_are_stored_in_order_and_read_back(gateway):
     """Turns sent back to back (each body read while the one before is stored) land
     in request order; a read sent after them sees all of them."""
     with Client(gateway.url) as c:
-        sid, _, expected = _session(c, tokens=12, seed=5)
-        other, other_body, other_expected = _session(c, tokens=8, seed=6)
-        session, tokens = c.session(sid), list(range(5, 17))
+        sid, _, expected = _session(c, tokens=12, seed=31)
+        other, other_body, other_expected = _session(c, tokens=8, seed=32)
+        session, tokens = c.session(sid), list(range(31, 43))
         conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
         try:
             ids = []
