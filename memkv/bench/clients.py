@@ -26,6 +26,7 @@ class ClientRun:
     latencies: list[float]
     start: float
     end: float
+    cpu_s: float = 0.0  # the client process's CPU time over its operations
 
 
 def _worker(kind: str, params: dict[str, Any], index: int, barrier: Any, queue: Any) -> None:
@@ -33,9 +34,10 @@ def _worker(kind: str, params: dict[str, Any], index: int, barrier: Any, queue: 
         op = _OPS[kind](params, index)
         barrier.wait()  # prepared
         barrier.wait()  # the parent's before_start has run: go
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         latencies = op()
-        queue.put((index, ClientRun(latencies, start, time.perf_counter()), None))
+        queue.put((index, ClientRun(latencies, start, time.perf_counter(),
+                                    time.process_time() - cpu), None))
     except BaseException as e:  # reported to the parent, which raises it
         barrier.abort()  # nobody waits at the barrier for a client that is gone
         queue.put((index, None, f"{type(e).__name__}: {e}"))

@@ -35,7 +35,16 @@ import numpy as np
 from memkv.bench.clients import ClientRun, run_clients
 from memkv.bench.context import BENCH_MAX_BODY_BYTES, BenchContext
 from memkv.bench.demotion import TIER_BLOCKS, DemotionRun, measure_demotions
-from memkv.bench.levels import GB, MS, P50, LevelResult, from_latencies, from_runs, memcpy_level
+from memkv.bench.levels import (
+    GB,
+    MS,
+    P50,
+    LevelResult,
+    from_latencies,
+    from_runs,
+    from_window,
+    memcpy_level,
+)
 from memkv.bench.peers import bare_asgi_server, raw_socket_server, redis_server
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
 from memkv.bench.session_reads import NAMESPACE, PREFILL_MFU, h100_prefill_s, session_rows
@@ -83,6 +92,13 @@ FULL_DEVICE_PAUSE_S = 0.5
 #: The block port with gateway.workers = 2, at the top concurrency level only.
 WORKERS = 2
 GATEWAY_PORT_WORKERS = f"gateway (block port, {WORKERS} workers)"
+#: One connection with this many puts in flight (the pipelined rows, at 1 client).
+PIPELINE_WINDOW = 4
+PIPELINED_RAW = "pipelined raw socket"
+PIPELINED_PORT = "pipelined gateway (block port)"
+#: Puts of the CPU accounting run (1 client, block port, after the levels).
+CPU_PUTS = 48
+QUICK_CPU_PUTS = 8
 #: Blocks of the long-turn append row (64 MiB of 4 MiB blocks in one request).
 APPEND_BLOCKS = 16
 QUICK_APPEND_BLOCKS = 4
@@ -94,6 +110,9 @@ TARGETS = {
     "http_get_vs_bare_asgi": 0.9,
     "http_put_vs_bare_asgi": 0.75,
     "block_port_put_vs_raw_8_clients_2_workers": 0.5,
+    # The 1-client PUT target again, for one connection with PIPELINE_WINDOW puts in flight
+    # against the raw socket with as many (the way the clients send when they can).
+    "block_port_put_vs_raw_pipelined": 0.7,
 }
 
 
@@ -226,6 +245,16 @@ def _levels(
                 for target, port in ((GATEWAY_HTTP, False), (GATEWAY_PORT, True)):
                     out.append(from_runs(target, op, measure("gateway", {**gw, "block_port": port},
                                                               c), nbytes))
+        # One client again, PIPELINE_WINDOW puts in flight on its one connection.
+        put = {"nbytes": nbytes, "ops": ops, "op": "put", "window": PIPELINE_WINDOW}
+        out.append(from_window(PIPELINED_RAW, "put",
+                               measure("raw", {**put, "port": raw_port}, 1), nbytes,
+                               PIPELINE_WINDOW))
+        gw = {"url": url, "layout": layout.to_dict(), "ops": ops, "op": "put",
+              "session_blocks": SESSION_BLOCKS, "namespace": NAMESPACE,
+              "window": PIPELINE_WINDOW}
+        out.append(from_window(PIPELINED_PORT, "put", measure("gateway_pipelined", gw, 1, "p"),
+                               nbytes, PIPELINE_WINDOW))
         # The most clients again, against a gateway of WORKERS processes on one port pair.
         from memkv.api.workers import Gateway
 
@@ -262,6 +291,40 @@ def _levels(
                   "pause_s": FULL_DEVICE_PAUSE_S}
         out.append(from_runs(f"{GATEWAY_STAGED_FULL} ({big >> 20} MiB)", "append",
                               measure("gateway_append", params, 1), big))
+    return out
+
+
+def _put_cpu(ctx: BenchContext, layout: KVLayout, puts: int) -> dict[str, float]:
+    """CPU milliseconds per block-port PUT at 1 client, per process (all its threads, Ray's
+    included), beside the raw socket client's: where a put's work is on this machine."""
+    import ray
+
+    cluster = ctx.get_cluster()
+    members = {"router": list(cluster.routers),
+               "device": list(ray.get(cluster.router.devices.remote()).values()),
+               "archive": list(ray.get(cluster.router.archives.remote()).values())}
+
+    def cpu() -> dict[str, float]:
+        # process_time in each actor's process: every thread, Ray's own included.
+        out = {"gateway": time.process_time()}  # the gateway runs in this process
+        for role, handles in members.items():
+            out[role] = sum(ray.get([h.__ray_call__.remote(lambda _self: time.process_time())
+                                     for h in handles]))
+        return out
+
+    params = {"url": ctx.get_gateway_url(), "layout": layout.to_dict(), "ops": puts,
+              "op": "put", "session_blocks": SESSION_BLOCKS, "namespace": NAMESPACE,
+              "block_port": True, "run": f"cpu-{uuid.uuid4().hex[:8]}"}
+    _drain_cold(ctx, [])
+    before = cpu()
+    runs = run_clients("gateway", params, 1)
+    after = cpu()
+    out = {role: MS * (after[role] - before[role]) / puts for role in before}
+    out["client"] = MS * runs[0].cpu_s / puts
+    with raw_socket_server(layout.block_nbytes()) as raw_port:
+        raw = run_clients("raw", {"nbytes": layout.block_nbytes(), "ops": puts, "op": "put",
+                                  "port": raw_port}, 1)
+    out["raw socket client"] = MS * raw[0].cpu_s / puts
     return out
 
 
@@ -309,6 +372,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             "h100_prefill_s_at_mfu": typical,
             "break_even_gb_s": big[0].block_bytes / typical / GB,
         }
+    put_cpu = _put_cpu(ctx, layout, QUICK_CPU_PUTS if quick else CPU_PUTS)
     hop_ms = _ray_hop_ms(ctx)
     crc_gb_s = _crc_gb_s(nbytes)
     demotions = measure_demotions(layout, QUICK_DEMOTIONS if quick else DEMOTIONS)
@@ -381,6 +445,9 @@ def run(ctx: BenchContext) -> SuiteResult:
         "block_port_put_vs_raw_8_clients_2_workers": ratio(
             find(GATEWAY_PORT_WORKERS, "put", levels[-1]), find("raw socket", "put", levels[-1])
         ),
+        "block_port_put_vs_raw_pipelined": ratio(
+            find(PIPELINED_PORT, "put", PIPELINE_WINDOW),
+            find(PIPELINED_RAW, "put", PIPELINE_WINDOW)),
     }
     notes.append(
         f"targets ([2/5]; at 1 client, the workers' at {levels[-1]}): "
@@ -422,6 +489,31 @@ def run(ctx: BenchContext) -> SuiteResult:
         "(no object store; memkv.staging). In-cluster session reads are timed after an "
         "untimed pass over the object store's worth of bytes (first-touch page faults).",
     ]
+    server_cpu = sum(v for k, v in put_cpu.items() if k not in ("client", "raw socket client"))
+    notes.append(
+        f"CPU per {nbytes / (1 << 20):.3g} MiB block-port PUT at 1 client (process time of "
+        "every thread, Ray's included, over a run of its own): "
+        + ", ".join(f"{k} {v:.2f} ms" for k, v in put_cpu.items() if k != "raw socket client")
+        + f"; the raw socket's client {put_cpu['raw socket client']:.2f} ms. memkv's servers "
+        f"spend {server_cpu:.1f} ms of CPU on each put: three Ray calls in sequence (gateway to "
+        "router, router to device, router to an archive's journal), each costing both of its "
+        "ends CPU, besides the body's copies. With puts in flight side by side (the pipelined "
+        f"rows: {PIPELINE_WINDOW} on one connection; more clients) the calls overlap, but on "
+        f"{os.cpu_count()} cores that CPU bounds what a put can reach, whatever overlaps."
+    )
+    pipelined, pipelined_raw = find(PIPELINED_PORT, "put", PIPELINE_WINDOW), \
+        find(PIPELINED_RAW, "put", PIPELINE_WINDOW)
+    if pipelined is not None and pipelined_raw is not None and port_put is not None:
+        notes.append(
+            f"pipelined rows: one client process, one connection, {PIPELINE_WINDOW} puts in "
+            "flight (memkv.client.AsyncClient with that many concurrent appends, each lane "
+            "its own sessions; the raw socket's client sends as many before reading an ack). "
+            "The gateway reads a body while the append before it is stored; replies go in "
+            f"request order. {pipelined.gb_s:.2f} GB/s against {port_put.gb_s:.2f} one at a "
+            f"time; the raw socket {pipelined_raw.gb_s:.2f} against "
+            f"{raw_put.gb_s if raw_put else float('nan'):.2f}. The concurrency column of these "
+            "rows is the requests in flight."
+        )
     staged_append = find(f"{GATEWAY_STAGED} (", "append")
     memcpy = find("memcpy (1 core)", "copy")
     if staged_append is not None:
@@ -505,6 +597,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             "block_bytes": nbytes,
             "redis": redis_port is not None,
             "ray_hop_ms": hop_ms,
+            "put_cpu_ms": put_cpu,
             "crc32_gb_s": crc_gb_s,
             "real_size": real_size,
             "redis_found": redis_how,

@@ -11,7 +11,7 @@ import numpy as np
 from memkv.bench.clients import ClientRun
 from memkv.bench.report import percentile
 
-__all__ = ["LevelResult", "from_latencies", "from_runs", "memcpy_level"]
+__all__ = ["LevelResult", "from_latencies", "from_runs", "from_window", "memcpy_level"]
 
 #: The memcpy ceiling copies through a ring of buffers this large (past any LLC).
 MEMCPY_RING_BYTES = 256 << 20
@@ -46,6 +46,14 @@ def from_runs(target: str, op: str, rounds: list[list[ClientRun]], nbytes: int) 
     """
     latencies = [lat for runs in rounds for r in runs for lat in r.latencies]
     return _at_median(target, op, len(rounds[0]), latencies, nbytes)
+
+
+def from_window(target: str, op: str, rounds: list[list[ClientRun]], nbytes: int,
+                window: int) -> LevelResult:
+    """One connection with ``window`` requests in flight: window x block bytes / median
+    latency (as ``window`` closed-loop clients; the concurrency column says ``window``)."""
+    latencies = [lat for runs in rounds for r in runs for lat in r.latencies]
+    return _at_median(target, op, window, latencies, nbytes)
 
 
 def from_latencies(target: str, op: str, latencies: list[float], nbytes: int) -> LevelResult:

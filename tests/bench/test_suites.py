@@ -85,6 +85,15 @@ def test_dataplane_quick(ctx: BenchContext) -> None:
     modes = {"inline", "write-behind"}
     assert demoting == {f"append demoting to cold ({mode})" for mode in modes}
     assert result.figures["ray_hop_ms"] > 0 and result.figures["crc32_gb_s"] > 0
+    # One connection with puts in flight, beside the raw socket with as many.
+    assert {("pipelined raw socket", "put", 4), ("pipelined gateway (block port)", "put", 4)} \
+        <= found
+    assert _positive(doc["figures"]["measured"]["block_port_put_vs_raw_pipelined"])
+    # Where a put's CPU goes, per process.
+    cpu = result.figures["put_cpu_ms"]
+    assert {"gateway", "router", "device", "archive", "client", "raw socket client"} == set(cpu)
+    assert all(_positive(cpu[k]) for k in ("gateway", "router", "device", "client"))
+    assert any(n.startswith("CPU per") for n in result.notes)
     if not result.figures["redis"]:
         assert "not measured" in " ".join(result.notes)
 
