@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from memkv.bench import lmcache_peer
 from memkv.bench.context import BenchContext
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
 
@@ -113,19 +114,6 @@ def _moved_nothing(result: dict[str, Any], spec: dict[str, Any]) -> dict[str, An
             "serve_log_memkv": result.get("serve_log_memkv", [])}
 
 
-def _lmcache_missing() -> str | None:
-    """Why LMCache cannot run here (None: it is in the vLLM venv, `make vllm-venv`)."""
-    found = subprocess.run(
-        [str(VLLM_PYTHON), "-c", "import importlib.util as u; print(bool(u.find_spec('lmcache')))"],
-        capture_output=True, text=True, timeout=60,
-    ).stdout.strip()
-    if found == "True":
-        return None
-    return ("not installed in the vLLM venv: `pip install --no-deps lmcache==0.5.6` plus aiofile, "
-            "aiofiles, sortedcontainers and redis (a plain install pulls CUDA packages); "
-            "`make vllm-venv` does it")
-
-
 def _row_stats(result: dict[str, Any]) -> dict[str, Any]:
     reqs = result["requests"]
     resumed = sorted(r["ttft_s"] for r in reqs if r["turn"] > 0 and r["ttft_s"] is not None)
@@ -205,10 +193,9 @@ def run(ctx: BenchContext) -> SuiteResult:
         (NOT_FITTING, "vLLM alone", small, None, one),
         (NOT_FITTING, "vLLM + memkv (same node)", small, memkv(True), one),
     ]
-    lmcache_missing = _lmcache_missing()
+    lmcache_missing = lmcache_peer.missing(VLLM_PYTHON)
     if lmcache_missing is None:  # the peer as its users run it, beside memkv's rows
-        plan.append((NOT_FITTING, LMCACHE, small, None,
-                     {**one, "peer": "lmcache", "peer_l1_gb": LMCACHE_L1_GB}))
+        plan.append((NOT_FITTING, LMCACHE, small, None, {**one, "lmcache_l1_gb": LMCACHE_L1_GB}))
     if not ctx.quick:
         plan += [
             (NOT_FITTING, "vLLM + memkv (block port)", small, memkv(False), one),
@@ -229,7 +216,7 @@ def run(ctx: BenchContext) -> SuiteResult:
                                                                        "fleet: engines"):
             spec = {**base, **topology, "kv_blocks": blocks, "connector": connector,
                     "ports": [_free_port() for _ in range(topology["engines"])],
-                    "proxy_port": _free_port(), "peer_port": _free_port(), "gateway_url": url,
+                    "proxy_port": _free_port(), "gateway_url": url,
                     "run": f"fleet-{uuid.uuid4().hex[:6]}-{i}"}
             result = _drive(model, Path(scratch) / f"{i}.json", spec)
             runs.append({"setting": setting, "engine": engine, "kv_blocks": blocks,

@@ -9,8 +9,8 @@ their ``/health``, then runs ``sessions`` agent sessions at once, each
 ``turns`` turns in sequence: a turn sends the whole conversation so far (the
 previous prompt, the reply, ``turn_tokens`` new tokens), streamed, greedy.
 
-With ``peer: lmcache`` the engines use LMCache's ``LMCacheMPConnector`` against an
-``lmcache server`` this driver starts first (on ``peer_port``) and stops last.
+With ``lmcache_l1_gb`` the engines use LMCache's ``LMCacheMPConnector`` against an
+``lmcache server`` (that much DRAM) this driver starts first and stops last.
 
 ``route`` says where the requests go: ``direct`` to the one engine (the
 session in ``kv_transfer_params``), ``round-robin`` through a plain proxy
@@ -27,54 +27,24 @@ routing counters; stops the engines' process groups.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 
+from memkv.bench.lmcache_peer import kv_transfer_config
+from memkv.bench.lmcache_peer import server as lmcache_server
+
 STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
 #: Longest wait for an engine's saves to land before it is killed (then it is killed anyway).
 SAVES_LANDED_TIMEOUT_S = 60.0
-
-
-def _lmcache_server(port: int, l1_gb: float, log_path: str) -> subprocess.Popen:
-    """``lmcache server`` as LMCache's users start it for vLLM's LMCacheMPConnector
-    (engine-driven transfers, the only mode vLLM's CPU backend has), its defaults
-    otherwise (256-token chunks, LRU)."""
-    lmcache = os.path.join(os.path.dirname(sys.executable), "lmcache")
-    args = [lmcache, "server", "--host", "127.0.0.1", "--port", str(port),
-            "--supported-transfer-mode", "engine_driven", "--l1-size-gb", str(l1_gb),
-            "--eviction-policy", "LRU", "--disable-observability", "--http-port",
-            str(_free_port())]
-    log = open(log_path, "ab")  # noqa: SIM115 - the server holds it
-    return subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True,
-                            env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
-
-
-def _wait_listening(proc: subprocess.Popen, port: int, what: str) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} during start")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.25)  # starting: nothing to wait on but its port
-    raise TimeoutError(f"{what} did not listen on {port} within {STARTUP_TIMEOUT_S} s")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _serve(model: str, port: int, spec: dict, log_path: str) -> subprocess.Popen:
@@ -93,12 +63,8 @@ def _serve(model: str, port: int, spec: dict, log_path: str) -> subprocess.Popen
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec["connector"],
         })]
-    elif spec.get("peer") == "lmcache":
-        args += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                          "lmcache.mp.port": spec["peer_port"]},
-        })]
+    elif spec.get("lmcache_port") is not None:  # the peer (memkv.bench.lmcache_peer)
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec["lmcache_port"]))]
     log = open(log_path, "ab")  # noqa: SIM115 - the server holds it
     return subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
 
@@ -214,11 +180,12 @@ def main(model: str, out_path: str, spec: dict) -> None:
     extra: list[subprocess.Popen] = []
     registered: list[str] = []
     routing: dict = {}
+    peers = contextlib.ExitStack()
     try:
-        if spec.get("peer") == "lmcache":  # its server first: the engines connect at start
-            extra.append(_lmcache_server(spec["peer_port"], spec["peer_l1_gb"],
-                                         out_path + ".lmcache.log"))
-            _wait_listening(extra[-1], spec["peer_port"], "lmcache server")
+        if spec.get("lmcache_l1_gb") is not None:  # its server first: engines connect at start
+            port = peers.enter_context(lmcache_server(sys.executable, spec["lmcache_l1_gb"],
+                                                      out_path + ".lmcache.log"))
+            spec = {**spec, "lmcache_port": port}
         for port, stats_path in zip(ports, stats_paths, strict=True):
             one = spec
             if spec.get("connector") is not None:
@@ -265,6 +232,7 @@ def main(model: str, out_path: str, spec: dict) -> None:
                 pass  # the gateway went away with the run: nothing to tidy
         for proc in procs + extra:  # the engines first: then what they use
             _stop(proc)
+        peers.close()
     counters: dict = {}
     found = 0
     for stats_path in stats_paths:

@@ -38,6 +38,7 @@ storing), with the fetch and the writes apart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -48,6 +49,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from memkv.bench import lmcache_peer
 from memkv.bench.context import BenchContext
 from memkv.bench.levels import memcpy_level
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track
@@ -74,7 +76,10 @@ QUICK_MODEL: dict[str, Any] = {
 }
 FULL_PROMPT, QUICK_PROMPT = 4096, 512
 #: Transports a quick run leaves out (the integration tests load through them).
-QUICK_SKIPS = ("gateway, block port", "cluster", "gateway, staged")
+LMCACHE = "multiprocess mode"  # the transport column of LMCache's rows
+#: LMCache's DRAM tier (GB): the 512 MiB prompt's KV and room to spare.
+LMCACHE_L1_GB = 2
+QUICK_SKIPS = ("gateway, block port", "cluster", "gateway, staged", LMCACHE)
 WARMUP_TOKENS = 64
 REPEATS = 3
 BLOCK_SIZE = 32  # the CPU backend wants a multiple of 32
@@ -205,13 +210,24 @@ def run(ctx: BenchContext) -> SuiteResult:
         ("memkv warm", "cluster", in_cluster, REPEATS, {}),
         ("vLLM prefix-cache hit", "-", None, REPEATS, {"prefix_caching": True}),
     ]
+    lmcache_missing = lmcache_peer.missing(VLLM_PYTHON)
+    if lmcache_missing is None:  # the peer: a cold engine fills its server, a fresh one loads
+        plan += [("LMCache cold", LMCACHE, None, 1, {"lmcache": True}),
+                 ("LMCache warm", LMCACHE, None, REPEATS, {"lmcache": True})]
     if ctx.quick:
         plan = [p for p in plan if p[1] not in QUICK_SKIPS]
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="memkv-bench-vllm-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="memkv-bench-vllm-") as scratch, \
+            contextlib.ExitStack() as peers:
+        lmcache_port: int | None = None
         for i, (engine, transport, connector, repeats, extra) in track(
             list(enumerate(plan)), "vllm: engines"
         ):
+            if extra.pop("lmcache", False):
+                if lmcache_port is None:  # one server for both rows, started before them
+                    lmcache_port = peers.enter_context(lmcache_peer.server(
+                        VLLM_PYTHON, LMCACHE_L1_GB, Path(scratch) / "lmcache.log"))
+                extra = {**extra, "lmcache_port": lmcache_port}
             warmup = [(31 * j + 7 * i + 5) % (vocab - 1) + 1 for j in range(WARMUP_TOKENS)]
             spec = {**common, "connector": connector, "warmup": warmup, "repeats": repeats,
                     **extra}
@@ -238,6 +254,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     kv_mib = kv_bytes / 2**20
     by = {(r["engine"], r["transport"]): r for r in runs}
     shm, ideal = by[("memkv warm", "gateway, shared memory")], by[("vLLM prefix-cache hit", "-")]
+    lmcache = by.get(("LMCache warm", LMCACHE))
     shm_load = _gbps(shm.get("connector"), "load")
     cold_save = _gbps(runs[1].get("connector"), "save")
     staged = by.get(("memkv cold", "gateway, staged"))
@@ -247,12 +264,17 @@ def run(ctx: BenchContext) -> SuiteResult:
         "ttft_vs_prefix_cache_hit": {"measured": shm["ttft_s"] / ideal["ttft_s"], "target": 1.3,
                                      "lower_is_better": True},
         "save_vs_memcpy": {"measured": _div(cold_save, memcpy), "target": 0.4},
+        # A fresh engine's TTFT with the prefix from memkv, over LMCache's in the same run.
+        "ttft_vs_lmcache": {"measured": shm["ttft_s"] / lmcache["ttft_s"] if lmcache else None,
+                            "target": 1.0, "lower_is_better": True},
     }
     notes = [
         f"Targets ([2/5]): same-node load (fetch + write) {_x(targets['load_vs_memcpy'])} "
         f"single-core memcpy of the same bytes ({_fmt(memcpy)} GB/s here; target >= 0.5x); "
         f"TTFT {_x(targets['ttft_vs_prefix_cache_hit'])} vLLM's own prefix-cache hit "
-        f"(target <= 1.3x); save {_x(targets['save_vs_memcpy'])} memcpy (target >= 0.4x).",
+        f"(target <= 1.3x); save {_x(targets['save_vs_memcpy'])} memcpy (target >= 0.4x); "
+        f"TTFT {_x(targets['ttft_vs_lmcache'])} LMCache's, a fresh engine each (target <= 1.0x"
+        + (f"; LMCache not measured: {lmcache_missing}" if lmcache_missing else "") + ").",
         f"{shape['name']} ({shape['num_hidden_layers']} layers, {shape['num_key_value_heads']} "
         f"KV heads x {shape.get('head_dim', shape['hidden_size'] // shape['num_attention_heads'])}"
         f", {DTYPE}), a {n}-token prompt, vLLM block size {BLOCK_SIZE}: {kv_mib:.0f} MiB of KV "
@@ -266,6 +288,11 @@ def run(ctx: BenchContext) -> SuiteResult:
            f"staging): {_fmt(staged_save)} GB/s, {_ratio(staged_save, memcpy)} memcpy, against "
            f"{_fmt(cold_save)} GB/s reserved. " + _save_split(staged.get("connector"))]
           if staged else []),
+        *([f"LMCache ({LMCACHE}): LMCache 0.5.6 as its users run it with vLLM's CPU backend "
+           f"(memkv.bench.lmcache_peer): an `lmcache server` (engine-driven, a {LMCACHE_L1_GB} GB "
+           "DRAM tier, 256-token chunks) and vLLM's LMCacheMPConnector; a cold engine sends "
+           "the prompt once, then a fresh engine loads it from the server. Its bytes are not "
+           "counted here."] if lmcache else []),
         "CPU engine on this 2-core machine: the prefill a load replaces is far slower here "
         "than on a GPU (an H100 prefills 4096 tokens of Llama-3-8B in ~0.07-0.14 s), so the "
         "speed-up is this machine's, not a GPU's; the load time is what carries over.",

@@ -3,7 +3,8 @@
     python -m memkv.bench.vllm_engine MODEL_DIR OUT_JSON SPEC_JSON
 
 SPEC: ``connector`` (``kv_connector_extra_config``, or null for an engine
-without memkv), ``prompt`` and ``warmup`` (token ids), ``block_size``,
+without memkv), ``lmcache_port`` (instead: LMCache's connector against that
+``lmcache server``), ``prompt`` and ``warmup`` (token ids), ``block_size``,
 ``dtype``, ``max_model_len``, ``prefix_caching`` (vLLM's own cache on, and the
 prompt sent once before the measured requests). The engine serves the warm-up prompt first (the
 first request of an engine pays one-off costs), then the measured prompt with
@@ -53,6 +54,13 @@ def main(model: str, out_path: str, spec: dict) -> None:
             kv_role="kv_both",
             kv_connector_extra_config={**spec["connector"], "stats_path": stats_path},
         )
+    elif spec.get("lmcache_port") is not None:  # the peer (memkv.bench.lmcache_peer)
+        from vllm.config import KVTransferConfig
+
+        from memkv.bench.lmcache_peer import kv_transfer_config
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            **kv_transfer_config(spec["lmcache_port"]))
     started = time.perf_counter()
     llm = LLM(
         model=model,
