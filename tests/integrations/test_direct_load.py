@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from memkv.gpu_kernels import reference
+from memkv.integrations.vllm import direct_load
 from memkv.integrations.vllm.direct_load import DirectLoad
 from memkv.protocol.checksum import crc32
 from memkv.protocol.messages import PlanEntry, ReadPlan
@@ -87,9 +88,17 @@ def _caches(layout: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
     return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
 
+@pytest.fixture(params=[False, True], ids=["one thread", "two threads"])
+def threads(request, monkeypatch):
+    """Loads as small as these tests' go on two threads too (large ones do by default)."""
+    if request.param:
+        monkeypatch.setattr(direct_load, "PARALLEL_MIN_BYTES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("layout", [reference.PAGED_CPU, reference.PAGED_FLASH])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_layers_land_where_the_reference_scatter_puts_them(segment, layout, dtype):
+def test_layers_land_where_the_reference_scatter_puts_them(segment, layout, dtype, threads):
     blocks, ids = _blocks(dtype, 3), [4, 0, 2]
     load, released = _load(*segment, blocks, ids)
     for layer in range(L):
@@ -101,7 +110,8 @@ def test_layers_land_where_the_reference_scatter_puts_them(segment, layout, dtyp
     assert load.finish() == set() and released == [True]  # once only
 
 
-def test_a_block_changed_after_its_checksum_is_named_and_the_lease_still_goes_back(segment):
+def test_a_block_changed_after_its_checksum_is_named_and_the_lease_still_goes_back(
+        segment, threads):
     blocks = _blocks(torch.bfloat16, 3)
     load, released = _load(*segment, blocks, [1, 3, 5], corrupt=1)
     cache, _ = _caches(reference.PAGED_CPU, torch.bfloat16)

@@ -53,6 +53,8 @@ Configuration (``kv_connector_extra_config``)::
                                         #   its shared memory, and kept there (null: never)
      "save_wait_s": 2.0,                # a session's next turn waits up to this long for
                                         #   its last turn's save to land (0: never waits)
+     "load_copy_threads": 2,            # same node, CPU cache: a load of 16 MiB or more
+                                        #   is written by two threads (1: by the engine's)
      "stats_path": null}                # also write the running totals here, as JSON
                                         #   (with saves_queued / saves_done: a save
                                         #   is stored once they are equal)
@@ -103,6 +105,7 @@ from memkv.integrations.vllm.plan import (
     Save,
     Staged,
     content_session_id,
+    load_copy_threads,
     paged_layout,
     request_bytes,
     reserve_min_bytes,
@@ -187,6 +190,7 @@ class MemkvConnector(KVConnectorBase_V1):
         self._hits: dict[str, int] = {}  # memkv blocks of each request's prompt
         self._params: dict[str, dict[str, Any]] = {}
         self._pending_saves = PendingSaves(save_wait_s(self._extra))
+        self._copy_threads = load_copy_threads(self._extra)
         # Worker side.
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
@@ -413,7 +417,8 @@ class MemkvConnector(KVConnectorBase_V1):
             release()
             return None
         try:
-            copy = DirectLoad(self._maps, blocks, release, staging=self._pinned)
+            copy = DirectLoad(self._maps, blocks, release, staging=self._pinned,
+                              copy_threads=self._copy_threads)
         except _FAILURES as e:  # a segment gone (its device restarted), a bad plan
             logger.warning("memkv shared memory unusable for %s, fetching: %s", load.req_id, e)
             release()

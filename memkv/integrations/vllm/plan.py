@@ -64,6 +64,18 @@ def reserve_min_bytes(extra: dict[str, Any]) -> int | None:
     return value
 
 
+#: Two: the second core of a CPU engine's worker moves the memory-bound copy faster.
+DEFAULT_LOAD_COPY_THREADS = 2
+
+
+def load_copy_threads(extra: dict[str, Any]) -> int:
+    """``load_copy_threads``: threads that write a large same-node load into a CPU cache."""
+    value = extra.get("load_copy_threads", DEFAULT_LOAD_COPY_THREADS)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2:
+        raise InvalidInputError(f"load_copy_threads must be 1 or 2, got {value!r}")
+    return value
+
+
 def save_wait_s(extra: dict[str, Any]) -> float:
     value = extra.get("save_wait_s", DEFAULT_SAVE_WAIT_S)
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
