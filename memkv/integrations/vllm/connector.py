@@ -93,6 +93,7 @@ from memkv.errors import MemkvError
 from memkv.gpu_kernels import ops as kernels
 from memkv.integrations.vllm.block_buffers import BlockBuffers
 from memkv.integrations.vllm.direct_load import DirectLoad, PinnedStaging, cache_words
+from memkv.integrations.vllm.lookups import Lookups
 from memkv.integrations.vllm.metrics import MemkvConnectorStats, MemkvPromMetrics, StatsRecorder
 from memkv.integrations.vllm.pending_saves import PendingSaves
 from memkv.integrations.vllm.plan import (
@@ -190,6 +191,8 @@ class MemkvConnector(KVConnectorBase_V1):
         self._hits: dict[str, int] = {}  # memkv blocks of each request's prompt
         self._params: dict[str, dict[str, Any]] = {}
         self._pending_saves = PendingSaves(save_wait_s(self._extra))
+        # Prefix matches off the scheduler's thread (the transport is made on first use).
+        self._lookups = Lookups(lambda tokens: self.transport().match(tokens))
         self._copy_threads = load_copy_threads(self._extra)
         # Worker side.
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -246,11 +249,14 @@ class MemkvConnector(KVConnectorBase_V1):
             time.sleep(0.001)  # vLLM asks again next step: not a busy loop meanwhile
             return None, False
         try:
-            matched, keys = self.transport().match(tokens[:usable])
+            found = self._lookups.poll(request.request_id, tokens[:usable])
         except _FAILURES as e:
             logger.warning("memkv lookup failed, computing instead: %s", e)
             self._pending_saves.forget(request.request_id)
             return 0, False
+        if found is None:
+            return None, False  # the lookup still runs: vLLM schedules the others
+        matched, keys = found
         hit = matched // self._block_size * self._block_size
         if self._pending_saves.should_wait(request.request_id, params.get("session_id"), hit,
                                            usable):
@@ -311,6 +317,7 @@ class MemkvConnector(KVConnectorBase_V1):
         for table in (self._params, self._matched, self._hits):
             table.pop(request.request_id, None)
         self._pending_saves.forget(request.request_id)
+        self._lookups.forget(request.request_id)
         return False, None
 
     # -- worker side -------------------------------------------------------------------
@@ -515,6 +522,7 @@ class MemkvConnector(KVConnectorBase_V1):
             self._outbox.put(None)
             self._sender.join(timeout=30)
         self._write_stats_file()
+        self._lookups.close()
         if self._transport is not None:
             self._transport.close()
 
