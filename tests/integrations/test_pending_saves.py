@@ -59,3 +59,15 @@ def test_saves_of_sessions_that_never_return_are_dropped_once_too_old() -> None:
         clock.now += 0.1
     assert len(saves._issued) <= 11  # only those issued within the last second
     assert saves.should_wait("r", "s99", hit=0, usable=64)
+
+
+def test_no_wait_for_a_save_the_engines_own_prefix_cache_already_holds() -> None:
+    clock = Clock()
+    saves = PendingSaves(wait_s=2.0, clock=clock)
+    saves.issued("s1", 256)
+    # The engine still holds the session's blocks (its KV space fits the fleet): the
+    # save would bring nothing, so the turn goes on at once.
+    assert not saves.should_wait("r1", "s1", hit=0, usable=288, local=256)
+    saves.issued("s1", 256)
+    # It holds only part of them: what memkv is about to have is worth the wait.
+    assert saves.should_wait("r2", "s1", hit=0, usable=288, local=128)

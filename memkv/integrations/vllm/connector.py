@@ -259,7 +259,7 @@ class MemkvConnector(KVConnectorBase_V1):
         matched, keys = found
         hit = matched // self._block_size * self._block_size
         if self._pending_saves.should_wait(request.request_id, params.get("session_id"), hit,
-                                           usable):
+                                           usable, local=num_computed_tokens):
             return None, False  # its session's last save has not landed yet
         if hit <= num_computed_tokens:
             return 0, False

@@ -69,16 +69,19 @@ class PendingSaves:
         return asked is not None and self._clock() - asked < self.recheck_s
 
     def should_wait(self, request_id: str, session_id: str | None, hit: int,
-                    usable: int) -> bool:
+                    usable: int, local: int = 0) -> bool:
         """Whether to defer a lookup that found ``hit`` of the ``usable`` tokens.
 
         True while the session's last save covers more of them than ``hit`` and
-        was issued less than ``wait_s`` ago; the save is forgotten otherwise.
+        than ``local`` (what the engine's own prefix cache holds: when it holds
+        the saved blocks, the save brings nothing to wait for), and was issued
+        less than ``wait_s`` ago; the save is forgotten otherwise.
         """
         entry = self._issued.get(session_id or "") if session_id else None
         if entry is not None:
             tokens, since = entry
-            if min(tokens, usable) > hit and self._clock() - since < self.wait_s:
+            if min(tokens, usable) > max(hit, local) and \
+                    self._clock() - since < self.wait_s:
                 self._asked[request_id] = self._clock()
                 self.deferred += 1
                 return True
