@@ -38,7 +38,7 @@ import threading
 import time
 import urllib.request
 
-from memkv.bench.lmcache_peer import kv_transfer_config
+from memkv.bench.lmcache_peer import kv_transfer_config, stop_group
 from memkv.bench.lmcache_peer import server as lmcache_server
 
 STARTUP_TIMEOUT_S = 300.0
@@ -150,17 +150,6 @@ def _fleet(base_url: str, spec: dict, kill) -> tuple[list[dict], float, list[str
     return requests, wall, [repr(e) for e in errors]
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def _gateway(spec: dict, method: str, path: str, body: dict | None = None) -> dict:
     request = urllib.request.Request(
         spec["gateway_url"].rstrip("/") + path, method=method,
@@ -231,7 +220,7 @@ def main(model: str, out_path: str, spec: dict) -> None:
             except OSError:
                 pass  # the gateway went away with the run: nothing to tidy
         for proc in procs + extra:  # the engines first: then what they use
-            _stop(proc)
+            stop_group(proc)
         peers.close()
     counters: dict = {}
     found = 0

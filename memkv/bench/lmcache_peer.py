@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INSTALL_HINT", "kv_transfer_config", "missing", "server"]
+__all__ = ["INSTALL_HINT", "kv_transfer_config", "missing", "server", "stop_group"]
 
 INSTALL_HINT = ("`pip install --no-deps lmcache==0.5.6` plus aiofile, aiofiles, "
                 "sortedcontainers and redis (a plain install pulls CUDA packages); "
@@ -64,13 +64,20 @@ def server(python: Path | str, l1_gb: float, log_path: Path | str) -> Iterator[i
         _wait_listening(proc, port)
         yield port
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 30.0) -> None:
+    """SIGTERM to a process started in a session of its own (its whole group), SIGKILL
+    if it has not exited within ``timeout_s``."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:
