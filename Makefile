@@ -33,7 +33,7 @@ GPU_TORCH_SPEC ?= torch==2.13.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py memkv/native/kvcopy.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
@@ -43,7 +43,7 @@ vllm-venv: $(VLLM_STAMP)
 
 # memkv goes in with its own dependencies (none pins transformers); its Ray must be the
 # very version of memkv's venv, since the in-cluster connector joins that venv's clusters.
-$(VLLM_STAMP): pyproject.toml $(STAMP)
+$(VLLM_STAMP): pyproject.toml setup.py memkv/native/kvcopy.c $(STAMP)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check '$(VLLM_SPEC)' 'transformers<5.20'
@@ -58,7 +58,7 @@ $(VLLM_STAMP): pyproject.toml $(STAMP)
 
 gpu-venv: $(GPU_STAMP)
 
-$(GPU_STAMP): pyproject.toml
+$(GPU_STAMP): pyproject.toml setup.py memkv/native/kvcopy.c
 	test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_PY) -m pip install -q --disable-pip-version-check $(GPU_TORCH_SPEC)
 	$(GPU_PY) -m pip install -q --disable-pip-version-check -e '.[dev,gpu]'

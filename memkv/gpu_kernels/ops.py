@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memkv.gpu_kernels import reference
+from memkv.gpu_kernels import cpu_paged, reference
 from memkv.gpu_kernels.loader import backend, cuda_module
 
 __all__ = [
@@ -194,7 +194,8 @@ def paged_write(
 ) -> None:
     """Layer ``layer`` of memkv blocks ``[n, L, 2, H, N, D]`` into a layer's paged cache."""
     if not _on_gpu(blocks, cache) or not blocks.is_contiguous() or not cache.is_contiguous():
-        reference.paged_write(blocks, block_ids, layer, cache, layout)
+        if not cpu_paged.paged_copy("write", blocks, block_ids, layer, cache, layout):
+            reference.paged_write(blocks, block_ids, layer, cache, layout)
         return
     _paged("write", blocks, block_ids, layer, cache, layout)
 
@@ -207,6 +208,7 @@ def paged_read(
     one per block where they do not lie back to back)."""
     if isinstance(blocks, list) or not _on_gpu(blocks, cache) or not blocks.is_contiguous() \
             or not cache.is_contiguous():
-        reference.paged_read(cache, block_ids, layer, blocks, layout)
+        if not cpu_paged.paged_copy("read", blocks, block_ids, layer, cache, layout):
+            reference.paged_read(cache, block_ids, layer, blocks, layout)
         return
     _paged("read", blocks, block_ids, layer, cache, layout)

