@@ -16,6 +16,7 @@
 #include <string.h>
 #if defined(__x86_64__)
 #include <emmintrin.h>
+#include <xmmintrin.h>
 #endif
 
 typedef uint32_t (*memkv_crc_fn)(uint32_t crc, const unsigned char *buf, uint64_t len);
@@ -27,6 +28,7 @@ static void copy_stream(unsigned char *dst, const unsigned char *src, size_t n)
 #if defined(__x86_64__)
     if (((uintptr_t)dst & 15) == 0 && (n & 63) == 0) {
         for (size_t i = 0; i < n; i += 64) {
+            _mm_prefetch((const char *)(src + i + 1024), _MM_HINT_T0); /* the source streams */
             __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
             __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
             __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));

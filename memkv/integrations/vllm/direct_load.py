@@ -27,6 +27,7 @@ buffers, so the copy of layer i+1 overlaps the transfer of layer i) and
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +58,13 @@ PARALLEL_MIN_BYTES = 16 << 20
 def _copy_pool() -> ThreadPoolExecutor:
     """The second thread of large CPU loads (one per process, made on first use)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="memkv-load-copy")
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def cache_words(kv_layer: torch.Tensor) -> np.ndarray:
@@ -126,7 +134,9 @@ class DirectLoad:
         self._release = release
         self._clock = clock
         self._staging = staging
-        self._copy_threads = copy_threads
+        # A second thread only where this process may run on a second core: vLLM's CPU
+        # worker is bound to its cores, and on one core two threads only take turns.
+        self._copy_threads = min(copy_threads, _usable_cores())
         self._sources: list[_Source] = []
         self._finished = False
         self.nbytes = 0
