@@ -185,10 +185,15 @@ def tier_name(raw: object) -> str | None:
 
 
 def make_block(
-    header: dict[str, Any], key: bytes, dtype: str, shape: list[int], buf: np.ndarray
+    header: dict[str, Any], key: bytes, dtype: str, shape: list[int], buf: np.ndarray,
+    received_crc: int | None = None,
 ) -> Block:
+    """The block ``buf`` holds, once its CRC32 (``received_crc``: made as it arrived)
+    matches its header's."""
     crc = header.get("crc32")
-    if not isinstance(crc, int) or crc32(buf) != crc:
+    if received_crc is None:
+        received_crc = crc32(buf)
+    if not isinstance(crc, int) or received_crc != crc:
         raise WireError(f"block {header.get('index')}: payload checksum does not match its header")
     array = buf.view(numpy_view_dtype(dtype)).reshape(shape)
     return Block(
@@ -245,14 +250,28 @@ def read_exact(response: Any, n: int, what: str) -> bytes:
     return data
 
 
-def read_into(response: Any, buf: np.ndarray) -> None:
+#: A block's CRC32 is continued every this many bytes received: over bytes still in
+#: the core's cache, while the sender's next ones are on their way (a pass over the
+#: whole block after it arrived cost ~0.16 ms per 4 MiB read from memory).
+RECEIVE_CRC_STEP = 256 << 10
+
+
+def read_into(response: Any, buf: np.ndarray) -> int:
+    """Fill ``buf`` from ``response``; the CRC32 of its bytes, made as they arrived."""
     view = buf.data.cast("B")
-    filled = 0
+    filled = crc = 0
     while filled < view.nbytes:
-        got = response.readinto(view[filled:])
-        if not got:
-            raise WireError("the block stream was cut in the middle of a block")
+        # A step at most per call: a buffered reader would otherwise fill all of it.
+        step = view[filled : filled + RECEIVE_CRC_STEP]
+        got = 0
+        while got < len(step):
+            n = response.readinto(step[got:])
+            if not n:
+                raise WireError("the block stream was cut in the middle of a block")
+            got += n
+        crc = crc32(step, crc)
         filled += got
+    return crc
 
 
 def destination(out: Sequence[Any] | None, count: int, nbytes: int) -> np.ndarray:
@@ -317,9 +336,9 @@ def read_block_frames(
             raise WireError(f"expected a block or end frame, got {kind!r}")
         key, dtype, shape, nbytes = check_block_header(header, count)
         buf = destination(out, count, nbytes)
-        read_into(response, buf)
+        received_crc = read_into(response, buf)
         count += 1
-        yield make_block(header, key, dtype, shape, buf)
+        yield make_block(header, key, dtype, shape, buf, received_crc)
 
 
 # -- the sync client ---------------------------------------------------------------------------

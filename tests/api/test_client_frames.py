@@ -99,3 +99,40 @@ def test_headers_patch_in_place():
                     7,
                     {"": 0, "float16": 1, "delta_rl": 3}[lossy],
                 )
+
+
+class _Trickle:
+    """A response that hands over at most ``piece`` bytes per readinto (a socket's way)."""
+
+    def __init__(self, data: bytes, piece: int) -> None:
+        self.data, self.piece, self.at = data, piece, 0
+
+    def readinto(self, view: memoryview) -> int:
+        n = min(len(view), self.piece, len(self.data) - self.at)
+        view[:n] = self.data[self.at : self.at + n]
+        self.at += n
+        return n
+
+    def read(self, n: int) -> bytes:
+        out = self.data[self.at : self.at + n]
+        self.at += len(out)
+        return out
+
+
+@pytest.mark.parametrize("piece", [1000, 300_000, 1 << 30])
+def test_a_block_is_checksummed_as_it_arrives_in_any_pieces(piece):
+    """The CRC32 made step by step while reading equals the whole block's; a flipped
+    byte anywhere, the first step's or the last's, is caught."""
+    from memkv.client.frames import RECEIVE_CRC_STEP, read_block_frames
+    from memkv.protocol.wire import WireError
+
+    arr = np.random.default_rng(5).standard_normal(3 * RECEIVE_CRC_STEP // 2 + 7).astype(
+        np.float16)
+    got = list(read_block_frames(_Trickle(_body([arr]), piece)))
+    assert len(got) == 1 and got[0].array.tobytes() == arr.tobytes()
+    start = len(_body([arr])) - arr.nbytes - len(end_frame(1))  # the payload's first byte
+    for where in (start + 5, start + arr.nbytes - 3):
+        body = bytearray(_body([arr]))
+        body[where] ^= 0xFF  # a payload byte after its checksum was made
+        with pytest.raises(WireError, match="checksum"):
+            list(read_block_frames(_Trickle(bytes(body), piece)))
