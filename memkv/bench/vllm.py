@@ -133,6 +133,16 @@ def _gbps(counters: dict[str, Any] | None, kind: str) -> float | None:
     return float(counters[f"{kind}_bytes"]) / seconds / 1e9
 
 
+def _save_copy() -> str:
+    """How the connector copies a save out of a CPU paged cache (the engine's venv builds
+    memkv.native from this same tree)."""
+    from memkv import native
+
+    if native.AVAILABLE:
+        return "one native call per layer for all its blocks, with streamed stores"
+    return "a copy per run of consecutive vLLM blocks"
+
+
 def _save_split(counters: dict[str, Any] | None) -> str:
     """Where the cold engine's save went, from the connector's counters."""
     if not counters or not counters.get("save_seconds"):
@@ -152,9 +162,8 @@ def _save_split(counters: dict[str, Any] | None) -> str:
         else "frames over the socket, the gateway's checks and the device's copy.")
     return (
         f"The cold engine's save: {float(counters.get('save_copy_seconds', 0)):.3f} s copying "
-        f"its blocks out of the paged cache on the forward pass (a copy per run of "
-        f"consecutive vLLM blocks{where}, then {float(counters['save_seconds']):.3f} s in "
-        f"the saver: {saver}"
+        f"its blocks out of the paged cache on the forward pass ({_save_copy()}{where}, "
+        f"then {float(counters['save_seconds']):.3f} s in the saver: {saver}"
     )
 
 
