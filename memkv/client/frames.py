@@ -252,8 +252,10 @@ def read_exact(response: Any, n: int, what: str) -> bytes:
 
 #: A block's CRC32 is continued every this many bytes received: over bytes still in
 #: the core's cache, while the sender's next ones are on their way (a pass over the
-#: whole block after it arrived cost ~0.16 ms per 4 MiB read from memory).
-RECEIVE_CRC_STEP = 256 << 10
+#: whole block after it arrived cost ~0.16 ms per 4 MiB read from memory). Larger
+#: than the block port connection's read buffer (256 KiB), so that each step is read
+#: straight into its destination, not through that buffer.
+RECEIVE_CRC_STEP = 1 << 20
 
 
 def read_into(response: Any, buf: np.ndarray) -> int:
