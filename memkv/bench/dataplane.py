@@ -113,6 +113,9 @@ TARGETS = {
     # The 1-client PUT target again, for one connection with PIPELINE_WINDOW puts in flight
     # against the raw socket with as many (the way the clients send when they can).
     "block_port_put_vs_raw_pipelined": 0.7,
+    # The session reads of the smaller session (64 MiB) against memcpy of its bytes.
+    "same_node_session_read_vs_memcpy": 0.7,
+    "in_cluster_session_read_vs_memcpy": 0.4,
 }
 
 
@@ -436,6 +439,13 @@ def run(ctx: BenchContext) -> SuiteResult:
     def ratio(a: LevelResult | None, b: LevelResult | None) -> float | None:
         return a.gb_s / b.gb_s if a and b and b.gb_s else None
 
+    def vs_memcpy(path: str) -> float | None:
+        """The first session's read on ``path`` against memcpy of the same blocks."""
+        read = find(f"{path} (", "read")
+        return ratio(read, next((m for m in results if m.target.startswith("memcpy (")
+                                 and read is not None and m.block_bytes == read.block_bytes
+                                 and m.op == "copy"), None))
+
     measured = {
         "block_port_put_vs_raw": ratio(port_put, raw_put),
         "block_port_get_vs_raw": ratio(port_get, raw_get),
@@ -448,6 +458,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         "block_port_put_vs_raw_pipelined": ratio(
             find(PIPELINED_PORT, "put", PIPELINE_WINDOW),
             find(PIPELINED_RAW, "put", PIPELINE_WINDOW)),
+        "same_node_session_read_vs_memcpy": vs_memcpy("same-node"),
+        "in_cluster_session_read_vs_memcpy": vs_memcpy("in-cluster"),
     }
     notes.append(
         f"targets ([2/5]; at 1 client, the workers' at {levels[-1]}): "

@@ -75,6 +75,8 @@ def test_dataplane_quick(ctx: BenchContext) -> None:
     assert any("same-host staging): a writer on the gateway's host" in n for n in result.notes)
     assert _positive(appends["gateway (block port)"][vs_raw])
     assert set(doc["figures"]["measured"]) == set(doc["figures"]["targets"])
+    for path in ("same_node", "in_cluster"):  # the session reads against memcpy
+        assert _positive(doc["figures"]["measured"][f"{path}_session_read_vs_memcpy"])
     assert "block_port_put_vs_raw" in " ".join(result.notes)
     reads = {r["target"].split(" (")[0] for r in doc["figures"]["results"] if r["op"] == "read"}
     assert reads == {"same-node", "in-cluster", "gateway HTTP", "gateway block port"}
