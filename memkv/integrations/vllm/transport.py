@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -152,6 +153,9 @@ class GatewayTransport:
         self._client = Client(url, token=token, timeout=30.0, retries=1, block_port=block_port)
         self._plain_until = 0.0
         self._no_reservations_until = 0.0
+        # Leases go back off the engine's thread: a load's release came at the end of
+        # its forward pass, a round trip (3 ms here) before the step's first token.
+        self._releases = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memkv-release")
         self.path = "unknown"  # how loads come: "shared memory", "block port" or "http"
         self.save_path = "unknown"  # how saves go: "reserved", "staging", or by value
 
@@ -246,15 +250,21 @@ class GatewayTransport:
         lease = self._client.lease_blocks(self._namespace, list(keys))
         plans = [p.lease_id for p in lease.plans]
 
-        def release() -> None:
+        def give_back() -> None:
             for lease_id in plans:
                 try:
                     self._client.release_lease(lease_id)
                 except Exception:  # noqa: BLE001 - one that ran out is released already
                     logger.debug("memkv lease %s was not given back", lease_id, exc_info=True)
 
+        def release() -> None:
+            try:
+                self._releases.submit(give_back)
+            except RuntimeError:  # closing: give them back here
+                give_back()
+
         if not lease.local or not plans:
-            release()
+            give_back()
             self._plain_until = time.monotonic() + _NO_LEASES_RECHECK_S
             path = "block port" if self._client.uses_block_port() else "http"
             if self.path != path:
@@ -272,6 +282,7 @@ class GatewayTransport:
         self._client.health()
 
     def close(self) -> None:
+        self._releases.shutdown(wait=True)  # every lease given back before the client goes
         self._client.close()
 
 
