@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from memkv.bench.lmcache_peer import stop_group
+
 START_TIMEOUT_S = 120
 
 
@@ -54,10 +56,4 @@ def start_memkv_up(
 
 def stop_memkv_up(proc: subprocess.Popen, timeout_s: float = 60) -> None:
     """SIGINT (a planned stop), then SIGKILL of the group if it overstays."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_group(proc, timeout_s, signal.SIGINT)

@@ -67,12 +67,13 @@ def server(python: Path | str, l1_gb: float, log_path: Path | str) -> Iterator[i
         stop_group(proc)
 
 
-def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 30.0) -> None:
-    """SIGTERM to a process started in a session of its own (its whole group), SIGKILL
+def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 30.0,
+               sig: int = signal.SIGTERM) -> None:
+    """``sig`` to a process started in a session of its own (its whole group), SIGKILL
     if it has not exited within ``timeout_s``."""
     if proc.poll() is not None:
         return
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, sig)
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
