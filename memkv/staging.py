@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from memkv.actors.payload import BlockPayload, StagedBlock
+from memkv.shm.ownership import SegmentOwnership, reclaim_orphans, warm_segment_name
 from memkv.storage.buddy import BuddyAllocator
-from memkv.storage.device.warm_segments import SegmentOwnership, reclaim_orphans, warm_segment_name
 
 __all__ = [
     "CLIENT_STAGE_PREFIX",

@@ -143,7 +143,7 @@ def _engines(engines: list[dict[str, Any]]) -> Table:
     """The OpenAI front door's engines (a gateway's stats): state, load, what was routed."""
     table = Table(title="engines (OpenAI front door)", title_justify="left")
     for column in ("engine", "model", "node", "tenants", "healthy", "requests", "KV use",
-                   "routed"):
+                   "memkv saved / skipped", "routed"):
         table.add_column(column, justify="right" if column in ("requests", "KV use") else "left")
     for e in engines:
         routed = ", ".join(f"{k} {v}" for k, v in sorted(e.get("routed", {}).items())) or "-"
@@ -154,8 +154,20 @@ def _engines(engines: list[dict[str, Any]]) -> Table:
         table.add_row(str(e["id"]), str(e["model"]), str(e["node"] or "-"),
                       "all" if tenants is None else ", ".join(tenants),
                       "yes" if e["healthy"] else f"no: {e.get('last_error', '')}"[:40],
-                      str(requests), f"{e['kv_use']:.0%}", routed)
+                      str(requests), f"{e['kv_use']:.0%}", _saved(e.get("connector") or {}),
+                      routed)
     return table
+
+
+def _saved(counters: dict[str, int]) -> str:
+    """An engine connector's blocks saved and not saved, with the reasons (- : none)."""
+    if not counters:
+        return "-"
+    reasons = ", ".join(f"{k.removeprefix('save_skipped_blocks_').replace('_', ' ')} {v}"
+                        for k, v in sorted(counters.items())
+                        if k.startswith("save_skipped_blocks_") and v)
+    skipped = counters.get("save_skipped_blocks", 0)
+    return f"{counters.get('save_blocks', 0)} / {skipped}" + (f" ({reasons})" if reasons else "")
 
 
 def print_status(stats: dict[str, Any], console: Console | None = None) -> None:

@@ -23,9 +23,9 @@ from memkv.actors.payload import BlockPayload, StagedBlock
 from memkv.config import DeviceSettings
 from memkv.protocol.members import StoredBlocks
 from memkv.protocol.messages import ChainUpdate
+from memkv.shm.ownership import warm_segment_name
 from memkv.storage.config import CodecConfig, StoreConfig
 from memkv.storage.device.service import DeviceService, attach_priority_session
-from memkv.storage.device.warm_segments import warm_segment_name
 
 __all__ = [
     "ArchiveReplicas",

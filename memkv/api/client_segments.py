@@ -32,8 +32,8 @@ from memkv.actors.payload import StagedBlock
 from memkv.errors import WrongNodeError
 from memkv.protocol.wire import WireError
 from memkv.same_node import SegmentMaps
+from memkv.shm.ownership import warm_segment_name
 from memkv.staging import CLIENT_STAGE_PREFIX
-from memkv.storage.device.warm_segments import warm_segment_name
 
 __all__ = ["ClientSegments"]
 

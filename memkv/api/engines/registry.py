@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,6 +38,11 @@ logger = logging.getLogger(__name__)
 
 _REQUESTS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 _KV_USE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+#: memkv's connector counters an engine exports (memkv.integrations.vllm.metrics), shown
+#: with the engine: what it saved, what it did not and why, what it loaded.
+_CONNECTOR = {f"vllm:memkv_{name}_total": name for name in (
+    "save_blocks", "save_skipped_blocks", "save_skipped_blocks_load_failed",
+    "save_skipped_blocks_memkv_error", "hit_tokens", "load_failures")}
 
 
 @dataclass
@@ -59,6 +64,8 @@ class Engine:
     requests: int = 0  # running + waiting, from its last /metrics
     inflight: int = 0  # requests this gateway has sent it and not seen answered
     kv_use: float = 0.0
+    #: memkv's connector counters from its last /metrics (empty: no memkv connector).
+    connector: dict[str, int] = field(default_factory=dict)
     failures: int = 0  # checks failed in a row
     last_error: str = ""
     checked_at: float = 0.0
@@ -82,7 +89,7 @@ class Engine:
                 "priority_scheduling": self.priority_scheduling,
                 "max_requests": self.max_requests, "healthy": self.healthy,
                 "requests": self.requests, "inflight": self.inflight, "kv_use": self.kv_use,
-                "last_error": self.last_error}
+                "connector": dict(self.connector), "last_error": self.last_error}
 
 
 class EngineRegistry:
@@ -202,7 +209,8 @@ class EngineRegistry:
             health = await self.client.get(f"{engine.url}/health", timeout=self.timeout_s)
             health.raise_for_status()
             metrics = await self.client.get(f"{engine.url}/metrics", timeout=self.timeout_s)
-            requests, kv_use = _load_of(metrics.text if metrics.status_code == 200 else "")
+            requests, kv_use, connector = _load_of(
+                metrics.text if metrics.status_code == 200 else "")
         except (httpx.HTTPError, ValueError) as e:
             engine.failures += 1
             engine.last_error = f"{type(e).__name__}: {e}"
@@ -213,7 +221,7 @@ class EngineRegistry:
             if not engine.healthy:
                 logger.warning("engine %s is healthy", engine.engine_id)
             engine.healthy, engine.failures, engine.last_error = True, 0, ""
-            engine.requests, engine.kv_use = requests, kv_use
+            engine.requests, engine.kv_use, engine.connector = requests, kv_use, connector
         engine.checked_at = time.monotonic()
 
     async def check_all(self) -> None:
@@ -230,13 +238,18 @@ class EngineRegistry:
                 f"engine {url}: no model given and its /v1/models names none ({e})") from e
 
 
-def _load_of(text: str) -> tuple[int, float]:
-    """(running + waiting requests, KV use 0..1) from a vLLM /metrics page."""
+def _load_of(text: str) -> tuple[int, float, dict[str, int]]:
+    """(running + waiting requests, KV use 0..1, memkv's connector counters) from a
+    vLLM /metrics page."""
     requests, kv_use = 0.0, 0.0
+    connector: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in _REQUESTS:
                 requests += sample.value
             elif sample.name in _KV_USE:
                 kv_use = max(kv_use, sample.value)
-    return int(requests), float(kv_use)
+            elif sample.name in _CONNECTOR:
+                name = _CONNECTOR[sample.name]
+                connector[name] = connector.get(name, 0) + int(sample.value)
+    return int(requests), float(kv_use), connector

@@ -48,6 +48,12 @@ COUNTERS: dict[str, str] = {
     "save_blocks_reserved": "Of save_blocks: copied straight into slots the session's device "
     "reserved in its shared memory, and kept there (one copy in all).",
     "save_failures": "Saves that failed (those blocks miss later).",
+    "save_skipped_blocks": "Blocks whose KV the engine computed and memkv did not store "
+    "(the sum of the reasons below; 0 in a healthy run).",
+    "save_skipped_blocks_load_failed": "Of save_skipped_blocks: computed in a step whose load "
+    "of the same request failed (vLLM recomputes them, and they are saved then).",
+    "save_skipped_blocks_memkv_error": "Of save_skipped_blocks: memkv refused the save or "
+    "could not be reached.",
 }
 
 

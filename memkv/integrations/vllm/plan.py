@@ -9,12 +9,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from memkv.client.reserved import SlotReservation
-from memkv.errors import InvalidInputError
+from memkv.errors import InvalidInputError, MemkvError
 from memkv.gpu_kernels import ops as kernels
 from memkv.integrations.vllm.direct_load import DirectLoad
 from memkv.integrations.vllm.pending_saves import DEFAULT_SAVE_WAIT_S
@@ -22,6 +23,7 @@ from memkv.protocol.layout import KVLayout
 from memkv.staging import StagingSlot
 
 __all__ = [
+    "FAILURES",
     "Direct",
     "Fetched",
     "Leased",
@@ -32,7 +34,19 @@ __all__ = [
     "paged_layout",
     "request_bytes",
     "reserve_min_bytes",
+    "save_generated",
 ]
+
+#: What memkv being down, slow or wrong looks like from here: each ends in recompute.
+FAILURES: tuple[type[BaseException], ...] = (
+    MemkvError, OSError, httpx.HTTPError, ValueError, RuntimeError, KeyError,
+)
+try:  # the cluster transport's failures (Ray is there only where that transport is used)
+    import ray.exceptions
+
+    FAILURES = (*FAILURES, ray.exceptions.RayError)
+except ImportError:  # pragma: no cover - the gateway transport needs no Ray
+    pass
 
 #: Blocks travel in requests of at most this many bytes: a 4096-token prompt of a
 #: Llama-3-8B-shaped model is 512 MiB, over a gateway's body limit in one piece.
@@ -76,6 +90,19 @@ def load_copy_threads(extra: dict[str, Any]) -> int:
     return value
 
 
+#: Which requests' generated tokens are saved as their blocks fill: "all" (the
+#: next turn of a chat, sent whole again, hits through the previous answer),
+#: "sessions" (only requests with a memkv session), "none" (prompts only).
+SAVE_GENERATED = ("all", "sessions", "none")
+
+
+def save_generated(extra: dict[str, Any]) -> str:
+    value = extra.get("save_generated", "all")
+    if value not in SAVE_GENERATED:
+        raise InvalidInputError(f"save_generated must be one of {SAVE_GENERATED}, got {value!r}")
+    return str(value)
+
+
 def save_wait_s(extra: dict[str, Any]) -> float:
     value = extra.get("save_wait_s", DEFAULT_SAVE_WAIT_S)
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
@@ -93,11 +120,14 @@ class Load:
 @dataclass
 class Save:
     req_id: str
-    token_ids: list[int]  # the prompt's full blocks' tokens
+    token_ids: list[int]  # the request's tokens up to the end of its last block here
     block_ids: list[int]  # one vLLM block per memkv block
-    start_block: int  # blocks before it are in memkv already
-    session_id: str | None
+    start_block: int  # blocks before it are in memkv already (or on their way)
+    session_id: str
     priority: str
+    #: The request finished: vLLM keeps these blocks until the workers say they
+    #: copied them (``get_finished``), which they do in this step's wait_for_save.
+    final: bool = False
 
 
 #: How long a failed save's staging stays unused: the append may still be in flight

@@ -32,17 +32,18 @@ from memkv.protocol.members import DeviceInfo, SlotGrant, StoredBlocks
 from memkv.protocol.messages import ChainUpdate, ReadPlan
 from memkv.protocol.stats import DeviceStats, LeaseStats, ReservationStats, TierStats
 from memkv.same_node import SegmentMaps
+from memkv.shm.ownership import (
+    SegmentOwnership,
+    reclaim_orphans,
+    warm_segment_name,
+)
+from memkv.shm.sweeper import OrphanSweeper
 from memkv.storage.arena import Allocation
 from memkv.storage.block_pool import BlockPool, Holder
 from memkv.storage.config import CodecConfig, StoreConfig
 from memkv.storage.device.headroom import HeadroomKeeper
 from memkv.storage.device.leases import LeaseTable
 from memkv.storage.device.reservations import DEFAULT_RESERVATION_S, SlotReservations
-from memkv.storage.device.warm_segments import (
-    SegmentOwnership,
-    reclaim_orphans,
-    warm_segment_name,
-)
 from memkv.storage.tiers import ColdBackend
 
 __all__ = [
@@ -174,6 +175,9 @@ class DeviceService:
         # Room for the next put, made between requests (None: demote on demand only).
         self.headroom = (HeadroomKeeper(self.pool).start()
                          if store_config.eviction.headroom_fraction > 0 else None)
+        # Segments of processes that died on this host (a killed engine's staging):
+        # unlinked while the device runs, not only when the next memkv process starts.
+        self.sweeper = OrphanSweeper().start()
         self.node_id = node_id
         self._staging_maps = SegmentMaps()  # gateways' staging segments (memkv.staging)
         self._streams: PriorityStreams | None = None  # unified memory only
@@ -561,6 +565,7 @@ class DeviceService:
         return out
 
     def close(self) -> None:
+        self.sweeper.close()
         if self.headroom is not None:
             self.headroom.close()
         self.reservations.close()

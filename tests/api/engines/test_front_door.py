@@ -56,7 +56,14 @@ class FakeEngine:
                 "# TYPE vllm:num_requests_waiting gauge\n"
                 f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
                 "# TYPE vllm:kv_cache_usage_perc gauge\n"
-                f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.25\n')
+                f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.25\n'
+                # memkv's connector counters (memkv.integrations.vllm.metrics)
+                "# TYPE vllm:memkv_save_blocks counter\n"
+                f'vllm:memkv_save_blocks_total{{model_name="{MODEL}"}} 40\n'
+                "# TYPE vllm:memkv_save_skipped_blocks counter\n"
+                f'vllm:memkv_save_skipped_blocks_total{{model_name="{MODEL}"}} 3\n'
+                "# TYPE vllm:memkv_save_skipped_blocks_memkv_error counter\n"
+                f'vllm:memkv_save_skipped_blocks_memkv_error_total{{model_name="{MODEL}"}} 3\n')
 
         @app.get("/v1/models")
         async def models() -> Any:
@@ -265,6 +272,9 @@ def test_the_stats_and_memkv_status_show_each_engine_and_what_was_routed_to_it(d
     shown = console.export_text()
     assert "engines (OpenAI front door)" in shown and "least-loaded 1" in shown
     assert "tenants" in shown and " all " in shown  # (auth off: every tenant's)
+    # What each engine's memkv connector saved and did not, with why.
+    assert all(e["connector"]["save_skipped_blocks"] == 3 for e in engines.values())
+    assert "40 / 3 (memkv error 3)" in shown
 
 
 def test_a_sessions_priority_goes_to_an_engine_that_schedules_by_priority(door):

@@ -1,4 +1,4 @@
-"""Device segments: one live owner per name, orphans of dead devices reclaimed."""
+"""Segment ownership (memkv.shm.ownership): one live owner per name, orphans reclaimed."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from memkv.errors import ConflictError
-from memkv.storage.device.warm_segments import SHM_DIR, SegmentOwnership, reclaim_orphans
+from memkv.shm.ownership import SHM_DIR, SegmentOwnership, reclaim_orphans
 from memkv.storage.shm_arena import SharedHostArena
 
 UNIT = 4096
@@ -39,7 +39,7 @@ def test_segments_of_a_dead_device_are_reclaimed():
     code = (
         "import os\n"
         "from multiprocessing import resource_tracker\n"
-        "from memkv.storage.device.warm_segments import SegmentOwnership\n"
+        "from memkv.shm.ownership import SegmentOwnership\n"
         "from memkv.storage.shm_arena import SharedHostArena\n"
         f"SegmentOwnership({base!r})\n"
         f"a = SharedHostArena({UNIT}, {UNIT}, name={base!r})\n"

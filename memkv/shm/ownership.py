@@ -1,4 +1,4 @@
-"""Shared-memory segments of device actors: named per device, reclaimed after a crash.
+"""Who owns a memkv shared-memory segment: named per owner, reclaimed after a crash.
 
 A device's warm pool and CPU hot arena are POSIX shared memory, which outlives
 a process that dies without unlinking it (kill -9, ``ray.kill``). Populated
