@@ -83,6 +83,8 @@ def up(
         block_port=settings.block_port,
         max_body_bytes=settings.max_body_bytes,
         put_staging_bytes=settings.put_staging_bytes,
+        read_stall_s=settings.read_stall_s,
+        read_hold_s=settings.read_hold_s,
         auth=auth,
         engines=[EngineSpec(e.url, e.model, e.node, e.priority_scheduling, e.max_requests,
                             None if e.tenants is None else frozenset(e.tenants))

@@ -42,6 +42,8 @@ UNIT = 4096
 
 #: The resources of the fault tests' deployment (advertised by the suite's embedded Ray).
 FAULT_DEVICE, FAULT_NVME = "memkv_fault_device", "memkv_fault_nvme"
+#: ...and of the hardening tests' (tiers of MiB in shared memory, one device).
+SHM_DEVICE, SHM_NVME = "memkv_shm_device", "memkv_shm_nvme"
 
 
 def _suite_config(archive_dir, cluster):
@@ -87,7 +89,7 @@ def cluster(tmp_path_factory):
         tmp_path_factory.mktemp("archive"),
         {
             "namespace": "memkv-test",
-            "embedded_resources": {FAULT_DEVICE: 2, FAULT_NVME: 1},
+            "embedded_resources": {FAULT_DEVICE: 2, FAULT_NVME: 1, SHM_DEVICE: 1, SHM_NVME: 1},
         },
     )
     with connect(config=config) as c:
@@ -111,6 +113,33 @@ def fault_cluster(cluster, tmp_path_factory):
             "device_resource": FAULT_DEVICE,
             "nvme_resource": FAULT_NVME,
         },
+    )
+    address = ray.get_runtime_context().gcs_address
+    with connect(address, config=config, detached=False) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def shm_cluster(cluster, tmp_path_factory):
+    """A deployment whose one device keeps MiB of blocks in shared memory (the suite's
+    keeps KiB): for the tests of what the gateway sends from it. Its own namespace and
+    resources on the suite's Ray, as :func:`fault_cluster`."""
+    import ray
+
+    from memkv.cluster import connect
+    from memkv.config import load_config
+
+    config = load_config(
+        overrides={
+            "cluster": {"namespace": "memkv-test-shm", "embedded_devices": 1,
+                        "device_resource": SHM_DEVICE, "nvme_resource": SHM_NVME},
+            "device": {"hot_capacity_bytes": 32 << 20, "warm_capacity_bytes": 8 << 20,
+                       "allocator": {"min_unit_bytes": 64 << 10}, "same_node_reads": True},
+            "archive": {"directory": str(tmp_path_factory.mktemp("shm-archive")),
+                        "fsync": "never"},
+            "router": {"background_prefetch_interval_s": 3600},
+        },
+        environ={},
     )
     address = ray.get_runtime_context().gcs_address
     with connect(address, config=config, detached=False) as c:

@@ -25,12 +25,12 @@ from fastapi import FastAPI
 
 from memkv.actors.router_shards import RouterShards, merge_stats
 from memkv.api.auth import Authenticator
-from memkv.api.blocks import FRAMES_MEDIA_TYPE, BlockFetcher, PlanCache
+from memkv.api.blocks import FRAMES_MEDIA_TYPE, READ_HOLD_S, BlockFetcher, PlanCache
 from memkv.api.body_budget import BodyBudget
 from memkv.api.client_leases import ClientLeases
 from memkv.api.context import (
     PLAN_MARGIN_S,
-    PLAN_TTL_S,
+    PLAN_USE_S,
     READ_AHEAD_BLOCKS,
     Gateway,
     GatewayMetrics,
@@ -44,6 +44,7 @@ from memkv.api.engines.front_door import (
     RoutingMetrics,
 )
 from memkv.api.errors import install_error_handlers, openapi_with_errors
+from memkv.api.guarded_send import DEFAULT_STALL_S, LEASE_SAFETY_S
 from memkv.api.middleware import (
     AuthMiddleware,
     BlockReadFastPath,
@@ -70,6 +71,8 @@ def create_app(
     staging: PutStaging | None = None,
     auth: Authenticator | None = None,
     body_timeout_s: float = 30.0,
+    read_stall_s: float = DEFAULT_STALL_S,
+    read_hold_s: float = READ_HOLD_S,
     max_json_bytes: int = 16 << 20,
     max_inflight_body_bytes: int | None = None,
     client_lease_bytes: int = 1 << 30,
@@ -86,6 +89,10 @@ def create_app(
             (``memkv up`` always passes the deployment's authenticator).
         body_timeout_s: an append body that sends nothing for this long is
             answered 408 and its buffers let go.
+        read_stall_s: a reader that takes no bytes of a block read for this long has
+            its connection aborted (bytes in shared memory never outlive their pin;
+            memkv.api.guarded_send).
+        read_hold_s: how long a block read pins every block it announced.
         max_json_bytes: the body limit of every route but appends (413 beyond).
         max_inflight_body_bytes: append bodies being received at once, by their
             declared lengths (default: twice ``max_body_bytes``); beyond it an
@@ -128,10 +135,14 @@ def create_app(
         fetcher=BlockFetcher(
             SegmentMaps() if same_node_reads else None,
             (node_id or this_node_id()) if same_node_reads else None,
-            PlanCache(ttl_s=PLAN_TTL_S, margin_s=PLAN_MARGIN_S, max_bytes=plan_cache_bytes)
+            # A held plan is used while its lease outlasts a stalled reader's bound.
+            PlanCache(ttl_s=PLAN_USE_S + read_stall_s + LEASE_SAFETY_S + PLAN_MARGIN_S,
+                      margin_s=read_stall_s + LEASE_SAFETY_S + PLAN_MARGIN_S,
+                      max_bytes=plan_cache_bytes)
             if same_node_reads and plan_cache_bytes > 0
             else None,
             read_ahead=READ_AHEAD_BLOCKS,
+            hold_s=read_hold_s,
         ),
         client_leases=ClientLeases(max_bytes=client_lease_bytes),
         staging=staging,
@@ -140,6 +151,7 @@ def create_app(
         same_node_reads=same_node_reads,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
+        read_stall_s=read_stall_s,
         inflight=BodyBudget(
             max_inflight_body_bytes if max_inflight_body_bytes is not None
             else 2 * max_body_bytes
@@ -169,7 +181,8 @@ def create_app(
     app.state.receive_append = functools.partial(appends.receive_append, gw)
     app.state.blocks_by_key = lambda body, who: reads.read_blocks_by_key(body, gw, who)
     app.state.authenticator = authenticator
-    app.state.limits = {"max_body_bytes": max_body_bytes, "body_timeout_s": body_timeout_s}
+    app.state.limits = {"max_body_bytes": max_body_bytes, "body_timeout_s": body_timeout_s,
+                        "read_stall_s": read_stall_s}
     app.state.payload_bytes = metrics.payload_bytes
     app.state.release_plans = gw.fetcher.release_all
     app.state.client_leases = gw.client_leases

@@ -43,6 +43,7 @@ from memkv.api.answers import AppendOut
 from memkv.api.auth import Principal
 from memkv.api.body_budget import BodyHold
 from memkv.api.errors import BodyTimeout, PayloadTooLarge, any_error_document
+from memkv.api.guarded_send import TRANSPORT_EXTENSION, UNBUFFERED_EXTENSION
 from memkv.api.models import BlocksByKeyIn
 from memkv.errors import InvalidInputError, MemkvError
 from memkv.protocol.wire import (
@@ -614,8 +615,12 @@ class BlockPortServer:
             elif message.get("body"):
                 await inbox.write([message["body"]])
 
+        # Its transport, so that a reader that stops reading is cut off before the pins
+        # on the shared memory its unsent bytes lie in go (memkv.api.guarded_send).
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"},
+                 "extensions": {TRANSPORT_EXTENSION: inbox.transport, UNBUFFERED_EXTENSION: True}}
         try:
-            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, _no_receive, send)
+            await response(scope, _no_receive, send)
         except Exception as e:
             if not started:
                 raise

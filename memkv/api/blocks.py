@@ -10,12 +10,14 @@ they are written; elsewhere they are zero-copy views of Ray objects.
 
 A response that cannot finish (its device died) is cut short: the client
 sees fewer bytes than the Content-Length and reports it, never a short 200
-taken for a whole one.
+taken for a whole one. Bytes in shared memory reach the socket only while
+their pin holds, however slowly the reader reads (:mod:`memkv.api.guarded_send`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -27,18 +29,25 @@ from ray.exceptions import RayError
 from starlette.responses import Response
 
 from memkv.actors.payload import READ_BATCH_BLOCKS, READ_WINDOW_BATCHES, BlockPayload
-from memkv.errors import CorruptDataError, MemkvError
+from memkv.api.errors import PayloadTooLarge
+from memkv.api.guarded_send import DEFAULT_STALL_S, GuardedSend, ReaderStalledError
+from memkv.errors import CorruptDataError, LeaseExpiredError, MemkvError
 from memkv.protocol.checksum import crc32
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.messages import PlanEntry, ReadPlan, ReadRoute
 from memkv.protocol.wire import BlockFrameTemplate, end_frame
 from memkv.same_node import SegmentMaps
 
-__all__ = ["FRAMES_MEDIA_TYPE", "BlockFramesResponse", "BlockFetcher", "FetchedBytes"]
+__all__ = [
+    "FRAMES_MEDIA_TYPE", "BlockFetcher", "BlockFramesResponse", "FetchedBytes",
+    "KeyedFramesResponse",
+]
 
 FRAMES_MEDIA_TYPE = "application/x-memkv-frames"
 #: Lease asked for a plan that is released right after its read.
 DEFAULT_PLAN_TTL_S = 30.0
+#: How long a read's hold pins every block it announced (released when it ends).
+READ_HOLD_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +62,10 @@ class FetchedBytes:
     lossy: str = ""
     dtype: str = ""  # the block's dtype and shape, for frames built without a layout
     shape: tuple[int, ...] = ()
+    #: Local monotonic time its pin runs out where ``data`` is shared memory (inf: the
+    #: bytes are the gateway's own): never handed to a socket after it
+    #: (memkv.api.guarded_send).
+    valid_until: float = math.inf
 
 
 @dataclass(slots=True)
@@ -64,6 +77,7 @@ class _HeldLease:
     segments: dict[str, np.ndarray]  # the mappings its offsets refer to
     use_until: float  # local monotonic time after which the plan is not used
     nbytes: int
+    expires: float  # local monotonic time its lease runs out (at the earliest)
     in_use: int = 0
 
 
@@ -120,7 +134,8 @@ class PlanCache:
     ) -> _HeldLease:
         """Keep ``plan`` (asked for at local time ``asked_at``) for later reads."""
         nbytes = sum(e.nbytes for e in plan.entries if e is not None)
-        held = _HeldLease(plan, device, segments, asked_at + plan.ttl_s - self._margin_s, nbytes)
+        held = _HeldLease(plan, device, segments, asked_at + plan.ttl_s - self._margin_s, nbytes,
+                          asked_at + plan.ttl_s)
         self._held[plan.lease_id] = held
         for entry in plan.entries:
             if entry is not None:
@@ -192,6 +207,7 @@ class BlockFetcher:
         plans: where plans are kept between reads (None: released after each read).
         read_ahead: blocks planned per device call (the ones asked for and those
             that follow them in the session), when ``plans`` keeps them.
+        hold_s: how long a read pins every block it announced (released when it ends).
     """
 
     def __init__(
@@ -200,8 +216,10 @@ class BlockFetcher:
         node_id: str | None,
         plans: PlanCache | None = None,
         read_ahead: int = READ_BATCH_BLOCKS,
+        hold_s: float = READ_HOLD_S,
     ) -> None:
         self._maps = maps
+        self._hold_s = hold_s
         self._node_id = node_id
         self._plans = plans
         self._read_ahead = max(read_ahead, READ_BATCH_BLOCKS)
@@ -243,10 +261,14 @@ class BlockFetcher:
         # Every block in plans this gateway holds: their leases pin them already, so
         # the read needs no pin of its own (nor the device round trip it costs).
         pinned = self._pin_held(device_id, keys)
+        held_until = -math.inf  # when the read's hold runs out, at the earliest
         try:
             # Sent before the first batch's call, so the device runs it first.
-            pending_hold = device.hold_for_read.remote(list(keys)) \
-                if keys and pinned is None else None
+            if keys and pinned is None:
+                held_until = time.monotonic() + self._hold_s
+                pending_hold = device.hold_for_read.remote(list(keys), self._hold_s)
+            else:
+                pending_hold = None
             for n, batch in enumerate(batches):
                 in_flight.append(
                     self._ask(device_id, device, batch, stream, ahead, n * READ_BATCH_BLOCKS)
@@ -257,13 +279,13 @@ class BlockFetcher:
                 if len(in_flight) > READ_WINDOW_BATCHES:
                     held = len(drained)
                     async for item in self._drain(device, in_flight.popleft(), stream, drained,
-                                                  pinned):
+                                                  pinned, held_until):
                         yield item
                     releases += self._let_go(drained[:held], device)
                     del drained[:held]
             while in_flight:
                 async for item in self._drain(device, in_flight.popleft(), stream, drained,
-                                              pinned):
+                                              pinned, held_until):
                     yield item
         finally:
             if pinned is not None:
@@ -362,7 +384,10 @@ class BlockFetcher:
         stream: str | None,
         drained: list[_HeldLease | ReadPlan],
         pinned: dict[bytes, tuple[_HeldLease, PlanEntry]] | None = None,
+        held_until: float = -math.inf,
     ) -> AsyncIterator[FetchedBytes]:
+        """A batch's blocks; those in shared memory say until when a pin keeps them
+        (the plan's lease or the read's hold, whichever lasts longer)."""
         batch = asked.batch
         if not asked.planned:
             for payload in await (await asked.ref):
@@ -382,7 +407,8 @@ class BlockFetcher:
                 for found in serving:
                     assert found is not None
                     self.same_node_blocks += 1
-                    yield _entry_bytes(found[0].segments[found[1].segment], found[1])
+                    yield _entry_bytes(found[0].segments[found[1].segment], found[1],
+                                       max(found[0].expires, held_until))
                 return
             # One ran out between asking and serving: plan the batch now.
             asked = _Asked(
@@ -427,7 +453,8 @@ class BlockFetcher:
                 yield _from_payload(fallback[bytes(key)])
                 continue
             self.same_node_blocks += 1
-            yield _entry_bytes(segments[planned.segment], planned)
+            yield _entry_bytes(segments[planned.segment], planned,
+                               max(asked.at + plan.ttl_s, held_until))
 
     def plan_stats(self) -> dict[str, int]:
         if self._plans is None:
@@ -468,13 +495,13 @@ class _Asked:
     at: float  # local monotonic time the plan was asked for
 
 
-def _entry_bytes(segment: np.ndarray, entry: PlanEntry) -> FetchedBytes:
+def _entry_bytes(segment: np.ndarray, entry: PlanEntry, valid_until: float) -> FetchedBytes:
     if entry.offset < 0 or entry.offset + entry.nbytes > segment.size:
         raise CorruptDataError(f"block {entry.key.hex()} lies outside its segment")
     data = segment[entry.offset : entry.offset + entry.nbytes].data
     return FetchedBytes(
         entry.key, data, entry.found, entry.exact, entry.crc32, entry.lossy, entry.dtype,
-        tuple(entry.shape),
+        tuple(entry.shape), valid_until,
     )
 
 
@@ -500,6 +527,8 @@ class BlockFramesResponse(Response):
         first_index: the ``index`` of the first frame.
         blocks: their bytes, in the same order (see :class:`BlockFetcher`).
         on_block: called with each block's byte count once it is written.
+        stall_s: a reader that takes no bytes this long is cut off
+            (:mod:`memkv.api.guarded_send`).
     """
 
     media_type = FRAMES_MEDIA_TYPE
@@ -512,6 +541,7 @@ class BlockFramesResponse(Response):
         first_index: int,
         blocks: AsyncIterator[FetchedBytes],
         on_block: Callable[[int], None] = lambda n: None,
+        stall_s: float = DEFAULT_STALL_S,
     ) -> None:
         self._templates = [
             BlockFrameTemplate(
@@ -526,6 +556,7 @@ class BlockFramesResponse(Response):
         self._end = end_frame(len(keys))
         self._blocks = blocks
         self._on_block = on_block
+        self._stall_s = stall_s
         self._first: FetchedBytes | None = None
         # Response's own fields (FastAPI merges dependency headers into them);
         # the body is ours to write in __call__.
@@ -541,17 +572,12 @@ class BlockFramesResponse(Response):
             self._first = await self._blocks.__anext__()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", self.media_type.encode()),
-                    (b"content-length", str(self.content_length).encode()),
-                ],
-            }
-        )
+        out = GuardedSend(scope, send, self._stall_s)
         try:
+            await out.start(200, [
+                (b"content-type", self.media_type.encode()),
+                (b"content-length", str(self.content_length).encode()),
+            ])
             for i, template in enumerate(self._templates):
                 block = self._first if i == 0 and self._first is not None else None
                 if block is None:
@@ -566,9 +592,69 @@ class BlockFramesResponse(Response):
                         tier=block.tier, exact=block.exact, crc=block.crc, lossy=block.lossy
                     )
                 )
-                await send({"type": "http.response.body", "body": prefix, "more_body": True})
-                await send({"type": "http.response.body", "body": block.data, "more_body": True})
+                await out.body(prefix)
+                await out.body(block.data, valid_until=block.valid_until)
                 self._on_block(template.nbytes)
-            await send({"type": "http.response.body", "body": self._end, "more_body": False})
+            await out.body(self._end, more=False)
+        except (LeaseExpiredError, ReaderStalledError) as e:
+            await out.cut(e)  # a reader too slow for its pins: cut off, one line logged
         finally:
             await self._blocks.aclose()  # type: ignore[attr-defined]
+            out.done()
+
+
+class KeyedFramesResponse(Response):
+    """Blocks asked for by key, as frames then an ``end`` frame; no length known up front
+    (each frame's header comes from its block), so the body is chunked.
+
+    Args:
+        keys: the blocks, in the order asked.
+        first: the first block, fetched before the head goes out (its errors get a status).
+        blocks: the others, in order (see :class:`BlockFetcher`).
+        max_bytes: the most block bytes one answer may carry.
+        on_block: called with each block's byte count once it is written.
+        stall_s: a reader that takes no bytes this long is cut off.
+    """
+
+    media_type = FRAMES_MEDIA_TYPE
+
+    def __init__(self, keys: Sequence[bytes], first: FetchedBytes,
+                 blocks: AsyncIterator[FetchedBytes], *, max_bytes: int,
+                 on_block: Callable[[int], None] = lambda n: None,
+                 stall_s: float = DEFAULT_STALL_S) -> None:
+        self._keys = list(keys)
+        self._first: FetchedBytes | None = first
+        self._blocks = blocks
+        self._max_bytes = max_bytes
+        self._on_block = on_block
+        self._stall_s = stall_s
+        super().__init__(content=b"", media_type=self.media_type)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        out = GuardedSend(scope, send, self._stall_s)
+        try:
+            await out.start(200, [(b"content-type", self.media_type.encode())])
+            total = 0
+            for i, key in enumerate(self._keys):
+                block, self._first = self._first, None
+                if block is None:
+                    block = await self._blocks.__anext__()
+                if block.key != key:
+                    raise CorruptDataError(f"asked for block {key.hex()}, got {block.key.hex()}")
+                total += block.data.nbytes
+                if total > self._max_bytes:
+                    raise PayloadTooLarge(
+                        f"these blocks are over {self._max_bytes} bytes: ask for fewer at a time")
+                template = BlockFrameTemplate(
+                    index=i, key=key, dtype=block.dtype, shape=block.shape,
+                    nbytes=block.data.nbytes)
+                await out.body(bytes(template.fill(tier=block.tier, exact=block.exact,
+                                                   crc=block.crc, lossy=block.lossy)))
+                await out.body(block.data, valid_until=block.valid_until)
+                self._on_block(block.data.nbytes)
+            await out.body(end_frame(len(self._keys)), more=False)
+        except (LeaseExpiredError, ReaderStalledError) as e:
+            await out.cut(e)
+        finally:
+            await self._blocks.aclose()  # type: ignore[attr-defined]
+            out.done()

@@ -54,10 +54,10 @@ __all__ = [
     "this_node_id",
 ]
 
-#: How long the gateway's held read plans pin their blocks, how long before the
-#: end of that it stops using one (longer than a response takes), and how many
-#: blocks one device call plans (those asked for, then the ones that follow).
-PLAN_TTL_S = 10.0
+#: How long the gateway uses a read plan it holds, and how much longer than a
+#: stalled reader's bound (memkv.api.guarded_send) its lease lasts after that; and
+#: how many blocks one device call plans (those asked for, then the ones that follow).
+PLAN_USE_S = 7.0
 PLAN_MARGIN_S = 3.0
 READ_AHEAD_BLOCKS = 8
 
@@ -193,6 +193,7 @@ class Gateway:
     same_node_reads: bool
     max_body_bytes: int
     body_timeout_s: float
+    read_stall_s: float
     inflight: BodyBudget
     snapshot: StatsSnapshot
     host_shm: str = field(default_factory=shm_identity)

@@ -17,8 +17,10 @@ from memkv.actors.router_shards import RouterShards
 from memkv.api.app import create_app
 from memkv.api.auth import Authenticator
 from memkv.api.block_port import BlockPortServer
+from memkv.api.blocks import READ_HOLD_S
 from memkv.api.engines.book import RayKvBook
 from memkv.api.engines.front_door import EngineSpec, FrontDoorOptions
+from memkv.api.guarded_send import DEFAULT_STALL_S, TransportScopeProtocol
 from memkv.staging import PutStaging, staging_for
 
 __all__ = ["UVICORN_SETTINGS", "GatewayServer", "UvicornSettings"]
@@ -101,6 +103,8 @@ class GatewayServer:
         auth: Authenticator | None = None,
         block_port: int | None = 0,
         body_timeout_s: float = 30.0,
+        read_stall_s: float = DEFAULT_STALL_S,
+        read_hold_s: float = READ_HOLD_S,
         reuse_port: bool = False,
         worker: int = 0,
         engines: Sequence[EngineSpec] = (),
@@ -118,6 +122,8 @@ class GatewayServer:
                 one; None: no block port, HTTP only).
             body_timeout_s: an append body (HTTP or block port) that sends nothing
                 for this long is answered 408 and its buffers let go.
+            read_stall_s: a block reader that takes no bytes this long is cut off.
+            read_hold_s: how long a block read pins the blocks it announced.
             reuse_port: bind both ports with ``SO_REUSEPORT``, so that other
                 worker processes of this gateway can bind them too and the
                 kernel spreads connections over them (memkv.api.workers).
@@ -136,6 +142,8 @@ class GatewayServer:
             staging=staging,
             auth=auth,
             body_timeout_s=body_timeout_s,
+            read_stall_s=read_stall_s,
+            read_hold_s=read_hold_s,
             engines=engines,
             routing=routing,
             # Every gateway process of the Ray cluster (workers, other nodes' gateways)
@@ -148,7 +156,12 @@ class GatewayServer:
         if block_port is not None:
             port_sock = _bound(host, block_port, reuse_port)
             port_sock.listen(128)
-        server = uvicorn.Server(uvicorn.Config(app, **UVICORN_SETTINGS))
+        # httptools with the transport in each request's scope: block reads keep nothing
+        # of shared memory in it past its pin (memkv.api.guarded_send).
+        server = uvicorn.Server(uvicorn.Config(
+            app, loop=UVICORN_SETTINGS["loop"], http=TransportScopeProtocol,
+            log_level=UVICORN_SETTINGS["log_level"], access_log=UVICORN_SETTINGS["access_log"],
+            lifespan=UVICORN_SETTINGS["lifespan"]))
 
         loops: list[asyncio.AbstractEventLoop] = []
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from memkv.bench import lmcache_peer
 from memkv.bench.context import BenchContext
+from memkv.bench.engine_cores import comparable, engine_cores, engine_env
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
 
 # The vLLM suite's quick model (cached once for both) and the CPU backend's block size.
@@ -50,6 +51,25 @@ FULL_FLEET = {"sessions": 8, "turns": 4, "first_tokens": 1024, "turn_tokens": 64
               "reply_tokens": 16, "max_model_len": 1536}
 QUICK_FLEET = {"sessions": 3, "turns": 2, "first_tokens": 256, "turn_tokens": 32,
                "reply_tokens": 8, "max_model_len": 320}
+#: Long sessions (LMCache's multi-round QA shape, [1/6]): a shared system prompt, each
+#: user's history several times vllm serve's step budget (2,048 tokens on CPU), so every
+#: prompt is prefilled in chunks beside the others, at a fixed request rate.
+LONG_MODEL: dict[str, Any] = {
+    "name": "long-llama",
+    "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "head_dim": 64, "max_position_embeddings": 8192,
+}
+FULL_LONG: dict[str, Any] = {"sessions": 8, "turns": 5, "system_tokens": 512, "first_tokens": 4096,
+             "turn_tokens": 64, "reply_tokens": 32, "rate": 0.6, "max_model_len": 5120}
+#: Quick: the same shape, small, with a step budget of 256 so that prompts are chunked.
+QUICK_LONG: dict[str, Any] = {"sessions": 3, "turns": 2, "system_tokens": 64, "first_tokens": 512,
+              "turn_tokens": 32, "reply_tokens": 8, "rate": 2.0, "max_model_len": 768,
+              "max_num_batched_tokens": 256}
+LONG = "long sessions (prompts > step budget, fixed rate)"
+#: On the long sessions, memkv against LMCache: connector tokens and requests/s at least
+#: LMCache's, TTFT p50 no higher.
+TARGET_LONG_VS_LMCACHE = 1.0
 #: Requests/s of vLLM + memkv over vLLM alone when the fleet does not fit (the
 #: article's 12 -> 21), and when it fits (no slower).
 TARGET_SPEEDUP, TARGET_FITS = 1.75, 1.0
@@ -82,8 +102,9 @@ def _free_port() -> int:
 def _drive(model: Path, out: Path, spec: dict[str, Any]) -> dict[str, Any]:
     args = [str(VLLM_PYTHON), "-m", "memkv.bench.fleet_driver", str(model), str(out),
             json.dumps(spec)]
+    # Every engine row on the same cores (memkv.bench.engine_cores).
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+                            env=engine_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}),
                             start_new_session=True, cwd=ROOT)
     try:
         _, stderr = proc.communicate(timeout=DRIVER_TIMEOUT_S)
@@ -114,11 +135,20 @@ def _moved_nothing(result: dict[str, Any], spec: dict[str, Any]) -> dict[str, An
             "serve_log_memkv": result.get("serve_log_memkv", [])}
 
 
-def _row_stats(result: dict[str, Any]) -> dict[str, Any]:
+def _row_stats(result: dict[str, Any], all_turns: bool = False) -> dict[str, Any]:
     reqs = result["requests"]
-    resumed = sorted(r["ttft_s"] for r in reqs if r["turn"] > 0 and r["ttft_s"] is not None)
+    # Resumed turns (turn > 0), or every request (the long-session rows, as LMCache's
+    # multi-round QA reports them).
+    resumed = sorted(r["ttft_s"] for r in reqs
+                     if (all_turns or r["turn"] > 0) and r["ttft_s"] is not None)
     counters = result.get("connector") or {}
+    sources = result.get("prompt_tokens_by_source") or {}
+    cores = result.get("cores") or []
     return {
+        # vLLM's own count of the prompt tokens a connector served (memkv's or a peer's).
+        "connector_tokens": sources.get("external_kv_transfer"),
+        "local_cache_tokens": sources.get("local_cache_hit"),
+        "cores": cores[0] if cores and all(c == cores[0] for c in cores) else cores or None,
         "requests": len(reqs),
         "requests_per_s": len(reqs) / result["wall_s"],
         "ttft_p50_s": percentile(resumed, 50) if resumed else None,
@@ -210,6 +240,25 @@ def run(ctx: BenchContext) -> SuiteResult:
             ]
     plan.append((ROUTED, FAILOVER, half, memkv(True),
                  {**two, "route": "gateway", "kill_after_turn": kill_after}))
+    # Long sessions: their own model and fleet; the engine holds about two of them.
+    long_fleet = QUICK_LONG if ctx.quick else FULL_LONG
+    long_model = _model(LONG_MODEL)
+    long_longest = (long_fleet["system_tokens"] + long_fleet["first_tokens"]
+                    + long_fleet["turns"] * long_fleet["reply_tokens"]
+                    + (long_fleet["turns"] - 1) * long_fleet["turn_tokens"])
+    long_blocks = int(max(-(-long_longest // BLOCK_SIZE) * 2,
+                          long_fleet["max_model_len"] // BLOCK_SIZE + 1))
+    long_topology = {**one, **long_fleet, "vocab_size": LONG_MODEL["vocab_size"],
+                     "model_path": str(long_model), "all_turns": True}
+
+    def long_memkv() -> dict[str, Any]:
+        return {**memkv(True), "model_id": f"fleet-long-{uuid.uuid4().hex[:8]}"}
+
+    plan += [(LONG, "vLLM alone", long_blocks, None, long_topology),
+             (LONG, "vLLM + memkv (same node)", long_blocks, long_memkv(), long_topology)]
+    if lmcache_missing is None:
+        plan.append((LONG, LMCACHE, long_blocks, None,
+                     {**long_topology, "lmcache_l1_gb": LMCACHE_L1_GB}))
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="memkv-bench-fleet-") as scratch:
         for i, (setting, engine, blocks, connector, topology) in track(list(enumerate(plan)),
@@ -218,11 +267,12 @@ def run(ctx: BenchContext) -> SuiteResult:
                     "ports": [_free_port() for _ in range(topology["engines"])],
                     "proxy_port": _free_port(), "gateway_url": url,
                     "run": f"fleet-{uuid.uuid4().hex[:6]}-{i}"}
-            result = _drive(model, Path(scratch) / f"{i}.json", spec)
+            result = _drive(Path(topology.get("model_path", model)),
+                            Path(scratch) / f"{i}.json", spec)
             runs.append({"setting": setting, "engine": engine, "kv_blocks": blocks,
                          "engines": topology["engines"], "route": topology["route"],
                          "server_start_s": result["server_start_s"], "wall_s": result["wall_s"],
-                         **_row_stats(result),
+                         **_row_stats(result, all_turns=bool(topology.get("all_turns"))),
                          **_after_kill(result, {**topology, "run": spec["run"]}),
                          "routing": result.get("routing", {}), "replies": _replies(result),
                          "moved_nothing": _moved_nothing(result, spec)})
@@ -244,14 +294,15 @@ def run(ctx: BenchContext) -> SuiteResult:
             round(r["requests_per_s"], 3), round(r["requests_per_s"] / alone["requests_per_s"], 2),
             _s(r["ttft_p50_s"]), _s(r["ttft_p99_s"]), r["recomputed_tokens"],
             _mib(r["loaded_bytes"]), _mib(r["saved_bytes"]),
-            "yes" if same else "NO",
+            "-" if r["connector_tokens"] is None else r["connector_tokens"],
+            "yes" if same else "NO", _cores(r["cores"]),
         ])
     if lmcache_missing is not None:
         rows.append([NOT_FITTING, LMCACHE, "-", 0, None, None, "-", "-", "-",
-                     "-", "-", f"not measured: {lmcache_missing}"])
+                     "-", "-", "-", f"not measured: {lmcache_missing}", "-"])
     rows.append([NOT_FITTING, "vLLM OffloadingConnector / SimpleCPUOffloadConnector", "-", 0,
-                 None, None, "-", "-", "-", "-", "-",
-                 "not measured: both fail at start on vLLM's CPU backend (vllm-cpu 0.32)"])
+                 None, None, "-", "-", "-", "-", "-", "-",
+                 "not measured: both fail at start on vLLM's CPU backend (vllm-cpu 0.32)", "-"])
 
     def rates(setting: str, engine: str) -> list[float]:
         return [float(r["requests_per_s"]) for r in runs
@@ -262,7 +313,17 @@ def run(ctx: BenchContext) -> SuiteResult:
         return sum(found) / len(found) if found else None
 
     def ratio(a: float | None, b: float | None) -> float | None:
-        return None if a is None or b is None else a / b
+        return None if a is None or b is None or b == 0 else a / b
+
+    def of(setting: str, engine: str) -> dict[str, Any] | None:
+        return next((r for r in runs if r["setting"] == setting and r["engine"] == engine),
+                    None)
+
+    def long_ratio(key: str) -> float | None:
+        memkv_row, peer = of(LONG, "vLLM + memkv (same node)"), of(LONG, LMCACHE)
+        if memkv_row is None or peer is None or memkv_row[key] is None:
+            return None
+        return ratio(float(memkv_row[key]), None if peer[key] is None else float(peer[key]))
 
     # The best single engine: the routed setting's own (same KV space), or a smaller one.
     singles = [x for x in [rate(ROUTED, ONE_ENGINE)] + [rate(NOT_FITTING, e) for e in (
@@ -285,7 +346,24 @@ def run(ctx: BenchContext) -> SuiteResult:
         "requests_per_s_vs_lmcache_not_fitting": {
             "measured": ratio(rate(NOT_FITTING, "vLLM + memkv (same node)"),
                               rate(NOT_FITTING, LMCACHE)), "target": TARGET_VS_PEERS},
+        # Long sessions ([1/6]): at least LMCache's connector tokens and requests/s, and a
+        # TTFT p50 no higher than its, in the same run.
+        "long_connector_tokens_vs_lmcache": {
+            "measured": long_ratio("connector_tokens"), "target": TARGET_LONG_VS_LMCACHE},
+        "long_requests_per_s_vs_lmcache": {
+            "measured": long_ratio("requests_per_s"), "target": TARGET_LONG_VS_LMCACHE},
+        "long_ttft_p50_vs_lmcache": {
+            "measured": long_ratio("ttft_p50_s"), "target": TARGET_LONG_VS_LMCACHE,
+            "lower_is_better": True},
+        "long_requests_per_s_vs_vllm_alone": {
+            "measured": ratio(rate(LONG, "vLLM + memkv (same node)"), rate(LONG, "vLLM alone")),
+            "target": 1.0},
     }
+    # Rows whose engines computed on other cores are not compared (engine_cores).
+    same_cores = comparable(runs)
+    if not same_cores:
+        for t in targets.values():
+            t["measured"] = None
     failover = next((r for r in runs if r["engine"] == FAILOVER), None)
     kv_per_token = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"]
                     * shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
@@ -317,6 +395,22 @@ def run(ctx: BenchContext) -> SuiteResult:
         f"{LMCACHE_L1_GB} GB, LRU, 256-token chunks: its defaults) beside vllm serve with "
         "vLLM's LMCacheMPConnector; its in-process LMCacheConnectorV1 has no CPU transfer path "
         "in 0.5.6 (it recomputes), and its bytes moved are not counted here ('-').",
+        f"{LONG}: {long_fleet['sessions']} users x {long_fleet['turns']} rounds of "
+        f"{LONG_MODEL['name']} ({LONG_MODEL['num_hidden_layers']} layers, fp32), a "
+        f"{long_fleet['system_tokens']}-token system prompt shared by all, then each user's "
+        f"{long_fleet['first_tokens']} tokens, per round {long_fleet['turn_tokens']} new "
+        f"tokens and a {long_fleet['reply_tokens']}-token answer, sent at "
+        f"{long_fleet['rate']} requests/s in all (LMCache's multi-round QA shape); KV space "
+        f"{long_blocks} blocks (about two users); step budget "
+        + (f"{long_fleet['max_num_batched_tokens']} tokens (quick)"
+           if long_fleet.get("max_num_batched_tokens") else "vllm serve's default (2,048 on "
+           "CPU)") + ": every prompt prefilled in chunks. TTFT over every request; 'prompt "
+        "tokens from the connector' is vLLM's own count (prompt_tokens_by_source, "
+        "external_kv_transfer) for memkv and LMCache alike.",
+        f"Every engine's worker bound to cores {engine_cores()} (VLLM_CPU_OMP_THREADS_BIND; "
+        "left to itself vllm-cpu gives a worker with a KV connector one more core than one "
+        "without, which earlier runs compared); 'worker cores' is what each row's serve log "
+        "says" + ("." if same_cores else ": THEY DIFFER, so no target is computed."),
         "TTFT p50/p99 over resumed turns (turn > 0) from the streamed response's first chunk; "
         "recomputed = prompt tokens minus vLLM's cached_tokens (its prefix cache plus what the "
         "connector loaded); 'same replies' compares every turn's greedy tokens with vLLM "
@@ -343,9 +437,12 @@ def run(ctx: BenchContext) -> SuiteResult:
         title=title,
         columns=["setting", "engine", "KV blocks", "requests", "requests/s", "vs vLLM alone",
                  "TTFT p50 s (resumed)", "TTFT p99 s", "tokens recomputed", "MiB loaded",
-                 "MiB saved", "same replies"],
+                 "MiB saved", "prompt tokens from the connector", "same replies",
+                 "worker cores"],
         rows=rows,
         figures={"model": shape, "fleet": fleet, "block_size": BLOCK_SIZE, "targets": targets,
+                 "long": {"model": LONG_MODEL, "fleet": long_fleet, "kv_blocks": long_blocks},
+                 "engine_cores": engine_cores(), "same_cores": same_cores,
                  "runs": [{k: v for k, v in r.items() if k != "replies"} for r in runs],
                  "failover": failover and {k: v for k, v in failover.items() if k != "replies"},
                  "lmcache": lmcache_missing or "measured"},
@@ -360,8 +457,18 @@ def run(ctx: BenchContext) -> SuiteResult:
 def _target_line(name: str, t: dict[str, Any]) -> str:
     measured = t["measured"]
     shown = "n/a" if measured is None else f"{measured:.2f}x"
-    met = "met" if measured is not None and measured >= t["target"] else "not met"
-    return f"{name} {shown} (target >= {t['target']}x, {met})"
+    lower = bool(t.get("lower_is_better"))
+    met = measured is not None and (measured <= t["target"] if lower else measured >= t["target"])
+    return f"{name} {shown} (target {'<=' if lower else '>='} {t['target']}x, " \
+           f"{'met' if met else 'not met'})"
+
+
+def _cores(cores: Any) -> str:
+    if not cores:
+        return "-"
+    if isinstance(cores[0], list):  # engines on different cores: each one's
+        return " | ".join(",".join(str(c) for c in one) for one in cores)
+    return ",".join(str(c) for c in cores)
 
 
 def _mib(nbytes: int | None) -> str:

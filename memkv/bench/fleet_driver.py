@@ -12,6 +12,12 @@ previous prompt, the reply, ``turn_tokens`` new tokens), streamed, greedy.
 With ``lmcache_l1_gb`` the engines use LMCache's ``LMCacheMPConnector`` against an
 ``lmcache server`` (that much DRAM) this driver starts first and stops last.
 
+Long sessions (LMCache's multi-round QA shape): ``system_tokens`` shared by every
+session before its own ``first_tokens``, and ``rate``: turns are sent at that
+many requests/s in all (session i's turn t no earlier than ``(t * sessions + i)
+/ rate`` seconds after the start, and after its previous turn's answer).
+``max_num_batched_tokens`` sets vLLM's step budget (default: vllm serve's own).
+
 ``route`` says where the requests go: ``direct`` to the one engine (the
 session in ``kv_transfer_params``), ``round-robin`` through a plain proxy
 (:mod:`memkv.bench.round_robin_proxy`), or ``gateway``: memkv's front door at
@@ -31,13 +37,16 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
+from memkv.bench.engine_cores import cores_in_log
 from memkv.bench.lmcache_peer import kv_transfer_config, stop_group
 from memkv.bench.lmcache_peer import server as lmcache_server
 
@@ -54,8 +63,10 @@ def _serve(model: str, port: int, spec: dict, log_path: str) -> subprocess.Popen
         "--skip-tokenizer-init", "--dtype", spec["dtype"], "--enforce-eager",
         "--block-size", str(spec["block_size"]), "--max-model-len", str(spec["max_model_len"]),
         "--num-gpu-blocks-override", str(spec["kv_blocks"]), "--enable-prefix-caching",
-        "--enable-prompt-tokens-details", "--seed", "0", "--disable-log-stats",
+        "--enable-prompt-tokens-details", "--seed", "0",
     ]
+    if spec.get("max_num_batched_tokens"):
+        args += ["--max-num-batched-tokens", str(spec["max_num_batched_tokens"])]
     if spec.get("connector") is not None:
         args += ["--kv-transfer-config", json.dumps({
             "kv_connector": "MemkvConnector",
@@ -83,12 +94,18 @@ def _wait_healthy(proc: subprocess.Popen, port: int) -> float:
     raise TimeoutError(f"vllm serve did not answer /health within {STARTUP_TIMEOUT_S} s")
 
 
-def _session(client, sid: str, spec: dict, rng: random.Random, out: list[dict],
-             barrier: threading.Barrier | None) -> None:
+def _session(client, sid: str, index: int, spec: dict, rng: random.Random, out: list[dict],
+             barrier: threading.Barrier | None, start: float) -> None:
     vocab = spec["vocab_size"]
-    prompt = [rng.randrange(1, vocab) for _ in range(spec["first_tokens"])]
+    system = random.Random(spec["seed"]).choices(range(1, vocab), k=spec.get("system_tokens", 0))
+    prompt = system + [rng.randrange(1, vocab) for _ in range(spec["first_tokens"])]
     through_gateway = spec.get("route") == "gateway"
+    rate = spec.get("rate")
     for turn in range(spec["turns"]):
+        if rate:  # a fixed offered load: this turn's slot, or now if its answer came late
+            delay = start + (turn * spec["sessions"] + index) / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
         extra: dict = {"return_token_ids": True, "ignore_eos": True}
         if through_gateway:
             extra["memkv"] = {"session_id": sid}  # the gateway sends it to the engine
@@ -114,6 +131,7 @@ def _session(client, sid: str, spec: dict, rng: random.Random, out: list[dict],
             raise RuntimeError(f"{sid} turn {turn}: {len(reply)} tokens of "
                                f"{spec['reply_tokens']} came back (an error event?)")
         out.append({"session": sid, "turn": turn, "prompt_tokens": len(prompt),
+                    "sent_at_s": t0 - start,
                     "ttft_s": ttft, "latency_s": time.perf_counter() - t0,
                     "cached_tokens": cached, "reply": reply, "engine": engine})
         prompt = prompt + reply + [rng.randrange(1, vocab) for _ in range(spec["turn_tokens"])]
@@ -131,17 +149,18 @@ def _fleet(base_url: str, spec: dict, kill) -> tuple[list[dict], float, list[str
     barrier = (threading.Barrier(spec["sessions"], action=kill)
                if spec.get("kill_after_turn") is not None else None)
 
+    t0 = time.perf_counter()
+
     def one(i: int) -> None:
         try:
-            _session(client, f"{spec['run']}-s{i}", spec, random.Random(spec["seed"] * 1000 + i),
-                     requests, barrier)
+            _session(client, f"{spec['run']}-s{i}", i, spec,
+                     random.Random(spec["seed"] * 1000 + i), requests, barrier, t0)
         except BaseException as e:  # noqa: BLE001 - reported below, with the others
             errors.append(e)
             if barrier is not None:
                 barrier.abort()  # the others must not wait for this one
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(spec["sessions"])]
-    t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
@@ -208,6 +227,7 @@ def main(model: str, out_path: str, spec: dict) -> None:
             procs[-1].wait()
 
         requests, wall, errors = _fleet(base_url, spec, kill)
+        sources = _prompt_sources(urls)
         if registered:
             stats = _gateway(spec, "GET", "/v1/stats")
             routing = {e["id"]: e.get("routed", {})
@@ -234,10 +254,31 @@ def main(model: str, out_path: str, spec: dict) -> None:
         except (OSError, ValueError):
             pass  # no connector, or a killed engine that never wrote its counters
     with open(out_path, "w") as f:
+        log = Path(out_path + ".log").read_text(errors="replace")
         json.dump({"server_start_s": start_s, "wall_s": wall, "requests": requests,
                    "connector": counters, "connector_stats_files": found,
+                   "prompt_tokens_by_source": sources, "cores": cores_in_log(log),
                    "routing": routing, "errors": errors,
                    "serve_log_memkv": _memkv_lines(out_path + ".log")}, f)
+
+
+def _prompt_sources(urls: list[str]) -> dict[str, int]:
+    """vLLM's own count of prompt tokens by source (computed, its prefix cache, a
+    connector), summed over the engines that still answer."""
+    sources: dict[str, int] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+                text = answer.read().decode()
+        except OSError:
+            continue  # a killed engine
+        for line in text.splitlines():
+            if line.startswith("vllm:prompt_tokens_by_source_total{"):
+                found = re.search(r'source="([^"]+)"', line)
+                if found:
+                    sources[found.group(1)] = sources.get(found.group(1), 0) + int(
+                        float(line.rsplit(" ", 1)[1]))
+    return sources
 
 
 def _wait_saves_landed(stats_path: str, timeout_s: float = SAVES_LANDED_TIMEOUT_S) -> bool:

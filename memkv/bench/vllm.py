@@ -51,6 +51,7 @@ from typing import Any
 
 from memkv.bench import lmcache_peer
 from memkv.bench.context import BenchContext
+from memkv.bench.engine_cores import comparable, cores_in_log, engine_cores, engine_env
 from memkv.bench.levels import memcpy_level
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track
 
@@ -87,6 +88,9 @@ DTYPE = "bfloat16"
 ENGINE_TIMEOUT_S = 1200
 #: The CPU backend's KV cache (GiB): room for the prompt, beside a memkv cluster.
 KV_CACHE_GIB = 2
+#: vLLM's step budget as `vllm serve` sets it on CPU (and on GPUs but H100/H200 and
+#: larger): the 4096-token prompt is prefilled in two steps, as users' engines do.
+SERVING_STEP_TOKENS = 2048
 MEMCPY_REPS = 8
 
 
@@ -107,21 +111,26 @@ def _model(shape: dict[str, Any]) -> Path:
 
 
 def _engine(model: Path, out: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
+    # Every engine row on the same cores (memkv.bench.engine_cores).
+    env = engine_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)})
     args = [str(VLLM_PYTHON), "-m", "memkv.bench.vllm_engine", str(model), str(out),
             json.dumps(spec)]
+    log = Path(str(out) + ".log")
     # Its own process group: the engine's core and workers go with it on a timeout.
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True, cwd=ROOT)
-    try:
-        _, stderr = proc.communicate(timeout=ENGINE_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.PIPE, text=True,
+                                env=env, start_new_session=True, cwd=ROOT)
+        try:
+            _, stderr = proc.communicate(timeout=ENGINE_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     if proc.returncode != 0:
         raise RuntimeError(f"the vLLM engine failed ({proc.returncode}): {stderr[-3000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
+    workers = cores_in_log(log.read_text(errors="replace") + stderr)
+    result["cores"] = workers[-1] if workers else None
     return result
 
 
@@ -203,7 +212,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         "model_id": model_id,
     }
     common = {"prompt": prompt, "block_size": BLOCK_SIZE, "dtype": DTYPE,
-              "max_model_len": n + BLOCK_SIZE}
+              "max_model_len": n + BLOCK_SIZE, "max_num_batched_tokens": SERVING_STEP_TOKENS}
     # The cold engine sends the prompt once (a second time it would be warm); the
     # others three times, and their median request stands for them.
     plan: list[tuple[str, str, dict[str, Any] | None, int, dict[str, Any]]] = [
@@ -258,7 +267,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             round(base["ttft_s"] / r["ttft_s"], 2),
             _fmt(_gbps(counters, "load")), _ratio(_gbps(counters, "load"), memcpy), split,
             _fmt(_gbps(counters, "save")), _ratio(_gbps(counters, "save"), memcpy),
-            _paths(counters), "yes" if same else "NO",
+            _paths(counters), "yes" if same else "NO", _cores(r.get("cores")),
         ])
     kv_mib = kv_bytes / 2**20
     by = {(r["engine"], r["transport"]): r for r in runs}
@@ -268,6 +277,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     cold_save = _gbps(runs[1].get("connector"), "save")
     staged = by.get(("memkv cold", "gateway, staged"))
     staged_save = _gbps(staged.get("connector"), "save") if staged else None
+    same_cores = comparable(runs)
     targets = {
         "load_vs_memcpy": {"measured": _div(shm_load, memcpy), "target": 0.5},
         "ttft_vs_prefix_cache_hit": {"measured": shm["ttft_s"] / ideal["ttft_s"], "target": 1.3,
@@ -277,6 +287,9 @@ def run(ctx: BenchContext) -> SuiteResult:
         "ttft_vs_lmcache": {"measured": shm["ttft_s"] / lmcache["ttft_s"] if lmcache else None,
                             "target": 1.0, "lower_is_better": True},
     }
+    if not same_cores:  # rows on other cores compare the cores, not memkv: no ratio
+        for name in ("ttft_vs_prefix_cache_hit", "ttft_vs_lmcache"):
+            targets[name]["measured"] = None
     notes = [
         f"Targets ([2/5]): same-node load (fetch + write) {_x(targets['load_vs_memcpy'])} "
         f"single-core memcpy of the same bytes ({_fmt(memcpy)} GB/s here; target >= 0.5x); "
@@ -302,6 +315,12 @@ def run(ctx: BenchContext) -> SuiteResult:
            "DRAM tier, 256-token chunks) and vLLM's LMCacheMPConnector; a cold engine sends "
            "the prompt once, then a fresh engine loads it from the server. Its bytes are not "
            "counted here."] if lmcache else []),
+        f"Every engine's worker bound to cores {engine_cores()} (VLLM_CPU_OMP_THREADS_BIND; "
+        "vllm-cpu left to itself gives a worker with a KV connector one more core than one "
+        "without); the 'worker cores' column is what each engine's log says it used"
+        + ("." if same_cores else ": THEY DIFFER, so no TTFT ratio is given.")
+        + f" Step budget {SERVING_STEP_TOKENS} tokens (vllm serve's default on CPU): the "
+        f"{n}-token prompt is prefilled in {-(-n // SERVING_STEP_TOKENS)} steps.",
         "CPU engine on this 2-core machine: the prefill a load replaces is far slower here "
         "than on a GPU (an H100 prefills 4096 tokens of Llama-3-8B in ~0.07-0.14 s), so the "
         "speed-up is this machine's, not a GPU's; the load time is what carries over.",
@@ -311,10 +330,12 @@ def run(ctx: BenchContext) -> SuiteResult:
         title=f"vLLM engine: time to first token for a {n}-token prompt, with and without memkv",
         columns=["engine", "transport", "cached tokens", "TTFT s", "speed-up", "load GB/s",
                  "load / memcpy", "fetch + write s", "save GB/s", "save / memcpy",
-                 "blocks from shared memory / fetched", "same first token"],
+                 "blocks from shared memory / fetched", "same first token", "worker cores"],
         rows=rows,
         figures={"model": shape, "prompt_tokens": n, "block_size": BLOCK_SIZE, "dtype": DTYPE,
                  "runs": runs, "memcpy_gb_s": memcpy, "targets": targets,
+                 "engine_cores": engine_cores(), "same_cores": same_cores,
+                 "max_num_batched_tokens": SERVING_STEP_TOKENS,
                  "save_gb_s": {"reserved": cold_save, "staged": staged_save},
                  "python": sys.version.split()[0]},
         notes=notes,
@@ -340,6 +361,10 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def _x(target: dict[str, Any]) -> str:
     return "unmeasured" if target["measured"] is None else f"{target['measured']:.2f}x"
+
+
+def _cores(cores: list[int] | None) -> str:
+    return "-" if not cores else ",".join(str(c) for c in cores)
 
 
 def _paths(counters: dict[str, Any] | None) -> str:

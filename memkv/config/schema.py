@@ -562,6 +562,21 @@ class GatewaySettings(_Frozen):
     max_body_bytes: int = Field(
         default=GIB, gt=0, description="Largest request body accepted (a turn's KV blocks)."
     )
+    read_stall_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=60,
+        description="A block reader that takes no bytes for this long has its connection "
+        "aborted: bytes in the devices' shared memory never reach a socket after the pin "
+        "that keeps them (docs/security.md).",
+    )
+    read_hold_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=600,
+        description="How long a block read pins every block it announced (released when "
+        "it ends; a delete racing the read waits for it).",
+    )
     put_staging_bytes: int = Field(
         default=256 * MIB,
         ge=0,

@@ -40,7 +40,7 @@ class _Device:
         for name in ("hold_for_read", "read_plan", "release_lease"):
             setattr(self, name, _Method(self, name))
 
-    def _hold_for_read(self, keys: list[bytes]) -> str:
+    def _hold_for_read(self, keys: list[bytes], ttl_s: float = 120.0) -> str:
         return "hold"
 
     def _read_plan(self, keys: list[bytes], stream: Any, ttl: float, wanted: Any = ()) -> ReadPlan:
@@ -98,5 +98,24 @@ def test_a_read_with_a_block_not_held_pins_its_blocks_first():
         device.calls.clear()
         assert await _read(fetcher, device) == KEYS
         assert device.calls[0] == "hold_for_read"
+
+    asyncio.run(main())
+
+
+def test_every_block_from_shared_memory_says_until_when_a_pin_keeps_it():
+    """What the response checks before a block goes to a socket (memkv.api.guarded_send):
+    the plan's lease, or the read's hold where that lasts longer."""
+    async def main() -> None:
+        import time
+
+        plans = PlanCache(ttl_s=30, margin_s=5, max_bytes=1 << 30)
+        fetcher, device = BlockFetcher(_Maps(), "node", plans, hold_s=120.0), _Device()  # type: ignore[arg-type]
+        before = time.monotonic()
+        first = [item async for item in fetcher.fetch("dev", device, KEYS, None)]
+        # A fresh read holds every block it announced for 120 s.
+        assert all(before + 119 < b.valid_until <= time.monotonic() + 120 for b in first)
+        # From the plans the gateway holds (no hold of its own): their 30 s lease.
+        again = [item async for item in fetcher.fetch("dev", device, KEYS, None)]
+        assert all(before + 29 < b.valid_until <= time.monotonic() + 30 for b in again)
 
     asyncio.run(main())

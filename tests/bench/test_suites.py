@@ -321,7 +321,8 @@ def test_fleet_quick(ctx: BenchContext) -> None:
     the gateway a killed engine's sessions go on on the other."""
     result = run_suite("fleet", ctx)
     doc = _written(ctx, "fleet")
-    runs = {r["engine"]: r for r in doc["figures"]["runs"]}
+    runs = {r["engine"]: r for r in doc["figures"]["runs"] if r["setting"] != "long sessions "
+            "(prompts > step budget, fixed rate)"}
     alone, memkv = runs["vLLM alone"], runs["vLLM + memkv (same node)"]
     assert alone["requests"] == memkv["requests"] == 6  # 3 sessions x 2 turns
     assert alone["loaded_bytes"] is None and not alone["moved_nothing"]  # (no connector)
@@ -347,6 +348,17 @@ def test_fleet_quick(ctx: BenchContext) -> None:
     assert failover["killed_engine"] not in failover["moved_turn_served_by"]
     assert failover["same_replies"]
     assert failover["routing"][failover["killed_engine"]].get("failovers", 0) >= 1
+    # Long sessions, every prompt prefilled in chunks (a step budget of 256 in the quick
+    # run): memkv serves their resumed turns' prefixes, as vLLM counts it, and so does
+    # LMCache; every row on the same cores.
+    long = {r["engine"]: r for r in doc["figures"]["runs"]
+            if r["setting"].startswith("long sessions")}
+    assert long["vLLM alone"]["connector_tokens"] == 0
+    assert long["vLLM + memkv (same node)"]["connector_tokens"] > 0
+    assert long["vLLM + memkv (same node)"]["same_replies"]
+    assert long["vLLM + LMCache (multiprocess mode)"]["connector_tokens"] is not None
+    assert doc["figures"]["same_cores"] and all(r["cores"] for r in doc["figures"]["runs"])
+    assert "long_connector_tokens_vs_lmcache" in doc["figures"]["targets"]
 
 
 def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:

@@ -21,12 +21,11 @@ from memkv.actors.handles import ACTOR_GONE_ERRORS
 from memkv.actors.payload import BlockPayload
 from memkv.actors.router_shards import merge_located
 from memkv.api.auth import Principal
-from memkv.api.blocks import FRAMES_MEDIA_TYPE, BlockFramesResponse, FetchedBytes
+from memkv.api.blocks import FRAMES_MEDIA_TYPE, BlockFramesResponse, KeyedFramesResponse
 from memkv.api.context import Caller, Gateway, GatewayState, scoped
 from memkv.api.errors import PayloadTooLarge
 from memkv.api.models import BINARY, BlocksByKeyIn, SessionIdPath
 from memkv.errors import (
-    CorruptDataError,
     InvalidInputError,
     MemkvError,
     NotFoundError,
@@ -34,7 +33,7 @@ from memkv.errors import (
 )
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.messages import ReadRoute
-from memkv.protocol.wire import BlockFrameTemplate, block_frame_prefix, end_frame
+from memkv.protocol.wire import block_frame_prefix, end_frame
 
 __all__ = ["read_blocks_by_key", "router", "session_blocks"]
 
@@ -99,6 +98,7 @@ async def session_blocks(
                 whole.keys[start + len(route.keys) :],
             ),
             on_block=gw.metrics.payload_bytes.labels("out").inc,
+            stall_s=gw.read_stall_s,
         )
         await response.prime()
         return response
@@ -183,41 +183,13 @@ async def read_blocks_by_key(body: BlocksByKeyIn, gw: GatewayState, who: Caller)
 
 async def _streamed_by_key(
     gw: Gateway, device_id: str, device: Any, keys: list[bytes]
-) -> StreamingResponse:
+) -> KeyedFramesResponse:
     blocks = gw.fetcher.fetch(device_id, device, keys, None)
     # The first block before the head goes out, so its errors get a status code.
     first = await blocks.__anext__()
-
-    async def stream() -> AsyncIterator[bytes | memoryview]:
-        total = 0
-        block: FetchedBytes | None = first
-        for i, key in enumerate(keys):
-            if block is None:
-                block = await blocks.__anext__()
-            if block.key != key:
-                raise CorruptDataError(f"asked for block {key.hex()}, got {block.key.hex()}")
-            total += block.data.nbytes
-            if total > gw.max_body_bytes:
-                raise PayloadTooLarge(
-                    f"these blocks are over {gw.max_body_bytes} bytes: ask for fewer at a time"
-                )
-            template = BlockFrameTemplate(
-                index=i, key=key, dtype=block.dtype, shape=block.shape,
-                nbytes=block.data.nbytes,
-            )
-            yield bytes(template.fill(tier=block.tier, exact=block.exact, crc=block.crc,
-                                      lossy=block.lossy))
-            yield block.data
-            gw.metrics.payload_bytes.labels("out").inc(block.data.nbytes)
-            block = None
-        yield end_frame(len(keys))
-        close = getattr(blocks, "aclose", None)  # an async generator: its leases go back
-        if close is not None:
-            await close()
-
-    return StreamingResponse(stream(), media_type=FRAMES_MEDIA_TYPE)
-
-
+    return KeyedFramesResponse(
+        keys, first, blocks, max_bytes=gw.max_body_bytes,
+        on_block=gw.metrics.payload_bytes.labels("out").inc, stall_s=gw.read_stall_s)
 def _block_chunks(index: int, payload: BlockPayload) -> list[bytes | memoryview]:
     data = memoryview(np.ascontiguousarray(payload.data).data).cast("B")
     prefix = block_frame_prefix(
