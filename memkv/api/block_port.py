@@ -54,6 +54,7 @@ from memkv.protocol.wire import (
     decode_header,
     decode_prefix,
     encode_frame,
+    payload_buffer,
 )
 
 __all__ = ["BLOCK_PORT_VERSION", "BlockPortServer", "ConnectionGone", "PortStats"]
@@ -145,7 +146,7 @@ class _Inbox(asyncio.BufferedProtocol):
             self._end += nbytes
             if self._end == len(self._spare) and self._start == 0:
                 self._pause_reading()
-        self._progress()
+        self._progress(nbytes)
 
     def eof_received(self) -> bool:
         # Requests already received are still answered (the peer may read replies
@@ -218,17 +219,16 @@ class _Inbox(asyncio.BufferedProtocol):
                 await self._waiter
         except TimeoutError:
             if hold is not None and hold.dropped:
-                raise BodyTimeout("the body was dropped: it stalled while the gateway "
-                                  "was full") from None
+                raise BodyTimeout(f"the body was dropped: {hold.why}") from None
             raise BodyTimeout(
                 f"the connection stalled: no bytes for {self._idle_timeout_s:g} s"
             ) from None
         finally:
             self._target = self._waiter = self._deadline = self._hold = None
 
-    def _progress(self) -> None:
+    def _progress(self, nbytes: int) -> None:
         if self._hold is not None:
-            self._hold.progress()
+            self._hold.progress(nbytes)
             if self._hold.dropped:
                 return  # its deadline was brought forward: leave it there
         if self._deadline is not None and not self._deadline.expired():
@@ -539,8 +539,14 @@ class BlockPortServer:
         allocate: Callable[[int], memoryview | None] | None,
         hold: BodyHold,
     ) -> list[Frame]:
-        """Exactly ``body_bytes`` of frames; each payload read into where it is stored."""
+        """Exactly ``body_bytes`` of frames; each payload read into where it is stored.
+
+        Memory is committed as bytes arrive, never on what a frame declares
+        (:func:`payload_buffer`); a body that fails lets go of its buffers at once
+        (its error carries no traceback into the frames that held them).
+        """
         frames: list[Frame] = []
+        payload: memoryview | None = None
         left = body_bytes
         try:
             while left > 0:
@@ -557,17 +563,22 @@ class BlockPortServer:
                 left -= header_len
                 # No frame may declare more payload than the body has left.
                 frame_header, nbytes = decode_header(bytes(raw), left)
-                payload: memoryview | bytearray | None = (
-                    allocate(nbytes) if allocate is not None and nbytes else None
-                )
+                payload = allocate(nbytes) if allocate is not None and nbytes else None
                 if payload is None:
-                    payload = bytearray(nbytes)
+                    payload = payload_buffer(nbytes)
                 if nbytes:
-                    await inbox.readinto(memoryview(payload).cast("B"), hold)
+                    await inbox.readinto(payload, hold)
                 left -= nbytes
                 frames.append(Frame(frame_header, payload))
-        except (WireError, BodyTimeout) as e:
-            raise _FatalToConnection(e) from e
+                payload = None
+        except BaseException as e:
+            # A client that declared a GiB and left: its buffers go now, not when the
+            # cycle collector finds the traceback that holds this frame and its callees.
+            frames.clear()
+            payload = None
+            if isinstance(e, WireError | BodyTimeout):
+                raise _FatalToConnection(e.with_traceback(None)) from None
+            raise e.with_traceback(None) from None
         return frames
 
     async def _read(self, inbox: _Inbox, who: Principal, rid: int,

@@ -88,6 +88,15 @@ class Frame:
         return str(self.header.get("kind"))
 
 
+def payload_buffer(nbytes: int) -> memoryview:
+    """A writable buffer of ``nbytes`` whose memory is committed as bytes are written
+    into it, not when it is made: a frame that declares a GiB and sends a few bytes
+    costs a few pages (``bytearray(n)`` zeroes, and so touches, all of it at once,
+    on the event loop). Large sizes are an anonymous mapping the kernel fills on
+    first touch, and given back whole when the last view of it goes."""
+    return np.empty(nbytes, dtype=np.uint8).data.cast("B")
+
+
 def numpy_dtype(dtype: str) -> np.dtype[Any]:
     """The numpy dtype a payload of ``dtype`` is viewed as (bf16 as uint16 bits)."""
     info = DTYPES.get(dtype)
@@ -397,4 +406,4 @@ class FrameReader:
         header, nbytes = decode_header(bytes(self._buf[_PREFIX.size : end]), self._max_payload)
         del self._buf[:end]
         payload = self._allocate(nbytes) if self._allocate is not None and nbytes else None
-        return Frame(header, payload if payload is not None else bytearray(nbytes))
+        return Frame(header, payload if payload is not None else payload_buffer(nbytes))

@@ -19,7 +19,7 @@ import pytest
 
 from memkv.api.auth import Authenticator
 from memkv.api.block_port import MAX_PIPELINED, BlockPortServer
-from memkv.api.body_budget import BodyHold
+from memkv.api.body_budget import BodyBudget, BodyHold
 from memkv.errors import ConflictError
 from memkv.port_connection import PortConnection, PortError
 from memkv.protocol.wire import encode_frame
@@ -39,7 +39,7 @@ class _Appends:
         return self.release.setdefault(name, asyncio.Event())
 
     async def __call__(self, who: Any, session_id: str, declared: int | None, read: Any) -> Any:
-        hold = BodyHold("", declared or 0, clock=lambda: 0.0)
+        hold = BodyHold("", declared or 0, BodyBudget(1 << 30), clock=lambda: 0.0)
         bodies = sum(e.startswith(f"body {session_id}#") for e in self.events)
 
         def allocate(nbytes: int) -> None:  # called as the port reads the payload

@@ -326,8 +326,7 @@ async def _read_frames(
         except TimeoutError:
             if hold is not None and hold.dropped:
                 raise BodyTimeout(
-                    f"the request body was dropped: it stalled while the gateway was full "
-                    f"({total} bytes received)"
+                    f"the request body was dropped: {hold.why} ({total} bytes received)"
                 ) from None
             raise BodyTimeout(
                 f"the request body stalled: no bytes for {idle_timeout_s:g} s "
@@ -335,7 +334,7 @@ async def _read_frames(
             ) from None
         total += len(chunk)
         if hold is not None:
-            hold.progress()
+            hold.progress(len(chunk))
         if total > max_body_bytes:
             raise PayloadTooLarge(f"body exceeds the limit of {max_body_bytes} bytes")
         frames.extend(reader.feed(chunk))

@@ -68,6 +68,10 @@ async def stats(request: Request, gw: GatewayState, who: Caller) -> dict[str, An
         # through the object store), and the segment's size (0: no staging).
         "staged_bytes": int(gw.metrics.staged_bytes._value.get()),
         "staging_bytes": gw.staging.capacity_bytes if gw.staging is not None else 0,
+        # Append bodies being received (by declared length), and those dropped for
+        # stalling, trickling or taking too long (memkv.api.body_budget).
+        "inflight_body_bytes": gw.inflight.used,
+        "bodies_dropped": gw.inflight.dropped,
         "http": _route_figures(gw.metrics.requests, gw.metrics.latency),
     }
     if gw.door is not None and gw.door.registry.engines():
