@@ -100,11 +100,12 @@ def test_killed_device_serves_archived_sessions_again(fault_cluster):
     # An active session on the same device whose blocks never left memory.
     active = None
     for seed in range(401, 420):
-        sid, _, _ = new_session(fault_cluster, 4, seed=seed)
+        sid, active_tokens, active_blocks = new_session(fault_cluster, 4, seed=seed)
         if fault_cluster.device_of(sid) == device_id:
-            active = sid
+            active, active_seed = sid, seed
             break
     assert active is not None
+    assert fault_cluster.match_prefix(LAYOUT, "tenant", active_tokens)[0] == 4
     # An active archive-mode session there too: acknowledged means on disk.
     durable = None
     for seed in range(420, 440):
@@ -122,9 +123,16 @@ def test_killed_device_serves_archived_sessions_again(fault_cluster):
     assert after != before
     with pytest.raises(BlockLostError, match="restarted"):
         fault_cluster.session(active)
+    # [2/6] item 4: a match offers only what a tier holds, never blocks that went
+    # with the device (an engine sent to load them would find nothing and recompute).
+    assert fault_cluster.match_prefix(LAYOUT, "tenant", active_tokens) == (0, [])
     fault_cluster.delete_session(active)  # a lost session can still be deleted
     with pytest.raises(UnknownSessionError):
         fault_cluster.session(active)
+    # Stored again by another session: a match finds them, and they read by key.
+    again, _, _ = new_session(fault_cluster, 4, seed=active_seed)
+    matched, keys = fault_cluster.match_prefix(LAYOUT, "tenant", active_tokens)
+    assert matched == 4 and same(read(fault_cluster, again), active_blocks)
 
 
 def _incarnation(device):

@@ -301,6 +301,9 @@ class Members:
         """A device restarted empty: re-adopt its sessions from the archive, or mark them lost."""
         logger.warning("device %s restarted; recovering its sessions from the archive", device_id)
         self.state.devices[device_id].incarnation = incarnation
+        # What the old process held went with it: nothing is held there until the new
+        # one's log is read (a match must not offer blocks no tier has).
+        self.state.blocks.forget(device_id)
         device = self.devices[device_id]
         for record in self.state.sessions_on(device_id):
             if record.lost or not record.chain:

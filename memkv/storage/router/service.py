@@ -429,8 +429,13 @@ class SessionRouter:
     async def match_prefix(
         self, layout: KVLayout, namespace: str, token_ids: list[int]
     ) -> PrefixMatch:
-        """How many leading tokens are cached by any session of ``namespace``."""
-        tokens, blocks = self.state.match_prefix(layout, namespace, token_ids)
+        """How many leading tokens are cached by any session of ``namespace`` and held by
+        a live device (never blocks only a session's table still names)."""
+        tokens, blocks, behind = self.state.match_prefix(layout, namespace, token_ids)
+        if behind:
+            # Stored since this shard last read the devices' logs, or lost: read them.
+            await self.members.follow_block_events()
+            tokens, blocks, _ = self.state.match_prefix(layout, namespace, token_ids)
         return PrefixMatch(tokens, tuple(blocks), namespace)
 
     async def locate_blocks(

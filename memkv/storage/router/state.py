@@ -123,6 +123,10 @@ class RouterState:
     def add_device(self, device_id: str, incarnation: str | None = None) -> None:
         """A device whose process answered this router (placement may choose it)."""
         load = self.devices.setdefault(device_id, DeviceLoad())
+        if load.incarnation is not None and incarnation != load.incarnation:
+            # Another process: what the old one held went with it. Nothing is held
+            # there until the new one's log is read (matches and reads by key ask it).
+            self.blocks.forget(device_id)
         load.incarnation, load.live = incarnation, True
         if device_id not in self.known_devices:
             self.known_devices.append(device_id)
@@ -498,17 +502,29 @@ class RouterState:
 
     def match_prefix(
         self, layout: KVLayout, namespace: str, token_ids: Sequence[int]
-    ) -> tuple[int, list[bytes]]:
-        """Leading tokens of ``token_ids`` whose blocks some session of ``namespace`` holds."""
+    ) -> tuple[int, list[bytes], bool]:
+        """Leading tokens of ``token_ids`` whose blocks some session of ``namespace``
+        holds and a live device stores (a tier holds them: a block whose device was
+        lost is no match, whatever the sessions' tables still say).
+
+        Returns:
+            ``(tokens, keys, behind)``: ``behind`` when the match stopped at a block a
+            session holds that the index places on no live device: the index may be
+            behind the devices' logs (read them and ask again).
+        """
         counts = block_token_count(layout, len(token_ids))
+        live = [d for d, load in self.devices.items() if load.live]
         matched: list[bytes] = []
         tokens = 0
-        for key, n in zip(chain_hashes(token_ids, layout, namespace), counts, strict=True):
-            if self._refcounts[bytes(key)] <= 0:
-                break
-            matched.append(bytes(key))
+        for hashed, n in zip(chain_hashes(token_ids, layout, namespace), counts, strict=True):
+            key = bytes(hashed)
+            if self._refcounts[key] <= 0:
+                return tokens, matched, False
+            if not any(self.blocks.holds(d, key) for d in live):
+                return tokens, matched, True
+            matched.append(key)
             tokens += n
-        return tokens, matched
+        return tokens, matched, False
 
     def locate(
         self, keys: Sequence[bytes], namespace: str | Sequence[str] | None = None
