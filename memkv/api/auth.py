@@ -195,7 +195,8 @@ class TokenEntry:
     roles: frozenset[str]
     publish: frozenset[str] = frozenset()
     read: frozenset[str] = frozenset()
-    # Per public namespace, the publishers it trusts (absent: every publisher there).
+    # Per public namespace, the publishers it trusts (absent: the namespace's declared
+    # owners, and its own tenant where it publishes; never every publisher).
     trust: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
@@ -240,22 +241,23 @@ class TokenEntry:
     def principal(
         self,
         quota: Quota | None = None,
-        publishers: Mapping[str, tuple[str, ...]] | None = None,
+        owners: Mapping[str, tuple[str, ...]] | None = None,
     ) -> Principal:
         """What this token may do.
 
         Args:
-            publishers: every public namespace's publishers (the token registry's):
-                the trust of a namespace its ``trust`` does not name. Its own
-                tenant comes first where it publishes too.
+            owners: each public namespace's declared owners (the token document's
+                ``namespaces``): the trust of a namespace its ``trust`` does not
+                name, after its own tenant where it publishes there. A publisher
+                nobody declared is believed by no reader that did not name it.
         """
         limits = quota if quota is not None else Quota()
-        known = publishers or {}
+        declared = owners or {}
         trust: dict[str, tuple[str, ...]] = {}
         for namespace in self.publish | self.read:
             chosen = self.trust.get(namespace)
             if chosen is None:
-                chosen = tuple(known.get(namespace, ()))
+                chosen = tuple(declared.get(namespace, ()))
                 if namespace in self.publish:
                     chosen = (self.tenant, *(t for t in chosen if t != self.tenant))
             trust[namespace] = chosen
@@ -290,6 +292,21 @@ class Quota:
                 raise ConfigError(f"{where}: {name} must be >= 0, got {value}")
             values[name] = value
         return cls(**values)
+
+
+def _owners(value: Any, where: str) -> dict[str, tuple[str, ...]]:
+    """``namespaces: {ns: {owners: [tenants]}}``: each public namespace's declared owners."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: 'namespaces' must map public namespaces to "
+                          "{{owners: [tenants]}}")
+    out: dict[str, tuple[str, ...]] = {}
+    for namespace, raw in value.items():
+        check_name(namespace, "namespace")
+        if not isinstance(raw, Mapping) or set(raw) - {"owners"} \
+                or not isinstance(raw.get("owners"), list):
+            raise ConfigError(f"{where}: namespaces.{namespace} must be {{owners: [tenants]}}")
+        out[namespace] = tuple(dict.fromkeys(check_name(t, "owner") for t in raw["owners"]))
+    return out
 
 
 def _trust(value: Any) -> dict[str, tuple[str, ...]]:
@@ -335,6 +352,9 @@ class Authenticator:
     open_docs: bool = True
     quotas: Mapping[str, Quota] = field(default_factory=dict)
     default_quota: Quota = field(default_factory=Quota)
+    #: Per public namespace, its declared owners: the publishers a reader believes there
+    #: when its token names none (``namespaces: {ns: {owners: [...]}}``).
+    owners: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     _by_digest: dict[bytes, TokenEntry] = field(init=False, default_factory=dict)
     # Per public namespace, the tenants that may publish into it (in document order).
     _publishers: dict[str, tuple[str, ...]] = field(init=False, default_factory=dict)
@@ -350,6 +370,12 @@ class Authenticator:
             for namespace in sorted(entry.publish):
                 publishers.setdefault(namespace, {})[entry.tenant] = None
         self._publishers = {ns: tuple(tenants) for ns, tenants in publishers.items()}
+        for namespace, tenants in self.owners.items():
+            strangers = [t for t in tenants if t not in self._publishers.get(namespace, ())]
+            if strangers:
+                raise ConfigError(
+                    f"namespace {namespace!r}: owners {strangers} have no token that may "
+                    f"publish there (its publishers: {list(self._publishers.get(namespace, ()))})")
 
     @classmethod
     def disabled(cls) -> Authenticator:
@@ -372,9 +398,10 @@ class Authenticator:
         entries = [
             TokenEntry.parse(raw, f"{where}: tokens[{i}]") for i, raw in enumerate(doc["tokens"])
         ]
-        unknown = set(doc) - {"tokens", "tenants"}
+        unknown = set(doc) - {"tokens", "tenants", "namespaces"}
         if unknown:
             raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+        owners = _owners(doc.get("namespaces") or {}, where)
         tenants = doc.get("tenants") or {}
         if not isinstance(tenants, Mapping):
             raise ConfigError(f"{where}: 'tenants' must map tenant names to quotas")
@@ -382,7 +409,7 @@ class Authenticator:
             check_name(name, "tenant"): Quota.parse(raw, f"{where}: tenants.{name}")
             for name, raw in tenants.items()
         }
-        return cls(entries, quotas=quotas, **options)
+        return cls(entries, quotas=quotas, owners=owners, **options)
 
     @classmethod
     def load(
@@ -445,7 +472,7 @@ class Authenticator:
         principal = self._principals.get(digest)
         if principal is None:  # one per token: the same answer for every request
             principal = entry.principal(
-                self.quotas.get(entry.tenant, self.default_quota), self._publishers
+                self.quotas.get(entry.tenant, self.default_quota), self.owners
             )
             self._principals[digest] = principal
         return principal

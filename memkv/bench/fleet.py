@@ -425,7 +425,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     if failover is not None:
         notes.append(
             f"{FAILOVER}: engine {failover['killed_engine']} killed (SIGKILL) once every "
-            f"session had finished turn {plan[-1][4]['kill_after_turn'] + 1} and its saves "
+            f"session had finished turn {(kill_after or 0) + 1} and its saves "
             f"had landed (one in flight would die with it); sessions lost: "
             f"{failover['sessions_lost']}; the {failover['sessions_moved']} sessions it "
             f"had served took their next turn on {', '.join(failover['moved_turn_served_by'])}"

@@ -65,6 +65,7 @@ def gateway(tmp_path):
     auth = Authenticator(
         [entry for _, entry in TOKENS.values()],
         open_metrics=False,
+        owners={PUBLIC: ("ops",)},  # readers that name no publisher believe ops there
         quotas={"evil": Quota(max_sessions=3, max_bytes=3 * LAYOUT.block_nbytes())},
     )
     app = create_app(
