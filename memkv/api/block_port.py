@@ -45,7 +45,7 @@ from memkv.api.body_budget import BodyHold
 from memkv.api.errors import BodyTimeout, PayloadTooLarge, any_error_document
 from memkv.api.guarded_send import TRANSPORT_EXTENSION, UNBUFFERED_EXTENSION
 from memkv.api.models import BlocksByKeyIn
-from memkv.errors import InvalidInputError, MemkvError
+from memkv.errors import InvalidInputError, MemkvError, UnauthorizedError
 from memkv.protocol.wire import (
     PREFIX_BYTES,
     Frame,
@@ -365,6 +365,12 @@ class BlockPortServer:
                     header, _ = await inbox.read_header(MAX_CONTROL_HEADER_BYTES, 0)
                 except ConnectionGone:
                     return  # a clean close between requests (answers still go out)
+                except WireError as e:
+                    # A malformed frame (bad magic, not msgpack, not a map, too long):
+                    # answered, then the connection ends (its stream position is lost).
+                    logger.info("block port: a malformed request from %s: %s", inbox.peer, e)
+                    replies.put_nowait(self._fatal(inbox, 0, e))
+                    return
                 answer = await self._accept(inbox, who, header, appends)
                 replies.put_nowait(answer)
                 if answer.closing:
@@ -417,6 +423,9 @@ class BlockPortServer:
             token = header.get("token")
             if token is not None and not isinstance(token, str):
                 raise WireError("'token' must be a string")
+            if token is not None and (token != token.strip() or not token.isprintable()):
+                # HTTP strips a header value's spaces; a frame has no such excuse.
+                raise UnauthorizedError("the bearer token is not valid")
             who = self._app.state.authenticator.authenticate(
                 f"Bearer {token}" if token else None
             )
@@ -440,8 +449,10 @@ class BlockPortServer:
         rid = header.get("id")
         op = header.get("op")
         self.stats.requests[str(op)] = self.stats.requests.get(str(op), 0) + 1
-        if header.get("kind") != "request" or not isinstance(rid, int):
-            return self._fatal(inbox, rid, WireError("expected a 'request' frame with an int 'id'"))
+        if header.get("kind") != "request" or isinstance(rid, bool) or not isinstance(rid, int) \
+                or rid < 0:
+            return self._fatal(inbox, rid, WireError(
+                "expected a 'request' frame with a non-negative int 'id'"))
         if op == "append":
             return await self._append(inbox, who, rid, header, appends)
         if op == "read":
@@ -468,9 +479,9 @@ class BlockPortServer:
 
     def _fatal(self, inbox: _Inbox, rid: object, error: BaseException) -> _Answer:
         """An answer after which the connection closes (its stream position is lost)."""
+        answered = rid if isinstance(rid, int) and not isinstance(rid, bool) and rid >= 0 else 0
         return _Answer(functools.partial(
-            self._reply_error, inbox, rid if isinstance(rid, int) else 0, error, closing=True),
-            closing=True)
+            self._reply_error, inbox, answered, error, closing=True), closing=True)
 
     async def _append(self, inbox: _Inbox, who: Principal, rid: int, header: FrameHeader,
                       appends: _SessionOrder) -> _Answer:

@@ -15,6 +15,7 @@ from prometheus_client import (
 )
 from ray.exceptions import RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from memkv.actors.handles import ACTOR_GONE_ERRORS
 from memkv.errors import (
@@ -251,6 +252,15 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(cause, MemkvError):
             return error_response(cause)
         return internal_response(exc)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # A client that went away mid-body: nothing of it is stored, nobody reads the
+        # answer. One line, not a traceback (it is not the gateway's error).
+        logger.info("%s %s: the client left before its body was read", request.method,
+                    request.url.path)
+        return JSONResponse({"error": ErrorDocument(
+            type="ClientDisconnect", status=400, message="the client left")}, status_code=400)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -312,6 +312,47 @@ def test_garbage_and_hostile_frames_close_the_connection_and_the_server_stays_up
         conn.close()
 
 
+def test_malformed_frames_after_the_hello_are_answered_then_the_connection_closes(
+    gateway, caplog
+):
+    """[2/6] item 8: each is answered 4xx (its id unknown: 0) and the connection closes;
+    the gateway logs one line, no traceback."""
+    hello = encode_frame({"kind": "hello", "v": 1})
+    prefix = b"MKVF"
+    malformed = {
+        "bad magic": [b"XXXX" + (3).to_bytes(4, "little") + b"\x80\x80\x80"],
+        "not msgpack": [prefix + (3).to_bytes(4, "little") + b"\xc1\xc1\xc1"],
+        "a list header": [bytes(encode_frame([1, 2, 3])[0])],  # type: ignore[arg-type]
+        "an int header": [prefix + (1).to_bytes(4, "little") + msgpack.packb(7)],
+        "deep msgpack": [prefix + (2001).to_bytes(4, "little") + b"\x91" * 2000 + b"\x00"],
+        "a header over 64 KiB": [prefix + (65537).to_bytes(4, "little")],
+        "id: true": encode_frame({"kind": "request", "id": True, "op": "ping"}),
+        "a negative id": encode_frame({"kind": "request", "id": -1, "op": "ping"}),
+    }
+    caplog.set_level("INFO", logger="memkv.api.block_port")
+    for what, frame in malformed.items():
+        sock = _raw(gateway.block_port, hello, frame)
+        try:
+            assert _reply(sock)["kind"] == "welcome", what
+            reply = _reply(sock)
+            assert reply is not None and 400 <= reply["status"] < 500, (what, reply)
+            assert reply["id"] == 0 and reply.get("close"), (what, reply)
+            assert _closed(sock), what
+        finally:
+            sock.close()
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+def test_a_token_with_a_trailing_newline_is_refused(cluster):
+    from memkv.api.server import GatewayServer
+
+    auth = Authenticator([e for _, e in TOKENS.values()], open_metrics=False)
+    with GatewayServer.start(cluster, host="127.0.0.1", port=0, auth=auth) as gw:
+        with pytest.raises(UnauthorizedError):
+            PortConnection("127.0.0.1", gw.block_port, token="tok-alice\n", timeout=10)
+        PortConnection("127.0.0.1", gw.block_port, token="tok-alice", timeout=10).close()
+
+
 def test_tokens_are_checked_once_per_connection_before_any_payload(cluster):
     from memkv.api.server import GatewayServer
 
