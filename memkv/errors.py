@@ -12,6 +12,8 @@ Every error memkv raises on purpose is a :class:`MemkvError`. Expected outcomes
     │   ├── AllocatorMisuseError            double free, foreign offset, bad size
     │   ├── ConfigError                     invalid configuration value
     │   ├── WrongNodeError                  a same-node read plan used on another node
+    │   ├── PrefixNotStoredError            an append starts after blocks no tier holds
+    │   │                                   (send from the first one missing)
     │   └── ConflictError                   clashes with what is stored (id taken,
     │                                       layout differs, turn out of order)
     ├── NotFoundError (LookupError)
@@ -50,6 +52,7 @@ __all__ = [
     "MemkvError",
     "NotFoundError",
     "PrecisionOverflowError",
+    "PrefixNotStoredError",
     "UnauthorizedError",
     "UnknownBlockError",
     "UnknownSessionError",
@@ -91,6 +94,18 @@ class ConfigError(InvalidInputError):
 
 class WrongNodeError(InvalidInputError):
     """A same-node read plan reached a process on another node: it cannot map the segments."""
+
+
+class PrefixNotStoredError(InvalidInputError):
+    """An append sends blocks from ``start_block``, but a block before it is not stored
+    (a partial loss since the writer last saw the session): send from ``first_missing``."""
+
+    def __init__(self, message: str, first_missing: int = 0) -> None:
+        super().__init__(message)
+        self.first_missing = first_missing
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:  # across Ray, with its field
+        return (type(self), (str(self), self.first_missing))
 
 
 class ConflictError(InvalidInputError):

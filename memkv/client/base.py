@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from memkv.client.views import SessionView, TurnResult, after_append
-from memkv.errors import ConflictError
+from memkv.errors import ConflictError, PrefixNotStoredError
 from memkv.protocol.hashing import token_array
 from memkv.protocol.layout import KVLayout
 
@@ -97,10 +97,17 @@ class KnownSessions:
         """The view after an append this client made."""
         self.remember(after_append(session, result, int(token_array(token_ids).size)))
 
-    def worth_refreshing(self, error: BaseException, session_id: str, turn: int | None) -> bool:
+    def worth_refreshing(self, error: BaseException, session_id: str, turn: int | None,
+                         resendable: bool = False) -> bool:
         """Whether an append's error may come from a stale view of ours (then the caller
-        refreshes it and tries once more): a conflict on a turn the client did not pin."""
-        return isinstance(error, ConflictError) and turn is None and session_id in self._views
+        refreshes it and tries once more): a conflict on a turn the client did not pin,
+        or (``resendable``: the caller gave every token's KV) blocks our view counted as
+        stored that a partial loss took since; the fresh view says where to send from."""
+        if turn is not None:
+            return False
+        if isinstance(error, PrefixNotStoredError):
+            return resendable
+        return isinstance(error, ConflictError) and session_id in self._views
 
     def read_turn(self, session_id: str) -> int | None:
         """The turn to name in a read: a gateway at it or later answers from its own view."""

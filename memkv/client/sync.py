@@ -300,8 +300,11 @@ class Client:
         try:
             return self._append(session, token_ids, keys, values, blocks, start_block, turn,
                                 reserved)
-        except errors.ConflictError as e:
-            if not self._known.worth_refreshing(e, session_id, turn):
+        except (errors.ConflictError, errors.PrefixNotStoredError) as e:
+            # A stale view of ours: a conflict, or blocks a partial loss took since
+            # (then, given every token's KV, the append goes again from what survived).
+            if not self._known.worth_refreshing(e, session_id, turn,
+                                                resendable=blocks is None):
                 raise
             session = self.session(session_id)
             return self._append(session, token_ids, keys, values, blocks, start_block, turn,

@@ -13,6 +13,7 @@ from memkv.errors import (
     BlockLostError,
     InvalidInputError,
     LayoutMismatchError,
+    PrefixNotStoredError,
     UnknownBlockError,
 )
 from memkv.protocol.enums import PRIORITY_RANK, Priority
@@ -90,9 +91,9 @@ class References(TierLadder):
             chain = [BlockHash(k) for k in update.chain]
             for i in range(start):
                 if chain[i] not in self._blocks:
-                    raise InvalidInputError(
-                        f"block {i} was not sent and is not stored; send blocks from index {i}"
-                    )
+                    raise PrefixNotStoredError(
+                        f"block {i} was not sent and is not stored; send blocks from index {i}",
+                        i)
             # Validation is over: from here on the pool changes.
             now = self._clock()
             created = self._admit_new_blocks(update, chain, blocks, now, checksums, placed)

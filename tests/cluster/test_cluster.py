@@ -318,3 +318,38 @@ def test_in_cluster_reads_say_which_blocks_are_exact(cluster):
     ]
     exact, _, _ = new_session(cluster, 8, seed=461)
     assert all(p.exact and p.lossy == "" for p in cluster.read_session_payloads(exact))
+
+
+def test_a_client_resyncs_by_itself_after_a_partial_loss(fault_cluster, fault_gateway):
+    """[2/6] item 10: the client's view still names the lost tail; its next append (with
+    every token's KV) goes again from the surviving prefix instead of answering 422."""
+    from memkv.client import Client
+
+    tokens = [70_000 + i for i in range(16)]
+    keys, values = kv(16, 470)
+    with Client(fault_gateway.url, block_port=False) as client:
+        client.create_session("resync", LAYOUT, namespace="tenant")
+        client.append_turn("resync", tokens[:8], [k[:, :8] for k in keys],
+                           [v[:, :8] for v in values])
+        client.suspend("resync")  # turn 1 reaches the archive
+        client.resume("resync")
+        client.append_turn("resync", tokens, keys, values)  # turn 2 lives only in memory
+        device = fault_cluster.devices[fault_cluster.device_of("resync")]
+        ray.get(device.flush_cold.remote())
+        tail = list(fault_cluster.session("resync").chain[2:])
+        ray.get([a.delete.remote(tail) for a in fault_cluster.archives.values()])
+        before = ray.get(device.ping.remote()).incarnation
+        ray.kill(device, no_restart=False)
+        deadline = time.monotonic() + 60
+        while _incarnation(device) in (before, None):
+            assert time.monotonic() < deadline, "the device did not come back"
+            time.sleep(0.05)
+        read(fault_cluster, "resync")  # the router notices the restart
+        assert fault_cluster.session("resync").lost_tokens == 8
+        # The client's view still has 16 tokens: its append of 20 starts after them.
+        k3, v3 = kv(20, 471)
+        k3 = [torch.cat([a, b[:, 16:]], dim=1) for a, b in zip(keys, k3, strict=True)]
+        v3 = [torch.cat([a, b[:, 16:]], dim=1) for a, b in zip(values, v3, strict=True)]
+        result = client.append_turn("resync", tokens + [70_100 + i for i in range(4)], k3, v3)
+        assert len(result.chain) == 5
+    assert same(read(fault_cluster, "resync"), split_kv(LAYOUT, k3, v3))
