@@ -16,6 +16,7 @@ from prometheus_client import (
 from ray.exceptions import RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from memkv.actors.handles import ACTOR_GONE_ERRORS
 from memkv.errors import (
@@ -146,7 +147,9 @@ def internal_response(exc: BaseException) -> JSONResponse:
 
 #: What each status of the error envelope means, for the OpenAPI document.
 _ERROR_DOCS = {
-    400: "A malformed OpenAI request (OpenAI's error shape: error.message, error.type).",
+    400: "A request the gateway cannot read (a malformed body, or a client that left "
+         "mid-body); on the OpenAI routes, a malformed request in OpenAI's error shape "
+         "(error.message, error.type).",
     401: "No valid bearer token.",
     403: "The token may not do this (role or namespace).",
     404: "No such session or block (another tenant's answers the same).",
@@ -161,7 +164,7 @@ _ERROR_DOCS = {
     507: "Over a tenant's quota or a tier's capacity: nothing was stored.",
 }
 #: Errors every authenticated route may answer, and those of particular routes.
-_COMMON_ERRORS = (401, 403, 422, 500, 503)
+_COMMON_ERRORS = (400, 401, 403, 422, 500, 503)
 _ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/sessions"): (409, 507),
     ("get", "/v1/sessions/{session_id}"): (404, 410),
@@ -170,14 +173,15 @@ _ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/sessions/{session_id}/resume"): (404, 409, 410),
     ("post", "/v1/sessions/{session_id}/input-end"): (404, 409, 410),
     ("post", "/v1/sessions/{session_id}/turns"): (404, 408, 409, 410, 413, 507),
+    ("post", "/v1/sessions/{session_id}/reservations"): (404, 409, 410, 507),
     ("get", "/v1/sessions/{session_id}/blocks"): (404, 410),
     ("post", "/v1/blocks/read"): (404, 410),
     ("post", "/v1/blocks/lease"): (404, 410),
     ("delete", "/v1/blocks/lease/{lease_id}"): (404,),
     ("post", "/v1/match"): (),
     ("get", "/v1/stats"): (),
-    ("post", "/v1/chat/completions"): (400, 404, 413),
-    ("post", "/v1/completions"): (400, 404, 413),
+    ("post", "/v1/chat/completions"): (404, 413),
+    ("post", "/v1/completions"): (404, 413),
     ("get", "/v1/models"): (),
     ("post", "/v1/engines"): (),
     ("get", "/v1/engines"): (),
@@ -211,10 +215,14 @@ def openapi_with_errors(app: FastAPI) -> dict[str, Any]:  # FastAPI's own type f
     )
     schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = _ERROR_SCHEMA
     error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
-    for (method, path), extra in _ROUTE_ERRORS.items():
-        responses = schema["paths"][path][method]["responses"]
-        for code in (*_COMMON_ERRORS, *extra):
-            responses[str(code)] = {"description": _ERROR_DOCS[code], "content": error}
+    for path, operations in schema["paths"].items():
+        if not path.startswith("/v1/"):
+            continue  # probes and docs: no token, no body
+        for method, operation in operations.items():
+            extra = _ROUTE_ERRORS.get((method, path), ())
+            for code in (*_COMMON_ERRORS, *extra):
+                operation["responses"][str(code)] = {"description": _ERROR_DOCS[code],
+                                                     "content": error}
     health = schema["paths"]
     health["/metrics"]["get"]["responses"]["200"]["content"] = {
         CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}
@@ -229,6 +237,33 @@ def openapi_with_errors(app: FastAPI) -> dict[str, Any]:  # FastAPI's own type f
     }
     app.openapi_schema = schema
     return schema
+
+
+def _allowed(app: FastAPI, scope: Any) -> list[str]:
+    """Every method some route of ``scope``'s path serves (routers included: FastAPI
+    keeps them as routers, whose routes are the ones with paths and methods)."""
+    methods: set[str] = set()
+    pending = list(app.routes)
+    while pending:
+        route = pending.pop()
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            pending.extend(inner.routes)
+            continue
+        match, _ = route.matches({**scope, "method": "\0"})  # any method: the path only
+        if match != Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
+def validation_message(problems: Any) -> str:
+    """Pydantic's findings as one plain line: where, and what was expected."""
+    lines = []
+    for problem in list(problems)[:3]:
+        where = ".".join(str(p) for p in problem.get("loc", ()) if p != "body") or "the body"
+        lines.append(f"{where}: {problem.get('msg', 'invalid')}")
+    more = len(list(problems)) - len(lines)
+    return "; ".join(lines) + (f" (and {more} more)" if more > 0 else "")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -270,15 +305,21 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # FastAPI's own (404 unknown route, 405, 400 unreadable body): one envelope too.
         kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(exc.status_code, "HTTPError")
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route of the path only; a path
+            # served by several (GET and DELETE of a session) allows them all.
+            headers["Allow"] = ", ".join(_allowed(app, request.scope))
         return JSONResponse(
             {"error": {"type": kind, "message": str(exc.detail), "status": exc.status_code}},
             status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            headers=headers or None,
         )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(
-            {"error": {"type": "InvalidInputError", "message": str(exc.errors()), "status": 422}},
+            {"error": {"type": "InvalidInputError", "message": validation_message(exc.errors()),
+                       "status": 422}},
             status_code=422,
         )

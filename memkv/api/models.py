@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import Path
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt
 
 from memkv.api.client_leases import (
     DEFAULT_TTL_S,
@@ -49,6 +49,13 @@ def _json_int(value: Any) -> Any:
 
 
 JsonInt = Annotated[int, BeforeValidator(_json_int)]
+#: The largest token id (the wire carries them as int64).
+MAX_TOKEN_ID = (1 << 63) - 1
+#: A token id: an integer written as one, never ``true`` or ``1.0`` (a caller's bug, not a
+#: token), >= 0.
+TokenId = Annotated[StrictInt, Field(
+    ge=0, le=MAX_TOKEN_ID, description="A token id: an integer written as one (not 1.0, "
+    "not true), 0 <= id < 2**63.")]
 
 
 class LayoutIn(_Model):
@@ -112,7 +119,7 @@ class MatchIn(_Model):
     namespace: str | None = Field(
         default=None, pattern=NAME_PATTERN, description="Default: the caller's tenant."
     )
-    token_ids: list[int]
+    token_ids: list[TokenId]
 
 
 #: Keys one by-key read may name (duplicates are collapsed first).
@@ -142,7 +149,7 @@ class ReserveIn(_Model):
     """A write reservation for a session's next append (same host only)."""
 
     blocks: int = Field(gt=0, le=4096, description="Block-sized slots wanted.")
-    tokens: list[int] | None = Field(
+    tokens: list[TokenId] | None = Field(
         default=None, max_length=1 << 20,
         description="The session's tokens after the append: a new session is placed by "
                     "their prefix, as its first append would place it.")

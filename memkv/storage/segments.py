@@ -98,6 +98,9 @@ _FIXED = struct.Struct("<4sBBBBHQQ16sI")
 _HEADER_CRC = struct.Struct("<I")
 HEADER_BYTES = _FIXED.size + _HEADER_CRC.size
 _NO_FLAGS = 0
+#: The active segment is compacted (sealed first) once it holds this much garbage at
+#: the configured ratio: a slowly written store reclaims its dead records too.
+ACTIVE_COMPACT_MIN_BYTES = 1 << 20
 _NO_FINGERPRINT = bytes(FINGERPRINT_BYTES)
 _NO_CODEC = 0
 _EMPTY_CRC = crc32(b"")
@@ -923,9 +926,10 @@ class SegmentStore:
         """Rewrite the live records of sealed segments that are mostly garbage.
 
         A sealed segment is compacted when its dead share reaches
-        ``config.compact_garbage_ratio``; with ``force`` the active segment is sealed
-        and every segment is compacted. Segments holding neither values nor
-        tombstones are simply unlinked; the others are rewritten in groups whose
+        ``config.compact_garbage_ratio``, and so is the active one (sealed first) once
+        its dead bytes are also at least ``ACTIVE_COMPACT_MIN_BYTES``; with ``force``
+        the active segment is sealed and every segment is compacted. Segments holding
+        neither values nor tombstones are simply unlinked; the others are rewritten in groups whose
         live bytes fit one segment, each group atomically (see the module
         docstring), so a crash at any point reopens to the same live set. Every
         copied payload is verified; a damaged one is replaced by a tombstone.
@@ -943,7 +947,13 @@ class SegmentStore:
             self._check_open()
             started = time.perf_counter()
             before = sum(s.size for s in self._segments.values())
-            if force and self._active is not None and self._active.size:
+            active = self._active
+            if active is not None and active.size and (force or (
+                    active.garbage_ratio >= self._config.compact_garbage_ratio
+                    and active.dead_bytes >= ACTIVE_COMPACT_MIN_BYTES)):
+                # A store written slowly may keep one segment active for days: once it
+                # is mostly garbage (and that garbage worth a pass) it is sealed and
+                # compacted too, not left until it fills.
                 self._seal_active()
             candidates = [
                 s

@@ -751,3 +751,27 @@ def test_batch_policy_syncs_on_close_and_rollover(
     assert len(calls) == 2  # segment 1 and the directory
     store.close()
     assert len(calls) == 4  # segment 2 and the directory (its new name)
+
+
+def test_an_active_segment_that_is_mostly_garbage_is_compacted_without_force(
+    tmp_path: Path,
+) -> None:
+    """[2/6] item 11: 6.2 MB dead in the active segment of a big-segment store was never
+    compacted (only sealed segments were)."""
+    from memkv.storage.segments import ACTIVE_COMPACT_MIN_BYTES
+
+    cfg = make_config(tmp_path, segment_max_bytes=64 << 20, compact_garbage_ratio=0.5)
+    with SegmentStore(cfg) as store:
+        value = b"x" * (64 << 10)
+        for i in range(48):
+            store.put(b"k%d" % i, value, fingerprint=FP, codec_id=1)
+        for i in range(40):
+            store.delete(b"k%d" % i)
+        assert store.stats().segments == 1  # all of it in the active segment
+        assert store.stats().dead_bytes >= ACTIVE_COMPACT_MIN_BYTES
+        result = store.compact()
+        assert result.segments_in == 1 and result.bytes_reclaimed > 40 * len(value) * 0.9
+        assert contents(store) == {b"k%d" % i: value for i in range(40, 48)}
+        store.put(b"after", b"v", fingerprint=FP, codec_id=1)  # writes go on
+    with SegmentStore(cfg) as store:
+        assert len(contents(store)) == 9
