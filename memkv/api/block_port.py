@@ -49,6 +49,7 @@ from memkv.errors import InvalidInputError, MemkvError, UnauthorizedError
 from memkv.protocol.wire import (
     PREFIX_BYTES,
     Frame,
+    FrameBudget,
     FrameHeader,
     WireError,
     decode_header,
@@ -73,7 +74,13 @@ _READ_AHEAD_BYTES = 64 << 10
 #: reading stops while this many wait (each append holds its body in staging).
 MAX_PIPELINED = 8
 #: A new connection has this long to say hello.
-HELLO_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 5.0
+#: Connections that have not said hello yet, at most (more are closed at once): each
+#: costs its buffers until it does.
+MAX_AWAITING_HELLO = 256
+#: The spare buffer of a connection before its hello (enough for the hello itself;
+#: the full _SPARE_BYTES once authenticated).
+_HELLO_SPARE_BYTES = 4 << 10
 
 
 class ConnectionGone(Exception):
@@ -95,7 +102,7 @@ class _Inbox(asyncio.BufferedProtocol):
     ) -> None:
         self._on_open = on_open
         self._idle_timeout_s = idle_timeout_s
-        self._spare = bytearray(_SPARE_BYTES)
+        self._spare = bytearray(_HELLO_SPARE_BYTES)  # the full size after the hello
         self._start = self._end = 0  # unread spare bytes: [start, end)
         self._target: memoryview | None = None  # a waiting reader's buffer
         self._filled = 0
@@ -168,6 +175,15 @@ class _Inbox(asyncio.BufferedProtocol):
             self._writable.set_result(None)
 
     # -- for the connection's handler
+
+    def grow_spare(self) -> None:
+        """The connection said hello: its spare buffer at full size (unread bytes kept)."""
+        if len(self._spare) < _SPARE_BYTES:
+            unread = self._spare[self._start : self._end]
+            self._spare = bytearray(_SPARE_BYTES)
+            self._spare[: len(unread)] = unread
+            self._start, self._end = 0, len(unread)
+            self._resume_reading()
 
     async def readinto(self, view: memoryview, hold: BodyHold | None = None) -> None:
         """Fill ``view`` from the connection; idle longer than the timeout raises BodyTimeout."""
@@ -325,6 +341,7 @@ class BlockPortServer:
         self._server: asyncio.Server | None = None
         self._connections: set[_Inbox] = set()
         self.stats = PortStats()
+        self._awaiting_hello = 0  # connections whose hello has not come yet
         app.state.block_port = self
 
     async def start(self, sock: socket.socket) -> None:
@@ -353,9 +370,19 @@ class BlockPortServer:
         room = asyncio.Semaphore(MAX_PIPELINED)  # requests taken and not yet answered
         writer: asyncio.Task[None] | None = None
         try:
-            who = await self._hello(inbox)
+            if self._awaiting_hello >= MAX_AWAITING_HELLO:
+                self.stats.refused_connections += 1
+                logger.info("block port: %d connections have not said hello: %s closed",
+                            self._awaiting_hello, inbox.peer)
+                return
+            self._awaiting_hello += 1
+            try:
+                who = await self._hello(inbox)
+            finally:
+                self._awaiting_hello -= 1
             if who is None:
                 return
+            inbox.grow_spare()
             writer = asyncio.get_running_loop().create_task(
                 self._answer(inbox, replies, room))
             appends = _SessionOrder()
@@ -558,6 +585,7 @@ class BlockPortServer:
         """
         frames: list[Frame] = []
         payload: memoryview | None = None
+        budget = FrameBudget()
         left = body_bytes
         try:
             while left > 0:
@@ -566,6 +594,7 @@ class BlockPortServer:
                 prefix = bytearray(PREFIX_BYTES)
                 await inbox.readinto(memoryview(prefix), hold)
                 header_len = decode_prefix(prefix)
+                budget.take(header_len)
                 left -= PREFIX_BYTES
                 if header_len > left:
                     raise WireError(f"a frame header of {header_len} bytes runs past the body")

@@ -31,14 +31,17 @@ class OrphanSweeper:
     Args:
         interval_s: seconds between sweeps.
         reclaim: the sweep (returns the names it unlinked); tests pass their own.
+        also: run after each sweep too (a device gives back its idle memory).
     """
 
     def __init__(self, interval_s: float = SWEEP_INTERVAL_S,
-                 reclaim: Callable[[], list[str]] = reclaim_orphans) -> None:
+                 reclaim: Callable[[], list[str]] = reclaim_orphans,
+                 also: Callable[[], object] | None = None) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self._interval_s = interval_s
         self._reclaim = reclaim
+        self._also = also
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memkv-shm-sweeper", daemon=True)
         self.reclaimed = 0  # segments unlinked so far
@@ -65,5 +68,7 @@ class OrphanSweeper:
         while not self._stop.wait(self._interval_s):
             try:
                 self.sweep()
+                if self._also is not None:
+                    self._also()
             except OSError as e:  # /dev/shm unreadable for a moment: the next sweep retries
                 logger.warning("shared-memory sweep failed: %s", e)

@@ -29,7 +29,7 @@ import enum
 import itertools
 import mmap
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self, TypeGuard
@@ -43,6 +43,7 @@ from memkv.errors import (
     InvalidInputError,
     LayoutMismatchError,
 )
+from memkv.storage.arena_stats import ArenaStats
 from memkv.storage.buddy import BuddyAllocator
 
 __all__ = ["ALIGNMENT_BYTES", "Allocation", "Arena", "ArenaState", "ArenaStats"]
@@ -129,37 +130,6 @@ class Allocation:
     _slab: int | None = field(default=None, repr=False)  # base of its slab; None: own extent
     _serial: int = field(default=0, repr=False)
     _arena: int = field(default=0, repr=False)
-
-
-@dataclass(frozen=True, slots=True)
-class ArenaStats:
-    """A snapshot of an arena's occupancy.
-
-    Attributes:
-        capacity_bytes: bytes of the buffer.
-        used_bytes: bytes callers asked for, over live allocations.
-        reserved_bytes: bytes taken from the buddy allocator (extents and whole slabs).
-        free_bytes: ``capacity_bytes - reserved_bytes``. Free slots inside
-            slabs are not counted: they only fit their size class.
-        largest_free_bytes: the largest extent the buddy allocator can hand out now.
-        live_allocations: allocations not yet freed.
-        slabs: slabs in use.
-        internal_fragmentation: ``1 - used / reserved`` (0 when nothing is reserved):
-            rounding, alignment and empty slab slots.
-        external_fragmentation: ``1 - largest_free / free`` (0 when nothing is free).
-        occupancy: ``reserved / capacity``: how full the arena is for new requests.
-    """
-
-    capacity_bytes: int
-    used_bytes: int
-    reserved_bytes: int
-    free_bytes: int
-    largest_free_bytes: int
-    live_allocations: int
-    slabs: int
-    internal_fragmentation: float
-    external_fragmentation: float
-    occupancy: float
 
 
 @dataclass(slots=True)
@@ -465,6 +435,19 @@ class Arena(abc.ABC):
                 f"(already freed, or from another arena)"
             )
         return allocation
+
+    def release_free(self, min_bytes: int, release: Callable[[int, int], None]) -> int:
+        """Hand each free extent of at least ``min_bytes`` to ``release(address, nbytes)``
+        (its address in this process), holding the arena's lock so nothing is allocated
+        in it meanwhile; return the bytes handed over."""
+        with self._lock:
+            base = self._check_open().data_ptr()
+            total = 0
+            for offset, nbytes in self._allocator.free_blocks():
+                if nbytes >= min_bytes:
+                    release(base + offset, nbytes)
+                    total += nbytes
+            return total
 
     def free(self, allocation: Allocation) -> None:
         """Return an allocation to the arena.

@@ -57,6 +57,7 @@ from memkv.storage.codecs import CodecPolicy
 from memkv.storage.cold_writer import ColdWriter, WriterStats
 from memkv.storage.config import StoreConfig
 from memkv.storage.device_arena import DeviceArena
+from memkv.storage.free_memory import RELEASE_MIN_BYTES, release_idle_extents
 from memkv.storage.pool_core import (
     BlockLocation,
     FetchedBlock,
@@ -234,6 +235,13 @@ class BlockPool(Reads):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def release_free_memory(self, min_bytes: int = RELEASE_MIN_BYTES) -> int:
+        """Give the kernel back the pages of the tiers' free extents of at least
+        ``min_bytes`` (memkv.storage.free_memory); the bytes given back."""
+        with self._lock:
+            self.ensure_open()
+            return release_idle_extents([self._hot.arena, self._warm.arena], min_bytes)
 
     def managed_hot_arena(self) -> Any:
         """The hot arena's managed allocation (unified memory), or None."""

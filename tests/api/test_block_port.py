@@ -343,6 +343,28 @@ def test_malformed_frames_after_the_hello_are_answered_then_the_connection_close
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 
 
+def test_connections_that_never_say_hello_are_bounded(gateway):
+    """[2/6] item 7: 1,500 silent connections held 256 KiB each for 10 s; now a silent
+    connection costs a 4 KiB buffer, and past MAX_AWAITING_HELLO they are closed at once."""
+    from memkv.api.block_port import MAX_AWAITING_HELLO
+
+    refused_before = gateway._app.state.block_port.stats.refused_connections
+    silent = [socket.create_connection(("127.0.0.1", gateway.block_port), timeout=10)
+              for _ in range(MAX_AWAITING_HELLO + 20)]
+    try:
+        _eventually(lambda: gateway._app.state.block_port.stats.refused_connections
+                    >= refused_before + 20)
+        # A client that says hello is served all the same once the silent ones go.
+    finally:
+        for sock in silent:
+            sock.close()
+    conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
+    try:
+        assert conn.request({"op": "ping"})[0]["status"] == 200
+    finally:
+        conn.close()
+
+
 def test_a_token_with_a_trailing_newline_is_refused(cluster):
     from memkv.api.server import GatewayServer
 

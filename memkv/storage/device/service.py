@@ -11,6 +11,7 @@ handed in by its actor shell, :class:`memkv.actors.device.DeviceCache`.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -59,7 +60,11 @@ DEFAULT_LEASE_S = 30.0
 MAX_LEASE_S = 600.0
 #: How long a read's hold on its blocks lasts at most (a read takes far less;
 #: a reader that vanished without releasing is let go of after this).
+logger = logging.getLogger(__name__)
+
 READ_HOLD_S = 120.0
+#: How long without a put before the device gives free tier memory back (seconds).
+IDLE_RELEASE_S = 60.0
 
 
 def _as_is(blocks: object) -> object:
@@ -176,8 +181,11 @@ class DeviceService:
         self.headroom = (HeadroomKeeper(self.pool).start()
                          if store_config.eviction.headroom_fraction > 0 else None)
         # Segments of processes that died on this host (a killed engine's staging):
-        # unlinked while the device runs, not only when the next memkv process starts.
-        self.sweeper = OrphanSweeper().start()
+        # unlinked while the device runs, not only when the next memkv process starts;
+        # and, after a while without puts, the pages of free extents given back.
+        self._last_put = clock()
+        self._clock = clock
+        self.sweeper = OrphanSweeper(also=self._release_idle_memory).start()
         self.node_id = node_id
         self._staging_maps = SegmentMaps()  # gateways' staging segments (memkv.staging)
         self._streams: PriorityStreams | None = None  # unified memory only
@@ -228,6 +236,7 @@ class DeviceService:
                 carries the changes after it (this append's among them).
         """
         self.leases.sweep()
+        self._last_put = self._clock()
         placed: dict[int, Allocation] = {}  # blocks a writer left in reserved slots
         reservations: set[str] = set()
         try:
@@ -563,6 +572,16 @@ class DeviceService:
             tier = self.pool.locate(BlockHash(bytes(k)))
             out.append(tier.value if tier is not None else None)
         return out
+
+    def _release_idle_memory(self) -> int:
+        """Free extents' pages back to the kernel, once no put came for IDLE_RELEASE_S."""
+        if self._clock() - self._last_put < IDLE_RELEASE_S:
+            return 0
+        released = self.pool.release_free_memory()
+        if released:
+            logger.info("device %s gave back %d MiB of free tier memory", self.device_id,
+                        released >> 20)
+        return released
 
     def close(self) -> None:
         self.sweeper.close()
