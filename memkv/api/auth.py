@@ -52,7 +52,12 @@ from typing import Any, TypedDict, Unpack
 import yaml
 
 from memkv.errors import ConfigError, ForbiddenError, UnauthorizedError
-from memkv.protocol.ids import check_name, publisher_namespace
+from memkv.protocol.ids import (
+    PARTITION_SEPARATOR,
+    check_name,
+    partition_of,
+    publisher_namespace,
+)
 
 __all__ = [
     "ROLES",
@@ -147,6 +152,9 @@ class Principal:
         Raises:
             ForbiddenError: a namespace it may not publish into.
         """
+        partition = partition_of(namespace)
+        if partition is not None:  # a partition of its own namespace
+            return f"{self.default_namespace}{PARTITION_SEPARATOR}{partition}"
         if namespace is None or namespace == self.default_namespace or self.any_namespace:
             return namespace if namespace is not None else self.default_namespace
         if namespace not in self.publish:
@@ -168,6 +176,9 @@ class Principal:
         Raises:
             ForbiddenError: a namespace it may not read.
         """
+        partition = partition_of(namespace)
+        if partition is not None:  # a partition of its own namespace
+            return [f"{self.default_namespace}{PARTITION_SEPARATOR}{partition}"]
         if namespace is None or self.any_namespace:
             return [namespace if namespace is not None else self.default_namespace]
         if namespace == self.default_namespace:

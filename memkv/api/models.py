@@ -14,7 +14,7 @@ from memkv.api.client_leases import (
 from memkv.protocol.dtypes import DTYPES
 from memkv.protocol.ids import (
     MAX_SESSION_ID_LEN,
-    NAME_PATTERN,
+    NAMESPACE_PATTERN,
     SESSION_ID_PATTERN,
 )
 from memkv.protocol.layout import LAYOUT_LIMITS, MAX_MODEL_ID_CHARS
@@ -78,9 +78,11 @@ class SessionCreate(_Model):
     layout: LayoutIn
     namespace: str | None = Field(
         default=None,
-        pattern=NAME_PATTERN,
+        pattern=NAMESPACE_PATTERN,
         description="Where the session's blocks are hashed: the caller's tenant by default, "
-        "or a public namespace its token may publish into (shared prompts).",
+        "a public namespace its token may publish into (shared prompts), or #<partition>: "
+        "a partition of the caller's own, hashed apart from its other blocks (an engine "
+        "shared by tenants keeps each one's KV in its own).",
     )
     priority: str = "normal"
     ack: Literal["memory", "archive"] | None = Field(
@@ -117,7 +119,8 @@ class SuspendIn(_Model):
 class MatchIn(_Model):
     layout: LayoutIn
     namespace: str | None = Field(
-        default=None, pattern=NAME_PATTERN, description="Default: the caller's tenant."
+        default=None, pattern=NAMESPACE_PATTERN,
+        description="Default: the caller's tenant; #<partition>: a partition of it."
     )
     token_ids: list[TokenId]
 
@@ -129,7 +132,7 @@ MAX_KEYS_PER_READ = 4096
 class BlocksByKeyIn(_Model):
     namespace: str | None = Field(
         default=None,
-        pattern=NAME_PATTERN,
+        pattern=NAMESPACE_PATTERN,
         description="Whose blocks: the caller's tenant by default, or a public namespace "
         "its token may read. Keys of any other namespace answer 404, like missing ones.",
     )

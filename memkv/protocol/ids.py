@@ -13,13 +13,16 @@ from memkv.errors import InvalidInputError
 
 __all__ = [
     "MAX_SESSION_ID_LEN",
+    "NAMESPACE_PATTERN",
     "NAME_PATTERN",
+    "PARTITION_SEPARATOR",
     "PUBLISHER_SEPARATOR",
     "SESSION_ID_PATTERN",
     "TENANT_SEPARATOR",
     "check_name",
     "check_session_id",
     "check_stored_session_id",
+    "partition_of",
     "public_namespace_of",
     "publisher_namespace",
     "scoped_session_id",
@@ -39,6 +42,26 @@ TENANT_SEPARATOR = "/"
 #: Separates a public namespace from the tenant that published into it; not in the
 #: names' alphabet either, so no tenant can name another publisher's namespace.
 PUBLISHER_SEPARATOR = "@"
+#: Starts a partition of the caller's own namespace: ``#<partition>`` names
+#: ``<tenant>#<partition>``, whose blocks are hashed apart from the tenant's other
+#: ones (an engine shared by tenants keeps each one's KV in its own: vLLM's
+#: ``cache_salt``). Not in the names' alphabet: nobody names another's partition.
+PARTITION_SEPARATOR = "#"
+_PARTITION = r"#[A-Za-z0-9_-]{1,64}"
+#: A namespace a request may name: a tenant's or public namespace, or ``#<partition>``
+#: of the caller's own.
+NAMESPACE_PATTERN = rf"^([A-Za-z0-9][A-Za-z0-9._-]{{0,63}}|{_PARTITION})$"
+_PARTITION_ONLY = re.compile(rf"^{_PARTITION}$")
+
+
+def partition_of(namespace: str | None) -> str | None:
+    """The partition a requested namespace names (``#p``: ``p``), else None."""
+    if namespace is None or not namespace.startswith(PARTITION_SEPARATOR):
+        return None
+    if not _PARTITION_ONLY.match(namespace):
+        raise InvalidInputError(
+            f"a partition is '#' and 1..64 of A-Z a-z 0-9 _ -, got {namespace!r}")
+    return namespace[1:]
 
 
 def publisher_namespace(public: str, tenant: str) -> str:

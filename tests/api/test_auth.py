@@ -478,3 +478,27 @@ def test_a_session_without_blocks_conflicts_rather_than_being_invalid(gateway):
     r = httpx.post(gateway.url + "/v1/sessions/empty/input-end",
                    headers={"authorization": "Bearer tok-alice"})
     assert r.status_code == 409, r.text
+
+
+def test_partitions_of_a_tenants_namespace_hash_apart_and_are_its_own(gateway):
+    """[2/6] item 6: ``#<partition>`` is a part of the caller's own namespace whose blocks
+    are hashed apart (an engine shared by tenants keeps each one's KV in its own: its
+    connector uses vLLM's cache_salt); nobody can name another tenant's partition."""
+    prompt = list(range(100, 108))
+    keys, values = kv(8, seed=5)
+    with client(gateway, "alice") as alice, client(gateway, "mallory") as mallory:
+        alice.create_session("in-p1", LAYOUT, namespace="#p1")
+        alice.append_turn("in-p1", prompt, keys, values)
+        assert alice.match(LAYOUT, "#p1", prompt).tokens == 8
+        assert alice.match(LAYOUT, None, prompt).tokens == 0  # apart from her other blocks
+        assert alice.match(LAYOUT, "#p2", prompt).tokens == 0
+        found = alice.match(LAYOUT, "#p1", prompt)
+        assert len(alice.read_blocks_by_key("#p1", found.blocks)) == 2
+        with pytest.raises(UnknownBlockError):
+            alice.read_blocks_by_key(None, found.blocks)
+        # Mallory's "#p1" is hers: Alice's blocks are not in it.
+        assert mallory.match(LAYOUT, "#p1", prompt).tokens == 0
+        with pytest.raises(UnknownBlockError):
+            mallory.read_blocks_by_key("#p1", found.blocks)
+        with pytest.raises(InvalidInputError):  # a full name with a partition: refused
+            mallory.match(LAYOUT, "acme#p1", prompt)

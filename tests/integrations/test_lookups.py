@@ -11,8 +11,10 @@ from memkv.integrations.vllm.lookups import Lookups
 
 
 def test_a_quick_lookup_is_answered_in_the_same_step():
-    lookups = Lookups(lambda tokens: (len(tokens), [b"k"]), inline_s=5.0)
-    assert lookups.poll("r1", [1, 2, 3]) == (3, [b"k"])
+    lookups = Lookups(lambda tokens, partition: (len(tokens), [partition]), inline_s=5.0)
+    assert lookups.poll("r1", [1, 2, 3]) == (3, [None])
+    # Looked up in the request's partition (its cache_salt's), where it has one.
+    assert lookups.poll("r2", [1, 2], "p1") == (2, ["p1"])
     assert len(lookups) == 0
     lookups.close()
 
@@ -20,7 +22,7 @@ def test_a_quick_lookup_is_answered_in_the_same_step():
 def test_a_slow_lookup_says_ask_again_and_does_not_run_twice():
     go, calls = threading.Event(), []
 
-    def match(tokens):
+    def match(tokens, partition):
         calls.append(tokens)
         go.wait(10)
         return 8, [b"a", b"b"]
@@ -39,7 +41,7 @@ def test_a_slow_lookup_says_ask_again_and_does_not_run_twice():
 
 
 def test_a_failed_lookup_raises_once_and_a_finished_request_is_forgotten():
-    def match(tokens):
+    def match(tokens, partition):
         raise MemkvError("memkv is down")
 
     lookups = Lookups(match, inline_s=5.0)
@@ -47,7 +49,7 @@ def test_a_failed_lookup_raises_once_and_a_finished_request_is_forgotten():
         lookups.poll("r1", [1])
     assert len(lookups) == 0
     block = threading.Event()
-    slow = Lookups(lambda tokens: block.wait(10) and (0, []), inline_s=0.001)
+    slow = Lookups(lambda tokens, partition: block.wait(10) and (0, []), inline_s=0.001)
     assert slow.poll("r2", [1]) is None
     slow.forget("r2")  # the request finished while its lookup ran
     assert len(slow) == 0

@@ -154,6 +154,16 @@ def _session_of(request: Request, body: dict[str, Any]) -> str | None:
     return user if isinstance(user, str) and user else None
 
 
+def _partition(engine: Engine, tenant: str | None) -> str | None:
+    """Where an engine's connector keeps this tenant's KV in memkv: its own namespace for
+    an engine of one tenant (None); for an engine shared by tenants, a partition per
+    tenant (memkv.protocol.ids), so that one tenant's prompts never hit blocks another
+    computed, in memkv either (a timing channel, as through vLLM's own prefix cache)."""
+    if tenant is None or (engine.tenants is not None and engine.tenants == {tenant}):
+        return None
+    return hashlib.blake2b(f"memkv-tenant\0{tenant}".encode(), digest_size=12).hexdigest()
+
+
 def _cache_salt(tenant: str, theirs: Any) -> str:
     """The engine's prefix-cache salt for the tenant (vLLM's ``cache_salt``): engines
     share their prefix caches between requests with the same salt only, so one tenant's
@@ -221,9 +231,11 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
         if choice is None or engine is None:
             break
         tried.add(engine.engine_id)
-        sent_body = body
+        sent_body = {**body, "kv_transfer_params": {
+            **(body.get("kv_transfer_params") or {}),
+            "partition": _partition(engine, who.tenant)}}
         if engine.priority_scheduling and sid is not None and "priority" not in body:
-            sent_body = {**body, "priority": VLLM_PRIORITY.get(priority, 0)}
+            sent_body["priority"] = VLLM_PRIORITY.get(priority, 0)
         engine.inflight += 1  # until its answer is read or its stream ends
         try:
             sent = door.client.build_request("POST", engine.url + path, json=sent_body,

@@ -21,16 +21,18 @@ __all__ = ["INLINE_S", "Lookups"]
 INLINE_S = 0.002
 
 Match = tuple[int, list[Any]]
+#: A lookup: tokens, and the partition of the connector's namespace they are looked for in.
+MatchFn = Callable[[list[int], str | None], Match]
 
 
 class Lookups:
     """Prefix matches of waiting requests, each run once on a pool of ``workers``.
 
     Args:
-        match: the lookup (tokens -> matched tokens and block keys); may raise.
+        match: the lookup (tokens, partition -> matched tokens and block keys); may raise.
     """
 
-    def __init__(self, match: Callable[[list[int]], Match], *, workers: int = 4,
+    def __init__(self, match: MatchFn, *, workers: int = 4,
                  inline_s: float = INLINE_S) -> None:
         self._match = match
         self._inline_s = inline_s
@@ -38,12 +40,14 @@ class Lookups:
             max_workers=workers, thread_name_prefix="memkv-lookup")
         self._running: dict[str, concurrent.futures.Future[Match]] = {}
 
-    def poll(self, request_id: str, tokens: Sequence[int]) -> Match | None:
-        """The match of ``tokens`` for ``request_id``, or None while it runs (it is
-        started on the first call). The match's own error is raised once, when done."""
+    def poll(self, request_id: str, tokens: Sequence[int],
+             partition: str | None = None) -> Match | None:
+        """The match of ``tokens`` (in ``partition``) for ``request_id``, or None while it
+        runs (it is started on the first call). The match's own error is raised once,
+        when done."""
         future = self._running.get(request_id)
         if future is None:
-            future = self._pool.submit(self._match, list(tokens))
+            future = self._pool.submit(self._match, list(tokens), partition)
             self._running[request_id] = future
         try:
             answer = future.result(timeout=self._inline_s)

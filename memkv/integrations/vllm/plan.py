@@ -32,6 +32,7 @@ __all__ = [
     "Save",
     "content_session_id",
     "paged_layout",
+    "partition_of",
     "request_bytes",
     "reserve_min_bytes",
     "save_generated",
@@ -115,6 +116,7 @@ class Load:
     req_id: str
     keys: list[bytes]  # memkv block keys, in chain order
     block_ids: list[int]  # vLLM blocks to fill, one per key
+    partition: str | None = None  # of the connector's namespace (vLLM's cache_salt)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class Save:
     #: The request finished: vLLM keeps these blocks until the workers say they
     #: copied them (``get_finished``), which they do in this step's wait_for_save.
     final: bool = False
+    partition: str | None = None  # of the connector's namespace (vLLM's cache_salt)
 
 
 #: How long a failed save's staging stays unused: the append may still be in flight
@@ -212,6 +215,16 @@ def paged_layout(kv_layer: torch.Tensor) -> int:
     if kv_layer.dim() == 5 and kv_layer.shape[0] == 2:
         return kernels.PAGED_FLASH
     raise ValueError(f"memkv does not know vLLM's KV cache layout {tuple(kv_layer.shape)}")
+
+
+def partition_of(cache_salt: object) -> str | None:
+    """The partition of memkv's namespace a request's KV lives in: one per vLLM
+    ``cache_salt`` (tenants of a shared engine each have their own, memkv's front door
+    sets it), so that one's prompts never hit another's blocks in memkv either (a
+    timing channel: vLLM PR #39082). None: no salt, the connector's own namespace."""
+    if not isinstance(cache_salt, str) or not cache_salt:
+        return None
+    return hashlib.blake2b(cache_salt.encode(), digest_size=12).hexdigest()
 
 
 def content_session_id(layout: KVLayout, token_ids: list[int]) -> str:

@@ -38,6 +38,7 @@ class BlockRange:
     req_id: str
     session_id: str
     priority: str
+    partition: str | None  # of the connector's namespace (vLLM's cache_salt)
     token_ids: list[int]  # the request's tokens up to the end of block ``end - 1``
     block_ids: list[int]  # one vLLM block per block start .. end
     start: int
@@ -52,7 +53,8 @@ class RequestProgress:
     session_id: str
     priority: str
     prompt_tokens: int
-    save_generated: bool  # blocks filled by generated tokens too (agent sessions)
+    partition: str | None = None
+    save_generated: bool = True  # blocks filled by generated tokens too
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # leading blocks memkv has, or whose save is under way
 
@@ -147,6 +149,7 @@ class Progress:
             req_id=progress.req_id,
             session_id=progress.session_id,
             priority=progress.priority,
+            partition=progress.partition,
             token_ids=list(tokens[: end * bs]),
             block_ids=list(progress.block_ids[start:end]),
             start=start,

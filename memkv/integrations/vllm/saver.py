@@ -100,8 +100,8 @@ class Saver:
         count = len(save.block_ids)
         tokens = save.token_ids[: (save.start_block + count) * self.layout.block_tokens]
         try:
-            reservation = self._transport().reserve(save.session_id, save.priority, tokens,
-                                                    count)
+            reservation = self._transport().scoped(save.partition).reserve(
+                save.session_id, save.priority, tokens, count)
         except FAILURES as e:
             logger.debug("memkv write reservation failed, staging instead: %s", e)
             return None
@@ -124,8 +124,9 @@ class Saver:
             chunk = blocks[i : i + per]
             first = save.start_block + i
             tokens = save.token_ids[: (first + len(chunk)) * self.layout.block_tokens]
-            self._transport().save(save.session_id, save.priority, tokens, chunk, first,
-                                   reserved=staged.reservation)
+            self._transport().scoped(save.partition).save(
+                save.session_id, save.priority, tokens, chunk, first,
+                reserved=staged.reservation)
 
     def _run(self) -> None:
         while True:

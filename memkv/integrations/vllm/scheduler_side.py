@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from memkv.integrations.vllm.plan import (
     MemkvConnectorMetadata,
     Save,
     content_session_id,
+    partition_of,
     save_generated,
     save_wait_s,
 )
@@ -45,6 +47,8 @@ __all__ = ["SchedulerSide"]
 
 logger = logging.getLogger(__name__)
 
+_PARTITION = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
 #: The scheduler's part of the stats file is written at most this often (seconds).
 STATS_EVERY_S = 0.5
 
@@ -53,6 +57,7 @@ STATS_EVERY_S = 0.5
 class _Match:
     keys: list[bytes]  # memkv's blocks of the prompt's leading tokens
     local_tokens: int  # what vLLM's own prefix cache held when memkv was asked
+    partition: str | None  # where they were found (the request's cache_salt's)
 
 
 class SchedulerSide:
@@ -80,7 +85,8 @@ class SchedulerSide:
         self._finishing: list[Save] = []  # of finished requests: blocks kept until copied
         self.progress = Progress(self._block_size)
         self.pending_saves = PendingSaves(save_wait_s(extra))
-        self.lookups = Lookups(lambda tokens: self._transport().match(tokens))
+        self.lookups = Lookups(
+            lambda tokens, partition: self._transport().scoped(partition).match(tokens))
 
     # -- vLLM's scheduler calls ---------------------------------------------------
 
@@ -106,8 +112,9 @@ class SchedulerSide:
         if self.pending_saves.too_soon(req_id):
             time.sleep(0.001)  # vLLM asks again next step: not a busy loop meanwhile
             return None, False
+        partition = _partition(request, params)
         try:
-            found = self.lookups.poll(req_id, tokens[:usable])
+            found = self.lookups.poll(req_id, tokens[:usable], partition)
         except FAILURES as e:
             logger.warning("memkv lookup failed, computing instead: %s", e)
             self.pending_saves.forget(req_id)
@@ -116,11 +123,11 @@ class SchedulerSide:
             return None, False  # the lookup still runs: vLLM schedules the others
         matched, keys = found
         hit = matched // self._block_size * self._block_size
-        if self.pending_saves.should_wait(req_id, params.get("session_id"), hit, usable,
+        if self.pending_saves.should_wait(req_id, _named(params, partition), hit, usable,
                                           local=num_computed_tokens):
             return None, False  # its session's last save has not landed yet
         self._matched[req_id] = _Match(list(keys[: hit // self._block_size]),
-                                       num_computed_tokens)
+                                       num_computed_tokens, partition)
         return max(0, hit - num_computed_tokens), False
 
     def update_state_after_alloc(
@@ -142,7 +149,7 @@ class SchedulerSide:
                            len(keys), len(block_ids))
             return
         self._pending_loads[request.request_id] = Load(
-            request.request_id, keys, block_ids[first : first + count])
+            request.request_id, keys, block_ids[first : first + count], match.partition)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MemkvConnectorMetadata:
         """This step's loads, and the blocks whose KV it completes (saves)."""
@@ -223,6 +230,7 @@ class SchedulerSide:
             session_id=str(named) if named else content_session_id(self.layout, prompt),
             priority=str(params.get("priority", "normal")),
             prompt_tokens=len(prompt),
+            partition=_partition(request, params),
             save_generated=self._save_generated == "all"
             or (self._save_generated == "sessions" and bool(named)),
             block_ids=block_ids,
@@ -230,11 +238,11 @@ class SchedulerSide:
         self.progress.start(progress, computed, len(match.keys) if match else 0)
 
     def _save(self, span: BlockRange, final: bool = False) -> Save:
-        named = self._params.get(span.req_id, {}).get("session_id")
+        named = _named(self._params.get(span.req_id, {}), span.partition)
         if named:
-            self.pending_saves.issued(str(named), span.end * self._block_size)
+            self.pending_saves.issued(named, span.end * self._block_size)
         return Save(span.req_id, span.token_ids, span.block_ids, span.start,
-                    span.session_id, span.priority, final=final)
+                    span.session_id, span.priority, final=final, partition=span.partition)
 
     def _write_stats(self, force: bool = False) -> None:
         if not self._stats_path:
@@ -248,3 +256,28 @@ class SchedulerSide:
                        {"lookups_deferred": self.pending_saves.deferred,
                         "requests_tracked": len(self.progress)})
 
+
+
+def _partition(request: Request, params: dict[str, Any]) -> str | None:
+    """The partition of the connector's namespace the request's KV lives in: the one its
+    ``kv_transfer_params`` name (memkv's front door: None for an engine of one tenant,
+    one per tenant for an engine they share), else one per vLLM ``cache_salt``."""
+    if "partition" in params:
+        named = params["partition"]
+        if named is None:
+            return None
+        if isinstance(named, str) and _PARTITION.fullmatch(named):
+            return named
+        # Not a partition's name: one of its own all the same (never an error on the
+        # scheduler's loop, never another request's partition).
+        return partition_of(repr(named))
+    return partition_of(getattr(request, "cache_salt", None))
+
+
+def _named(params: dict[str, Any], partition: str | None) -> str | None:
+    """The request's memkv session as its saves are tracked (None: none named): a
+    partition's session of a name is not another partition's."""
+    named = params.get("session_id")
+    if not named:
+        return None
+    return str(named) if partition is None else f"{named}:{partition}"

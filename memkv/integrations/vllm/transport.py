@@ -19,6 +19,7 @@ raise on anything wrong; the connector turns every failure into recompute.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ from memkv.errors import (
     InvalidInputError,
     UnknownSessionError,
 )
-from memkv.protocol.ids import scoped_session_id
+from memkv.protocol.ids import PARTITION_SEPARATOR, scoped_session_id
 from memkv.protocol.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ TRANSPORTS = ("gateway", "cluster")
 Leased = tuple["HostLease", Callable[[], None]]
 #: After an answer without shared memory, how long loads go the plain way before asking again.
 _NO_LEASES_RECHECK_S = 60.0
+#: Partitions a transport keeps a scoped copy of (one per tenant of a shared engine).
+_MAX_SCOPES = 1024
 #: After no write reservation, how long saves are staged before one is asked for again.
 _NO_RESERVATIONS_RECHECK_S = 10.0
 
@@ -111,6 +114,11 @@ class KVTransport(Protocol):
         """Connect now (not at the first request): raises if memkv is not reachable."""
         ...
 
+    def scoped(self, partition: str | None) -> KVTransport:
+        """This transport in ``#partition`` of its namespace (memkv.protocol.ids): blocks
+        hashed apart from the others' (None: itself)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -158,6 +166,8 @@ class GatewayTransport:
         self._releases = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memkv-release")
         self.path = "unknown"  # how loads come: "shared memory", "block port" or "http"
         self.save_path = "unknown"  # how saves go: "reserved", "staging", or by value
+        self._scopes: dict[str, GatewayTransport] = {}  # by partition (scoped())
+        self._partition: str | None = None  # of a scoped copy: its sessions' ids end in it
 
     def match(self, token_ids: Sequence[int]) -> tuple[int, list[bytes]]:
         match = self._client.match(self.layout, self._namespace, list(token_ids))
@@ -178,12 +188,18 @@ class GatewayTransport:
         start_block: int,
         reserved: SlotReservation | None = None,
     ) -> None:
+        session_id = self._own(session_id)
         if reserved is None:  # a reservation was made for a session that exists
             self._create(session_id, priority)
         self._client.append_turn(
             session_id, list(token_ids), blocks=list(blocks), start_block=start_block,
             reserved=reserved, layout=self.layout,
         )
+
+    def _own(self, session_id: str) -> str:
+        """The session's id in this transport's partition (another partition's session of
+        the same name is another session: its blocks are hashed apart)."""
+        return session_id if self._partition is None else f"{session_id}:{self._partition}"
 
     def _create(self, session_id: str, priority: str) -> None:
         _created_or_there(lambda: self._client.create_session(
@@ -216,6 +232,7 @@ class GatewayTransport:
         if not self._same_node or self._save_staging_bytes <= 0 \
                 or time.monotonic() < self._no_reservations_until:
             return None
+        session_id = self._own(session_id)
         try:
             reserved = self._client.reserve_slots(session_id, count, tokens=token_ids)
         except UnknownSessionError:
@@ -280,6 +297,21 @@ class GatewayTransport:
 
     def warm_up(self) -> None:
         self._client.health()
+
+    def scoped(self, partition: str | None) -> GatewayTransport:
+        """This transport in ``#partition`` of its namespace: the same connection, blocks
+        hashed apart (an engine shared by tenants keeps each one's KV in its own)."""
+        if partition is None:
+            return self
+        found = self._scopes.get(partition)
+        if found is None:
+            found = copy.copy(self)
+            found._namespace = f"{PARTITION_SEPARATOR}{partition}"
+            found._partition = partition
+            if len(self._scopes) >= _MAX_SCOPES:
+                self._scopes.pop(next(iter(self._scopes)))
+            self._scopes[partition] = found
+        return found
 
     def close(self) -> None:
         self._releases.shutdown(wait=True)  # every lease given back before the client goes
@@ -371,6 +403,8 @@ class ClusterTransport:
         self._save_staging_bytes = save_staging_bytes
         self._save_staging: PutStaging | None = None
         self._save_staging_checked = False
+        self._root = self  # scoped copies share its staging
+        self._scopes: dict[str, ClusterTransport] = {}
         self._joining = _Joining(
             lambda: attach(address, namespace=ray_namespace),
             address=address,
@@ -427,22 +461,37 @@ class ClusterTransport:
     def save_slot(self, nbytes: int) -> StagingSlot | None:
         """Space in a staging segment of this process's, where a device of this node can
         copy from (:meth:`MemkvCluster.put_blocks` names the blocks, no copy)."""
-        if not self._same_node or self._save_staging_bytes <= 0:
+        root = self._root
+        if not root._same_node or root._save_staging_bytes <= 0:
             return None
-        if not self._save_staging_checked:
-            self._save_staging_checked = True
+        if not root._save_staging_checked:
+            root._save_staging_checked = True
             from memkv.staging import staging_for
 
-            self._save_staging = staging_for(self._cluster.devices.values(),
-                                             self._save_staging_bytes, role="client-stage")
-            if self._save_staging is not None:
-                self._save_staging.prefault()
-        return self._save_staging.lease(nbytes) if self._save_staging is not None else None
+            root._save_staging = staging_for(root._cluster.devices.values(),
+                                             root._save_staging_bytes, role="client-stage")
+            if root._save_staging is not None:
+                root._save_staging.prefault()
+        return root._save_staging.lease(nbytes) if root._save_staging is not None else None
 
     def warm_up(self) -> None:
         import ray
 
         ray.get(self._cluster.router.ping.remote(), timeout=self._timeout_s)
+
+    def scoped(self, partition: str | None) -> ClusterTransport:
+        """This transport in ``#partition`` of its namespace (sessions and blocks apart)."""
+        if partition is None:
+            return self
+        root = self._root
+        found = root._scopes.get(partition)
+        if found is None:
+            found = copy.copy(root)
+            found._namespace = f"{root._namespace}{PARTITION_SEPARATOR}{partition}"
+            if len(root._scopes) >= _MAX_SCOPES:
+                root._scopes.pop(next(iter(root._scopes)))
+            root._scopes[partition] = found
+        return found
 
     def close(self) -> None:
         if self._save_staging is not None:

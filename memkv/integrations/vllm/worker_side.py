@@ -233,9 +233,10 @@ class WorkerSide:
                   if direct is None or b not in direct.pending_ids]
         fetched: Fetched | None = None
         if wanted:
-            rest = Load(load.req_id, [k for k, _ in wanted], [b for _, b in wanted])
+            rest = Load(load.req_id, [k for k, _ in wanted], [b for _, b in wanted],
+                        load.partition)
             try:
-                blocks = self._read(rest.keys)
+                blocks = self._read(rest.keys, load.partition)
             except FAILURES as e:
                 logger.warning("memkv load of %s failed, recomputing: %s", load.req_id, e)
                 self.stats.add(load_failures=1)
@@ -272,7 +273,7 @@ class WorkerSide:
     def _lease(self, load: Load) -> Leased | None:
         """The load's blocks in this host's shared memory, mapped and pinned (None: none)."""
         try:
-            leased = self._transport().lease(load.keys)
+            leased = self._transport().scoped(load.partition).lease(load.keys)
         except FAILURES as e:
             logger.debug("memkv lease for %s failed, fetching instead: %s", load.req_id, e)
             return None
@@ -328,11 +329,12 @@ class WorkerSide:
         self._direct = []
         self._buffers.give_back()  # every fetched block is in the paged cache now
 
-    def _read(self, keys: list[bytes]) -> list[torch.Tensor]:
+    def _read(self, keys: list[bytes], partition: str | None) -> list[torch.Tensor]:
         per = max(1, self._request_bytes // self.layout.block_nbytes())
         blocks: list[torch.Tensor] = []
+        transport = self._transport().scoped(partition)
         for i in range(0, len(keys), per):
             chunk = keys[i : i + per]
             # Into the step's reused buffers: no page faults inside the load.
-            blocks.extend(self._transport().read(chunk, out=self._buffers.take(len(chunk))))
+            blocks.extend(transport.read(chunk, out=self._buffers.take(len(chunk))))
         return blocks

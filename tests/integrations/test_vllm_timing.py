@@ -1,0 +1,64 @@
+"""[2/6] item 6 through the OpenAI front door: an engine shared by two tenants
+(``tenants: ["*"]``), memkv's connector on it. Before, its connector kept every
+tenant's KV under its own token's namespace: one tenant's prompt hit blocks
+another had computed, and answered faster (vLLM's own prefix cache was already
+salted per tenant). Now the front door names a partition per tenant for a shared
+engine and the connector keeps each one's KV apart. The prober times one request
+per candidate; the victim itself, probing the same way, is the control (its own
+prompts do hit).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from memkv.bench.timing_probe import front_door_probe
+from memkv.bench.vllm import QUICK_MODEL, _model
+
+from .test_front_door_vllm import MODEL, _free_port, _serve, _stop, _wait_healthy
+
+pytestmark = pytest.mark.slow
+#: Pairs of candidates (victim's, others): noise alone puts the two-sided AUC past 0.75
+#: less than once in a thousand runs.
+PAIRS = 32
+MAX_AUC = 0.75
+
+
+@pytest.fixture(scope="module")
+def shared_engine(memkv_deployment, tmp_path_factory):
+    connector = {"transport": "gateway", "url": memkv_deployment.url,
+                 "token": memkv_deployment.token, "model_id": f"probe-{uuid.uuid4().hex[:8]}"}
+    log = open(tmp_path_factory.mktemp("probe-engine") / "engine.log", "ab")  # noqa: SIM115
+    port = _free_port()
+    proc = _serve(str(_model(QUICK_MODEL)), port, connector, log)
+    http = httpx.Client(base_url=memkv_deployment.url, timeout=300,
+                        headers={"Authorization": f"Bearer {memkv_deployment.token}"})
+    try:
+        _wait_healthy({"shared": (proc, port)})
+        made = http.post("/v1/engines", json={"url": f"http://127.0.0.1:{port}",
+                                              "model": MODEL, "engine_id": "shared",
+                                              "tenants": ["*"]})
+        assert made.status_code == 201, made.text
+        yield memkv_deployment
+    finally:
+        http.delete("/v1/engines/shared")
+        http.close()
+        _stop(proc)
+        log.close()
+
+
+def test_a_tenant_cannot_time_another_tenants_prompts_through_a_shared_engine(shared_engine):
+    d = shared_engine
+    probe = front_door_probe(d.url, MODEL, victim=d.other_token, attacker=d.token,
+                             prompts=PAIRS, tokens=384, vocab=QUICK_MODEL["vocab_size"], seed=1)
+    control = front_door_probe(d.url, MODEL, victim=d.other_token, attacker=d.token,
+                               prompts=PAIRS, tokens=384, vocab=QUICK_MODEL["vocab_size"],
+                               seed=2, same_tenant=True)
+    for result in (probe, control):
+        print(f"{result.path}: ROC AUC {result.auc:.3f} (medians {result.positive_ms:.1f} / "
+              f"{result.negative_ms:.1f} ms)")
+    assert control.auc > 0.9  # the probe works: the victim's own prompts hit
+    assert probe.auc <= MAX_AUC, probe
