@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgpack
-import ray
 from ray.exceptions import ActorUnschedulableError
 
 from memkv.actors.restarts import through_restarts
+from memkv.actors.waiting import wait_for
 from memkv.errors import InvalidInputError, MemberLostError
 from memkv.storage.journal import TableJournal
 from memkv.storage.journal_replica import SupersededError
@@ -67,7 +67,7 @@ class ArchiveJournal:
         replicas: copies of the journal (capped by the archives there are).
         own_node: the router's node (its archive is the last choice).
         local: the shard's journal on local disk before it moved to the archives.
-        resolve: waits for an actor call's answer (``ray.get``).
+        resolve: waits for an actor call's answer (memkv.actors.waiting).
     """
 
     def __init__(
@@ -78,7 +78,7 @@ class ArchiveJournal:
         replicas: int = 2,
         own_node: str = "",
         local: TableJournal | None = None,
-        resolve: Callable[[Any], Any] = ray.get,
+        resolve: Callable[[Any], Any] = wait_for,
     ) -> None:
         if not archives:
             raise InvalidInputError("a journal on archives needs at least one archive")

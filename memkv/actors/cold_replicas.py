@@ -32,6 +32,7 @@ import torch
 from ray.exceptions import ActorUnschedulableError, RayActorError
 
 from memkv.actors.restarts import through_restarts
+from memkv.actors.waiting import wait_for
 from memkv.errors import MemberLostError, UnknownBlockError
 from memkv.protocol.enums import Tier
 from memkv.protocol.stats import ArchiveStats
@@ -73,7 +74,7 @@ class ArchiveReplicas:
         replicas: copies of each block, on that many archives (capped by the
             live archives there are; fewer is logged and counted).
         restart_timeout_s: how long to wait for an archive Ray is restarting.
-        resolve: waits for a call's answer (``ray.get``).
+        resolve: waits for a call's answer (memkv.actors.waiting).
         share: puts a payload sent to several archives in the object store once
             (``ray.put``).
     """
@@ -89,7 +90,7 @@ class ArchiveReplicas:
         *,
         replicas: int = 1,
         restart_timeout_s: float = 60.0,
-        resolve: Callable[[Any], Any] = ray.get,
+        resolve: Callable[[Any], Any] = wait_for,
         share: Callable[[Any], Any] = ray.put,
     ) -> None:
         # (No archive at all, every one gone: each call raises MemberLostError.)

@@ -35,5 +35,8 @@ SUITES: dict[str, str] = {
     "cluster": "memkv.bench.cluster",
     # The OpenAI front door's cost per request, against a stand-in engine.
     "front-door": "memkv.bench.front_door",
+    # Cross-tenant timing probes: the gateway's routes, and the front door with a shared
+    # vllm serve where the vLLM venv is there.
+    "timing": "memkv.bench.timing",
 }
 ALL = "all"

@@ -371,7 +371,7 @@ def test_unknown_suite_or_missing_trace_is_refused(tmp_path) -> None:
         run("eviction", trace=tmp_path / "absent.jsonl")
     assert set(SUITES) == {
         "resume", "dataplane", "codecs", "eviction", "eviction-agents", "scale", "prefetch",
-        "kernels", "vllm", "fleet", "cluster", "front-door",
+        "kernels", "vllm", "fleet", "cluster", "front-door", "timing",
     }
 
 
@@ -473,3 +473,20 @@ def test_eviction_fit_ranks_settings_on_fit_traces(monkeypatch: pytest.MonkeyPat
     assert [r["decay"] for r in ranked] in ([0.5, 0.95], [0.95, 0.5])
     assert ranked[0]["min_margin"] >= ranked[1]["min_margin"]
     assert all(r["min_margin"] <= r["mean_margin"] for r in ranked)
+
+
+@pytest.mark.slow
+def test_timing_quick(ctx: BenchContext) -> None:
+    """[2/6] item 6's bench row: the attacker's AUC through the gateway's routes and (the
+    vLLM venv being there) the front door with a shared engine, beside the control."""
+    result = run_suite("timing", ctx)
+    doc = _written(ctx, "timing")
+    paths = {r["path"]: r for r in doc["figures"]["results"]}
+    assert {"gateway /v1/match", "gateway /v1/blocks/read"} <= set(paths)
+    assert all(0.5 <= r["auc"] <= 1.0 for r in paths.values())
+    assert all(r["hits"] == 0 for p, r in paths.items() if "control" not in p)
+    assert doc["figures"]["public_prefix_hits"] == 16  # a declared public prefix still hits
+    if Path(__file__).resolve().parents[2].joinpath(".venv-vllm/bin/python").exists():
+        assert "front door, engine shared by tenants" in paths
+        assert paths["front door, the victim itself (control)"]["hits"] > 0
+    assert result.rows
