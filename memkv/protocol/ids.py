@@ -21,6 +21,8 @@ __all__ = [
     "TENANT_SEPARATOR",
     "check_name",
     "check_session_id",
+    "hashed_session_id",
+    "is_session_id",
     "check_stored_session_id",
     "partition_of",
     "public_namespace_of",
@@ -94,6 +96,19 @@ def check_session_id(session_id: object) -> str:
             f"starting with a letter or digit, got {session_id!r:.80}"
         )
     return session_id
+
+
+def is_session_id(value: str) -> bool:
+    """Whether ``value`` is a valid session id as it is."""
+    return _SESSION_ID.fullmatch(value) is not None
+
+
+def hashed_session_id(value: str) -> str:
+    """A session id named by ``value``, any string (a conversation id an SDK made, a
+    cache key): the same string always names the same session."""
+    import hashlib
+
+    return "h-" + hashlib.blake2b(value.encode(), digest_size=16).hexdigest()
 
 
 def check_name(name: object, what: str = "name") -> str:

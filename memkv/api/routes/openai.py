@@ -1,9 +1,11 @@
 """The OpenAI-compatible front door: ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/models``, forwarded to registered engines (``/v1/engines``).
 
-A request's session comes from the ``X-Memkv-Session`` header, the body's
-``memkv.session_id`` (the OpenAI client's ``extra_body={"memkv": {...}}``) or
-its ``user``; it is the caller's tenant's session, as on every other route, and
+A request's session comes from memkv's ``X-Memkv-Session`` header or the body's
+``memkv.session_id`` (the OpenAI client's ``extra_body={"memkv": {...}}``), else
+from what stock clients send: ``prompt_cache_key``, ``conversation``, an
+``X-Session-ID`` header, ``user`` (:func:`_session_of`); it is the caller's
+tenant's session, as on every other route, and
 goes to the engine as ``kv_transfer_params`` (the memkv connector appends each
 turn to it). The engine is chosen by :mod:`memkv.api.engines.policy`; one that
 cannot be reached before the request starts is taken out of routing and the
@@ -32,12 +34,15 @@ from memkv.api.engines.policy import choose_engine
 from memkv.api.engines.registry import Engine
 from memkv.api.models import _Model
 from memkv.errors import MemkvError, NotFoundError
+from memkv.protocol.ids import hashed_session_id, is_session_id
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["openai"])
 
 SESSION_HEADER = "x-memkv-session"
+#: The session header routers and benchmarks send (vLLM's ``--send-conversation-id``).
+ROUTER_SESSION_HEADER = "x-session-id"
 #: A session's priority as vLLM's scheduler takes it (lower first).
 VLLM_PRIORITY = {"high": -1, "normal": 0, "background": 1}
 #: Which engine served the request (the answer's header).
@@ -144,14 +149,28 @@ async def completions(request: Request, gw: GatewayState, who: Caller) -> Respon
 
 
 def _session_of(request: Request, body: dict[str, Any]) -> str | None:
-    header = request.headers.get(SESSION_HEADER)
-    if header:
-        return header
+    """The request's session, from the first of (memkv's own, then OpenAI's and the
+    routers' conventions, so that a stock client or agent SDK needs no memkv code):
+    the ``X-Memkv-Session`` header, the body's ``memkv.session_id``, its
+    ``prompt_cache_key``, its ``conversation`` (an id, or ``{"id": ...}``), the
+    ``X-Session-ID`` header (vLLM's multi-turn benchmark, Dynamo), its ``user``.
+
+    memkv's own fields name the session as they are (a bad id is refused, as on every
+    route); any other string names one by its hash (memkv.protocol.ids), so whatever
+    an SDK sends keeps its conversation together rather than failing it."""
     memkv = body.get("memkv")
-    if isinstance(memkv, dict) and isinstance(memkv.get("session_id"), str):
-        return str(memkv["session_id"])
-    user = body.get("user")
-    return user if isinstance(user, str) and user else None
+    for own in (request.headers.get(SESSION_HEADER),
+                memkv.get("session_id") if isinstance(memkv, dict) else None):
+        if isinstance(own, str) and own:
+            return own
+    conversation = body.get("conversation")
+    if isinstance(conversation, dict):
+        conversation = conversation.get("id")
+    for found in (body.get("prompt_cache_key"), conversation,
+                  request.headers.get(ROUTER_SESSION_HEADER), body.get("user")):
+        if isinstance(found, str) and found:
+            return found if is_session_id(found) else hashed_session_id(found)
+    return None
 
 
 def _partition(engine: Engine, tenant: str | None) -> str | None:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from memkv.api.app import create_app
 from memkv.api.engines.front_door import EngineSpec
+from memkv.protocol.ids import hashed_session_id
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.services import CreateSession, LayoutSpec
 
@@ -166,10 +167,10 @@ def test_a_session_goes_to_the_engine_on_the_node_of_its_kv(door):
     sid = "kv-near"
     loop.run_until_complete(router.create_session(CreateSession(
         session_id=sid, layout=LayoutSpec.of(LAYOUT), namespace="default")))
-    from memkv.actors.payload import to_payload
     from memkv.protocol.hashing import chain_hashes
     from memkv.protocol.services import AppendTurn
     from memkv.storage.layout import split_kv
+    from memkv.storage.payloads import to_payload
     from tests.kvdata import random_kv
 
     keys, values = random_kv(LAYOUT, 8, 1)
@@ -242,6 +243,47 @@ def test_the_official_openai_client_sync_and_streaming(door):
         user="sdk-agent") if chunk.choices]
     assert "".join(w for w in words if w).startswith("hi from")
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_stock_clients_get_sessions_from_openais_own_fields(door):
+    """[6/6] item 1: no memkv code in the agent. A plain ``openai`` client's
+    ``prompt_cache_key``, a Responses-style ``conversation``, the ``X-Session-ID``
+    routers send and ``user`` each name a session (a string that is no session id
+    by its hash), and every turn of it sticks to one engine with its KV params."""
+    openai = pytest.importorskip("openai")
+    http, engines, *_ = door
+    client = openai.OpenAI(base_url=str(http.base_url).rstrip("/") + "/v1", api_key="unused")
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+    def turns(**extra: Any) -> set[str]:
+        served = set()
+        for _ in range(3):
+            reply = client.chat.completions.create(**ask, **extra)
+            served.add(reply.choices[0].message.content.split()[-1])
+        return served
+
+    expected = {
+        "pck": ({"prompt_cache_key": "agent-7"}, "agent-7"),
+        "conversation": ({"extra_body": {"conversation": {"id": "conv_abc123"}}},
+                         "conv_abc123"),
+        "router header": ({"extra_headers": {"X-Session-ID": "bench conv 4"}},
+                          hashed_session_id("bench conv 4")),
+        "user": ({"user": "alice@example.com"}, "alice@example.com"),
+    }
+    for what, (extra, session) in expected.items():
+        for engine in engines:
+            engine.seen.clear()
+        assert len(turns(**extra)) == 1, what  # every turn on one engine
+        (engine,) = [e for e in engines if e.seen]
+        assert {b["kv_transfer_params"]["session_id"] for b in engine.seen} == {session}, what
+    # memkv's own field comes first; a bad id there is refused (422), as on every route.
+    for engine in engines:
+        engine.seen.clear()
+    client.chat.completions.create(**ask, prompt_cache_key="other",
+                                   extra_headers={"X-Memkv-Session": "mine"})
+    assert [b["kv_transfer_params"]["session_id"] for e in engines for b in e.seen] == ["mine"]
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(**ask, extra_headers={"X-Memkv-Session": "bad id"})
 
 
 def test_engines_of_the_configuration_are_registered_on_first_use(tmp_path):
