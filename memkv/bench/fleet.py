@@ -159,6 +159,8 @@ def _row_stats(result: dict[str, Any], all_turns: bool = False) -> dict[str, Any
         "saved_bytes": int(counters["save_bytes"]) if "save_bytes" in counters else None,
         "saved_blocks": int(counters.get("save_blocks", 0)),
         "saved_blocks_staged": int(counters.get("save_blocks_staged", 0)),
+        # Core-seconds each role spent while the requests ran (memkv.bench.cpu_roles).
+        "cpu_s": result.get("cpu_s"),
     }
 
 
@@ -415,6 +417,20 @@ def run(ctx: BenchContext) -> SuiteResult:
         "connector loaded); 'same replies' compares every turn's greedy tokens with vLLM "
         "alone's in the same setting.",
     ]
+    cpu_rows = [r for r in runs if r.get("cpu_s") and r["engines"] == 1]
+    if cpu_rows:
+        notes.append(
+            "Where the CPU went while each single-engine row's requests ran, core-seconds "
+            f"of the {os.cpu_count()} cores x the row's wall time (engines / memkv's actors "
+            "and gateway / Ray's own processes / a peer's server), memkv.bench.cpu_roles: "
+            + "; ".join(
+                f"{r['engine']} ({r['setting'].split(' (')[0]}): {r['cpu_s']['engines']:.1f} / "
+                f"{r['cpu_s']['memkv']:.1f} / {r['cpu_s']['ray']:.1f} / "
+                f"{r['cpu_s']['peers']:.1f} of {(os.cpu_count() or 1) * r['wall_s']:.1f}"
+                for r in cpu_rows)
+            + ". The engines' workers are bound to every core: what memkv spends there "
+            "(its saves' appends, lookups, the device's copies and checksums) is taken "
+            "from their compute, which on a GPU server it would not be.")
     for r in runs:
         if r["moved_nothing"]:
             notes.append(

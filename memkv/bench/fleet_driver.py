@@ -46,6 +46,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from memkv.bench.cpu_roles import cpu_by_role, cpu_seconds
 from memkv.bench.engine_cores import cores_in_log
 from memkv.bench.lmcache_peer import kv_transfer_config, stop_group
 from memkv.bench.lmcache_peer import server as lmcache_server
@@ -226,7 +227,9 @@ def main(model: str, out_path: str, spec: dict) -> None:
             os.killpg(procs[-1].pid, signal.SIGKILL)
             procs[-1].wait()
 
+        cpu_before = cpu_seconds()
         requests, wall, errors = _fleet(base_url, spec, kill)
+        cpu_s = cpu_by_role(cpu_before, cpu_seconds())
         sources = _prompt_sources(urls)
         if registered:
             stats = _gateway(spec, "GET", "/v1/stats")
@@ -255,7 +258,8 @@ def main(model: str, out_path: str, spec: dict) -> None:
             pass  # no connector, or a killed engine that never wrote its counters
     with open(out_path, "w") as f:
         log = Path(out_path + ".log").read_text(errors="replace")
-        json.dump({"server_start_s": start_s, "wall_s": wall, "requests": requests,
+        json.dump({"server_start_s": start_s, "wall_s": wall, "cpu_s": cpu_s,
+                   "requests": requests,
                    "connector": counters, "connector_stats_files": found,
                    "prompt_tokens_by_source": sources, "cores": cores_in_log(log),
                    "routing": routing, "errors": errors,

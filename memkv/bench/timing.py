@@ -29,13 +29,17 @@ from memkv.bench.context import BenchContext
 from memkv.bench.engine_cores import engine_env
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult
 from memkv.bench.timing_probe import TARGET_AUC, ProbeResult, front_door_probe, gateway_probe
-from memkv.bench.vllm import BLOCK_SIZE, QUICK_MODEL, VLLM_PYTHON, _model
+from memkv.bench.fleet import FULL_MODEL as PROBE_MODEL
+from memkv.bench.vllm import BLOCK_SIZE, VLLM_PYTHON, _model
 from memkv.protocol.layout import KVLayout
 
 __all__ = ["run"]
 
-FULL = {"gateway_pairs": 100, "front_door_pairs": 32, "prompt_tokens": 384}
-QUICK = {"gateway_pairs": 10, "front_door_pairs": 8, "prompt_tokens": 256}
+#: Prompts long enough, on a model heavy enough (the fleet's: 8 layers, 32 KiB of KV per
+#: token), that a hit is far cheaper than computing: the control must see its hits (on
+#: the quick 2-layer model a 384-token prompt computed faster than it loaded).
+FULL = {"gateway_pairs": 100, "front_door_pairs": 32, "prompt_tokens": 768}
+QUICK = {"gateway_pairs": 10, "front_door_pairs": 8, "prompt_tokens": 512}
 LAYOUT = KVLayout("timing-probe", 2, 2, 8, block_tokens=4)
 PUBLIC = "shared-prompts"
 MODEL = "timing"
@@ -53,10 +57,10 @@ def _engine(url: str, token: str, log: Path) -> tuple[subprocess.Popen[bytes], s
     connector = {"transport": "gateway", "url": url, "token": token,
                  "model_id": f"timing-{uuid.uuid4().hex[:8]}"}
     args = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(_model(QUICK_MODEL)), "--served-model-name", MODEL,
+            "--model", str(_model(PROBE_MODEL)), "--served-model-name", MODEL,
             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
             "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
-            "--max-model-len", "512", "--enable-prefix-caching",
+            "--max-model-len", "1024", "--enable-prefix-caching",
             "--kv-transfer-config", json.dumps({
                 "kv_connector": "MemkvConnector", "kv_role": "kv_both",
                 "kv_connector_module_path": "memkv.integrations.vllm.connector",
@@ -109,7 +113,7 @@ def run(ctx: BenchContext) -> SuiteResult:
                     results.append(front_door_probe(
                         gw.url, MODEL, victim=tokens["victim"], attacker=tokens["attacker"],
                         prompts=sizes["front_door_pairs"], tokens=sizes["prompt_tokens"],
-                        vocab=int(QUICK_MODEL["vocab_size"]), seed=seed,
+                        vocab=int(PROBE_MODEL["vocab_size"]), seed=seed,
                         same_tenant=same_tenant))
                 httpx.delete(f"{gw.url}/v1/engines/shared", headers=admin, timeout=60)
             finally:

@@ -44,12 +44,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _serve(model_dir: str, port: int, connector: dict, log) -> subprocess.Popen:
+def _serve(model_dir: str, port: int, connector: dict, log,
+           max_model_len: int = MAX_MODEL_LEN) -> subprocess.Popen:
     args = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
         "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
-        "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
+        "--block-size", str(BLOCK_SIZE), "--max-model-len", str(max_model_len),
         "--num-gpu-blocks-override", "64", "--enable-prefix-caching",
         "--enable-prompt-tokens-details", "--seed", "0",  # (stats on: /metrics are live)
         "--kv-transfer-config", json.dumps({

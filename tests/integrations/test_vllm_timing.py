@@ -15,8 +15,9 @@ import uuid
 import httpx
 import pytest
 
+from memkv.bench.fleet import FULL_MODEL as PROBE_MODEL
 from memkv.bench.timing_probe import front_door_probe
-from memkv.bench.vllm import QUICK_MODEL, _model
+from memkv.bench.vllm import _model
 
 from .test_front_door_vllm import MODEL, _free_port, _serve, _stop, _wait_healthy
 
@@ -25,6 +26,11 @@ pytestmark = pytest.mark.slow
 #: less than once in a thousand runs.
 PAIRS = 32
 MAX_AUC = 0.75
+#: A model whose prefill of a probe's prompt costs far more than loading its KV (the
+#: fleet's: 8 layers, 32 KiB of KV per token), so that the control sees its hits: with
+#: the quick 2-layer model a 384-token prompt computes faster than any load (measured:
+#: hits 69 ms, misses 54 ms).
+PROBE_TOKENS = 768
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +39,8 @@ def shared_engine(memkv_deployment, tmp_path_factory):
                  "token": memkv_deployment.token, "model_id": f"probe-{uuid.uuid4().hex[:8]}"}
     log = open(tmp_path_factory.mktemp("probe-engine") / "engine.log", "ab")  # noqa: SIM115
     port = _free_port()
-    proc = _serve(str(_model(QUICK_MODEL)), port, connector, log)
+    proc = _serve(str(_model(PROBE_MODEL)), port, connector, log,
+                  max_model_len=PROBE_TOKENS + 256)
     http = httpx.Client(base_url=memkv_deployment.url, timeout=300,
                         headers={"Authorization": f"Bearer {memkv_deployment.token}"})
     try:
@@ -52,11 +59,12 @@ def shared_engine(memkv_deployment, tmp_path_factory):
 
 def test_a_tenant_cannot_time_another_tenants_prompts_through_a_shared_engine(shared_engine):
     d = shared_engine
+    vocab = int(PROBE_MODEL["vocab_size"])
     probe = front_door_probe(d.url, MODEL, victim=d.other_token, attacker=d.token,
-                             prompts=PAIRS, tokens=384, vocab=QUICK_MODEL["vocab_size"], seed=1)
+                             prompts=PAIRS, tokens=PROBE_TOKENS, vocab=vocab, seed=1)
     control = front_door_probe(d.url, MODEL, victim=d.other_token, attacker=d.token,
-                               prompts=PAIRS, tokens=384, vocab=QUICK_MODEL["vocab_size"],
-                               seed=2, same_tenant=True)
+                               prompts=PAIRS, tokens=PROBE_TOKENS, vocab=vocab, seed=2,
+                               same_tenant=True)
     for result in (probe, control):
         print(f"{result.path}: ROC AUC {result.auc:.3f} (medians {result.positive_ms:.1f} / "
               f"{result.negative_ms:.1f} ms)")
