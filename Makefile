@@ -74,7 +74,8 @@ gpu-check: $(GPU_STAMP)
 	timeout 120 $(GPU_PY) -m memkv.cli bench kernels --quick --out $(GPU_VENV)/gpu-check
 
 lint: $(STAMP)
-	$(PY) -m ruff check memkv tests
+	$(PY) -m ruff check memkv tests scripts
+	$(PY) scripts/house_check.py
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

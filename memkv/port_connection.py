@@ -17,12 +17,23 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from memkv.errors import MemkvError, UnauthorizedError
-from memkv.protocol.wire import PREFIX_BYTES, WireError, decode_header, decode_prefix, encode_frame
+from memkv.protocol.port import (
+    BLOCK_PORT_VERSION,
+    AppendRequest,
+    Hello,
+    PortRequest,
+    Reply,
+    Welcome,
+    decode_control,
+    port_frame,
+)
+from memkv.protocol.wire import PREFIX_BYTES, WireError, decode_header, decode_prefix
 
 __all__ = ["AsyncPortConnection", "PortConnection", "PortError", "ReplyBody"]
 
-_VERSION = 1
 #: Reply headers announce no payload of their own (a body follows as ``body_bytes``).
 _NO_PAYLOAD_LIMIT = 0
 #: Buffered reads below this size; larger ones go straight into their destination.
@@ -32,20 +43,50 @@ _IOV_MAX = 512
 
 
 def _hello(token: str | None) -> list[bytes | memoryview]:
-    hello: dict[str, Any] = {"kind": "hello", "v": _VERSION}
-    if token:
-        hello["token"] = token
-    return encode_frame(hello)
+    return port_frame(Hello(v=BLOCK_PORT_VERSION, token=token or None))
 
 
-def _check_welcome(welcome: dict[str, Any]) -> None:
-    """Raise what a refused hello means (UnauthorizedError for a bad token)."""
-    if welcome.get("kind") == "welcome":
-        return
-    error = welcome.get("error") or {}
-    if error.get("status") == 401:
+def _welcome(header: dict[str, Any]) -> Welcome:
+    """The gateway's welcome; raise what a refused hello means (UnauthorizedError for a
+    bad token)."""
+    answer = decode_control(header)
+    if isinstance(answer, Welcome):
+        return answer
+    if not isinstance(answer, Reply):
+        raise WireError(f"expected a welcome, got a {type(answer).__name__.lower()}")
+    error = answer.error or {}
+    if answer.status == 401:
         raise UnauthorizedError(f"{error.get('message')} (block port)")
-    raise PortError(int(welcome.get("status", 500)), error)
+    raise PortError(answer.status, error)
+
+
+#: What a caller sends: a typed request (its ``id`` and an append's ``body_bytes``
+#: are filled in on the way), or a raw header (tests of malformed requests).
+Outgoing = PortRequest | dict[str, Any]
+
+
+def _request_frame(request: Outgoing, rid: int, body_bytes: int
+                   ) -> list[bytes | memoryview]:
+    if isinstance(request, dict):
+        raw = {**request, "kind": "request", "id": rid}
+        if body_bytes:
+            raw["body_bytes"] = body_bytes
+        return port_frame(raw)
+    if isinstance(request, AppendRequest):
+        return port_frame(msgspec.structs.replace(request, id=rid, body_bytes=body_bytes))
+    return port_frame(msgspec.structs.replace(request, id=rid))
+
+
+def _reply_to(header: dict[str, Any], rid: int) -> Reply:
+    """The reply to request ``rid``.
+
+    Raises:
+        WireError: another frame, or another request's reply.
+    """
+    reply = decode_control(header)
+    if not isinstance(reply, Reply) or reply.id != rid:
+        raise WireError(f"expected the reply to request {rid}, got {reply!r:.200}")
+    return reply
 
 
 class PortError(MemkvError):
@@ -103,29 +144,26 @@ class PortConnection:
         self.broken = False
         try:
             self._send_all(_hello(token))
-            welcome = self._header()
-            _check_welcome(welcome)
+            welcome = _welcome(self._header())
         except Exception:
             self.close()
             raise
-        self.tenant = welcome.get("tenant")
-        self.max_body_bytes = int(welcome.get("max_body_bytes", 0))
+        self.tenant = welcome.tenant
+        self.max_body_bytes = welcome.max_body_bytes
 
-    def send(self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()) -> int:
-        """Send a request (``op`` and its fields) and its body frames; return its id."""
+    def send(self, request: Outgoing, body: Sequence[bytes | memoryview] = ()) -> int:
+        """Send a request and its body frames; return its id."""
         rid = next(self._ids)
-        request = {"kind": "request", "id": rid, **header}
-        if body or header.get("op") == "append":
-            request["body_bytes"] = sum(memoryview(c).nbytes for c in body)
+        body_bytes = sum(memoryview(c).nbytes for c in body)
         try:
-            self._send_all([*encode_frame(request), *body])
+            self._send_all([*_request_frame(request, rid, body_bytes), *body])
         except BaseException:
             self.broken = True
             raise
         self._pending.append(rid)
         return rid
 
-    def reply(self, rid: int) -> tuple[dict[str, Any], ReplyBody]:
+    def reply(self, rid: int) -> tuple[Reply, ReplyBody]:
         """The reply to request ``rid`` (the oldest one pending) and its body.
 
         The body must be read to its end before the next reply.
@@ -141,25 +179,21 @@ class PortConnection:
             )
         self._pending.pop(0)
         try:
-            header = self._header()
+            reply = _reply_to(self._header(), rid)
         except BaseException:
             self.broken = True
             raise
-        if header.get("kind") != "reply" or header.get("id") != rid:
-            self.broken = True
-            raise WireError(f"expected the reply to request {rid}, got {header!r:.200}")
-        status = int(header.get("status", 500))
-        if header.get("close"):
+        if reply.close:
             self.broken = True  # the gateway closes it after this reply
-        if status >= 400:
-            raise PortError(status, dict(header.get("error") or {}))
-        length = None if header.get("until_end") else int(header.get("body_bytes", 0))
-        return header, ReplyBody(self._stream, length)
+        if reply.status >= 400:
+            raise PortError(reply.status, reply.error or {})
+        length = None if reply.until_end else reply.body_bytes or 0
+        return reply, ReplyBody(self._stream, length)
 
     def request(
-        self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()
-    ) -> tuple[dict[str, Any], ReplyBody]:
-        return self.reply(self.send(header, body))
+        self, request: Outgoing, body: Sequence[bytes | memoryview] = ()
+    ) -> tuple[Reply, ReplyBody]:
+        return self.reply(self.send(request, body))
 
     def close(self) -> None:
         self.broken = True
@@ -215,27 +249,25 @@ class AsyncPortConnection:
         conn = cls(reader, writer)
         try:
             writer.writelines(_hello(token))
-            _check_welcome(await asyncio.wait_for(conn.header(), timeout))
+            _welcome(await asyncio.wait_for(conn.header(), timeout))
         except BaseException:
             await conn.aclose()
             raise
         return conn
 
     async def request(
-        self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()
-    ) -> tuple[dict[str, Any], int | None, asyncio.Future[None]]:
-        """Send a request; return its reply's header, body length (None: to the end frame)
+        self, request: Outgoing, body: Sequence[bytes | memoryview] = ()
+    ) -> tuple[Reply, int | None, asyncio.Future[None]]:
+        """Send a request; return its reply, body length (None: to the end frame)
         and the future to set once that body is read (the next reply waits for it)."""
         loop = asyncio.get_running_loop()
         async with self._send_lock:
             rid = next(self._ids)
-            request = {"kind": "request", "id": rid, **header}
-            if body or header.get("op") == "append":
-                request["body_bytes"] = sum(memoryview(c).nbytes for c in body)
+            body_bytes = sum(memoryview(c).nbytes for c in body)
             previous, done = self._turn, loop.create_future()
             self._turn = done
             try:
-                self._writer.writelines([*encode_frame(request), *body])
+                self._writer.writelines([*_request_frame(request, rid, body_bytes), *body])
                 await self._writer.drain()
             except BaseException:
                 self.broken = True
@@ -244,22 +276,17 @@ class AsyncPortConnection:
         if previous is not None:
             await previous
         try:
-            reply = await self.header()
+            reply = _reply_to(await self.header(), rid)
         except BaseException:
             self.broken = True
             done.set_result(None)
             raise
-        if reply.get("kind") != "reply" or reply.get("id") != rid:
+        if reply.close:
             self.broken = True
+        if reply.status >= 400:
             done.set_result(None)
-            raise WireError(f"expected the reply to request {rid}, got {reply!r:.200}")
-        if reply.get("close"):
-            self.broken = True
-        status = int(reply.get("status", 500))
-        if status >= 400:
-            done.set_result(None)
-            raise PortError(status, dict(reply.get("error") or {}))
-        length = None if reply.get("until_end") else int(reply.get("body_bytes", 0))
+            raise PortError(reply.status, reply.error or {})
+        length = None if reply.until_end else reply.body_bytes or 0
         return reply, length, done
 
     async def read(self, n: int) -> bytes:

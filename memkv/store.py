@@ -1,9 +1,9 @@
 """TieredStore: memkv in one process — the session service over one device.
 
 The single-process form of memkv (tests, benchmarks of the engine): the same
-:class:`~memkv.storage.router.service.SessionRouter` a cluster runs as an
-actor owns the sessions, and a :class:`~memkv.storage.device.service.DeviceService`
-in this process keeps their blocks (:mod:`memkv.storage.device.local`). This
+:class:`~memkv.router.service.SessionRouter` a cluster runs as an
+actor owns the sessions, and a :class:`~memkv.device.service.DeviceService`
+in this process keeps their blocks (:mod:`memkv.device.local`). This
 class only makes the service's calls synchronous and reads blocks from the
 device's pool directly, as a same-node reader does.
 
@@ -33,10 +33,15 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from memkv.device.local import LocalBlockStore, LocalDirectory
+from memkv.device.service import DeviceService
 from memkv.errors import BlockLostError, CorruptDataError, MemkvError, UnknownSessionError
 from memkv.protocol.enums import Priority, SessionState, Tier
 from memkv.protocol.hashing import BlockHash, token_array
 from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec
+from memkv.router.service import SessionRouter
+from memkv.router.sessions import SessionInfo, parse_priority
+from memkv.router.suspended import SESSIONS_DIR, SuspendedSessions
 from memkv.storage.block_pool import (
     BlockLocation,
     BlockPool,
@@ -45,13 +50,8 @@ from memkv.storage.block_pool import (
     TierStats,
 )
 from memkv.storage.config import StoreConfig
-from memkv.storage.device.local import LocalBlockStore, LocalDirectory
-from memkv.storage.device.service import DeviceService
 from memkv.storage.layout import KVLayout, block_token_count, split_kv
 from memkv.storage.owned_dir import resolve_on_node
-from memkv.storage.router.service import SessionRouter
-from memkv.storage.sessions import SessionInfo, parse_priority
-from memkv.storage.suspended import SESSIONS_DIR, SuspendedSessions
 from memkv.storage.tiers import ColdBackend, ColdTier
 
 __all__ = [

@@ -25,7 +25,7 @@ from memkv.config import (
 from memkv.errors import ConfigError
 from memkv.storage.config import MIB, UNIT_PROFILES, ArchiveConfig
 from memkv.storage.precision import PrecisionPolicy, StoredPrecision
-from memkv.storage.store import TieredStore
+from memkv.store import TieredStore
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT_CONFIG = REPO / "configs" / "memkv.yaml"

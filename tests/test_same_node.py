@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from memkv.actors.device import DeviceCache
-from memkv.actors.payload import to_payload
+from memkv.device.leases import LeaseTable
 from memkv.errors import (
     InvariantViolationError,
     LeaseExpiredError,
@@ -15,11 +15,11 @@ from memkv.errors import (
     WrongNodeError,
 )
 from memkv.protocol.hashing import chain_hashes
-from memkv.same_node import SameNodeReader, copy_entries
+from memkv.router.sessions import SessionTable
+from memkv.shm.same_node import SameNodeReader, copy_entries
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
-from memkv.storage.device.leases import LeaseTable
 from memkv.storage.layout import KVLayout, split_kv
-from memkv.storage.sessions import SessionTable
+from memkv.storage.payloads import to_payload
 
 LAYOUT = KVLayout("same-node", 2, 2, 8, block_tokens=4)
 UNIT = 4096  # 8 blocks of 512 bytes
@@ -103,13 +103,13 @@ def test_an_expired_lease_raises_and_returns_nothing(device):
     assert device.leases.expired == 1
 
     # Through read(): the clock jumps while the copy runs.
-    real_copy = __import__("memkv.same_node", fromlist=["copy_entries"]).copy_entries
+    real_copy = __import__("memkv.shm.same_node", fromlist=["copy_entries"]).copy_entries
 
     def slow_copy(*args, **kwargs):
         device.clock.t += 6
         return real_copy(*args, **kwargs)
 
-    import memkv.same_node as same_node
+    import memkv.shm.same_node as same_node
 
     same_node.copy_entries, saved = slow_copy, same_node.copy_entries
     try:
@@ -172,7 +172,7 @@ def test_a_restarted_device_segment_is_not_read(device, tmp_path):
     reader.release(plan)
     entry = plan.entries[0]
     from memkv.protocol.messages import ReadPlan
-    from memkv.same_node import SegmentMaps
+    from memkv.shm.same_node import SegmentMaps
 
     gone = ReadPlan(
         plan.lease_id,
@@ -186,7 +186,7 @@ def test_a_restarted_device_segment_is_not_read(device, tmp_path):
             ),
         ),
     )
-    from memkv.same_node import copy_entries
+    from memkv.shm.same_node import copy_entries
 
     with pytest.raises(LeaseExpiredError, match="gone"):
         copy_entries(SegmentMaps(), gone, [gone.entries[0]])

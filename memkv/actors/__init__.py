@@ -3,7 +3,7 @@
 * :mod:`memkv.actors.device` — :class:`DeviceCache`, one per device: hot + warm tiers.
 * :mod:`memkv.actors.archive` — :class:`ArchiveService`, one per NVMe node: the cold tier.
 * :mod:`memkv.actors.router` — the named ``SessionRouterActor`` around the plain
-  :class:`~memkv.storage.router.SessionRouter`: sessions, placement, hotness,
+  :class:`~memkv.router.SessionRouter`: sessions, placement, hotness,
   priority, prefetch, recovery.
 * :mod:`memkv.actors.handles` — typed handles over Ray actor handles: the members
   the router talks to (:mod:`memkv.protocol.members`) and the session service.

@@ -1,4 +1,4 @@
-"""The archive actor: an :class:`~memkv.storage.archive_service.ArchiveService`
+"""The archive actor: an :class:`~memkv.archive.service.ArchiveService`
 (the cold tier of a node, no Ray inside) run by Ray.
 
 On a restart (Ray restarts the actor) the segment store rebuilds its index
@@ -12,7 +12,7 @@ from typing import Any
 import ray
 
 from memkv.actors.node_env import export_node_id
-from memkv.storage.archive_service import ArchiveService
+from memkv.archive.service import ArchiveService
 
 __all__ = ["ArchiveActor", "ArchiveService", "NodeArchive"]
 

@@ -3,7 +3,7 @@
 A journal on the router's own disk dies with its node; Ray restarts the router
 elsewhere, with nothing to rebuild from. :class:`ArchiveJournal` keeps the
 records on ``replicas`` archives instead (archives of nodes other than the
-router's first), each an :class:`~memkv.storage.journal_replica.JournalReplica`:
+router's first), each an :class:`~memkv.archive.journal_replica.JournalReplica`:
 
 * **Start**: ask every reachable archive where its copy stands and replay the
   one with the highest ``(epoch, seq)``; this router's epoch is one past the
@@ -33,9 +33,9 @@ from ray.exceptions import ActorUnschedulableError
 
 from memkv.actors.restarts import through_restarts
 from memkv.actors.waiting import wait_for
+from memkv.archive.journal_replica import SupersededError
 from memkv.errors import InvalidInputError, MemberLostError
 from memkv.storage.journal import TableJournal
-from memkv.storage.journal_replica import SupersededError
 
 __all__ = ["ArchiveJournal", "SupersededError", "journal_name", "journal_shard_counts"]
 

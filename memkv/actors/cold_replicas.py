@@ -12,7 +12,7 @@ An archive whose node is gone (Ray cannot place it again:
 live one, reads fall over to the others. A block missing from one archive, or
 damaged there (its frame fails the checksum), is read from another: corrupt
 data is never served, and the router's repair puts the copy back
-(:mod:`memkv.storage.router.repair`).
+(:mod:`memkv.router.repair`).
 
 Blocks are encoded here (the device's CPU does the codec work) and sent as
 frames. ``remove`` does nothing: another device's session may hold the same

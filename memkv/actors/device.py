@@ -1,6 +1,6 @@
 """The device actor: :class:`DeviceCache`, a shell over the plain block store.
 
-:class:`~memkv.storage.device.service.DeviceService` holds the logic (the
+:class:`~memkv.device.service.DeviceService` holds the logic (the
 tiers, reads, plans, prefetch, stats); this shell gives it what only a Ray
 process has: the cluster's archive actors as its cold tier (:class:`ArchiveReplicas`,
 found by name so a restart finds them again), ``ray.put`` to hand read batches
@@ -19,13 +19,13 @@ import torch
 from memkv.actors.cold_replicas import ArchiveReplicas, replica_order
 from memkv.actors.handles import named_actors
 from memkv.actors.node_env import export_node_id
-from memkv.actors.payload import BlockPayload, StagedBlock
 from memkv.config import DeviceSettings
+from memkv.device.service import DeviceService, attach_priority_session
 from memkv.protocol.members import StoredBlocks
 from memkv.protocol.messages import ChainUpdate
+from memkv.protocol.payload import BlockPayload, StagedBlock
 from memkv.shm.ownership import warm_segment_name
 from memkv.storage.config import CodecConfig, StoreConfig
-from memkv.storage.device.service import DeviceService, attach_priority_session
 
 __all__ = [
     "ArchiveReplicas",
@@ -84,12 +84,24 @@ class DeviceCache(DeviceService):
         def cold_tier(codecs: CodecConfig) -> ArchiveReplicas:
             return ArchiveReplicas(members, codecs, replicas=archive_replicas)
 
+        sizes = None
+        if isinstance(store_config, DeviceSettings):
+            # A deployment's settings say whether reads are planned (off unless
+            # turned on); a plain StoreConfig (tests, one process) plans them.
+            if same_node_reads is None:
+                same_node_reads = store_config.same_node_reads
+            # Resolved here, in the actor: only it knows whether Ray gave it a GPU
+            # (Ray narrows CUDA_VISIBLE_DEVICES, so its GPU is cuda:0).
+            device = store_config.resolve_device(0 if torch.cuda.is_available() else None)
+            # Sized here too: 'auto' measures this node's free memory.
+            sizes = store_config.tier_sizes(device, devices_on_node=devices_on_node)
+            store_config = store_config.store_config(device=device, archive=None, sizes=sizes)
         super().__init__(
             device_id,
             store_config,
             cold_tier=cold_tier if archive is not None else None,
-            same_node_reads=same_node_reads,
-            devices_on_node=devices_on_node,
+            same_node_reads=True if same_node_reads is None else same_node_reads,
+            tier_sizes=sizes,
             put_object=put_object,
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local",
             # Device names repeat across deployments (namespaces) on one node.

@@ -19,7 +19,8 @@ from memkv.protocol.enums import Priority
 from memkv.protocol.events import BlockEvents
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.members import DeviceInfo, SlotGrant, StoredBlocks, TierOf
-from memkv.protocol.messages import ChainUpdate
+from memkv.protocol.messages import ChainUpdate, ReadPlan, ReadRoute
+from memkv.protocol.payload import BlockPayload
 from memkv.protocol.services import (
     AppendAnswer,
     AppendTurn,
@@ -33,10 +34,10 @@ from memkv.protocol.services import (
     decode,
     encode,
 )
-from memkv.protocol.stats import ArchiveStats, DeviceStats
+from memkv.protocol.stats import ArchiveStats, DeviceStats, DrainReport, RepairStats
 
 if TYPE_CHECKING:
-    from memkv.storage.pool_core import Holder
+    from memkv.protocol.members import Holder
     from memkv.storage.segments import CompactionStats
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,14 @@ __all__ = [
     "named_actors",
     "ArchiveHandle",
     "DeviceHandle",
+    "DeviceReaderHandle",
+    "Fetched",
+    "MemberHandle",
     "MemberPending",
     "Pending",
     "PeerHandle",
     "RayDirectory",
+    "RouterOpsHandle",
     "SessionServiceHandle",
 ]
 
@@ -111,6 +116,24 @@ def _none(_: Any) -> None:
     return None
 
 
+def _readers(devices: dict[str, Any]) -> dict[str, DeviceReaderHandle]:
+    return {device_id: DeviceReaderHandle(actor) for device_id, actor in devices.items()}
+
+
+def _located(groups: list[tuple[str, Any, list[bytes]]]
+             ) -> list[tuple[str, DeviceReaderHandle, list[bytes]]]:
+    return [(device_id, DeviceReaderHandle(actor), keys) for device_id, actor, keys in groups]
+
+
+def _routed(route: ReadRoute) -> ReadRoute:
+    return route.with_reader(None if route.device is None else DeviceReaderHandle(route.device))
+
+
+def _device_reader(answer: tuple[str, Any]) -> tuple[str, DeviceReaderHandle]:
+    device_id, actor = answer
+    return str(device_id), DeviceReaderHandle(actor)
+
+
 def _view(document: bytes) -> SessionView:
     return decode(SessionView, document)
 
@@ -167,6 +190,129 @@ class SessionServiceHandle:
 
     def delete_session(self, session_id: str) -> Pending[None]:
         return Pending(self.actor.delete_session.remote(session_id), _none)
+
+    # -- the reader corridor and the shard's liveness (a gateway's other questions) ----
+
+    def read_route(self, session_id: str, start: int = 0,
+                   end: int | None = None) -> Pending[ReadRoute]:
+        return Pending(self.actor.read_route.remote(session_id, start, end), _routed)
+
+    def device_failed(self, device_id: str) -> Pending[None]:
+        return Pending(self.actor.device_failed.remote(device_id), _none)
+
+    def notify_input_end(self, session_id: str) -> Pending[int]:
+        return Pending(self.actor.notify_input_end.remote(session_id), int)
+
+    def ping(self) -> Pending[str]:
+        return Pending(self.actor.ping.remote(), str)
+
+    def devices(self) -> Pending[dict[str, DeviceReaderHandle]]:
+        """Every device this shard places sessions on, by id, as readers."""
+        return Pending(self.actor.devices.remote(), _readers)
+
+    def device_of(self, session_id: str) -> Pending[tuple[str, DeviceReaderHandle]]:
+        """The session's device (placed there now if it has none), as a reader."""
+        return Pending(self.actor.device_of.remote(session_id), _device_reader)
+
+    def locate_blocks(self, keys: list[bytes], namespace: str | list[str] | None
+                      ) -> Pending[list[tuple[str, DeviceReaderHandle, list[bytes]]]]:
+        """Which devices hold ``keys`` (of ``namespace``): ``(id, reader, keys)`` groups."""
+        return Pending(self.actor.locate_blocks.remote(keys, namespace), _located)
+
+
+class RouterOpsHandle:
+    """A router shard's operator face: its members as actors, drains, replica repair
+    and the journal (the planned operations of the in-cluster API)."""
+
+    __slots__ = ("actor",)
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def device_actors(self) -> Pending[dict[str, Any]]:
+        """Every live device's actor handle, by id (a client that attached finds them)."""
+        return Pending(self.actor.devices.remote(), dict)
+
+    def archive_actors(self) -> Pending[dict[str, Any]]:
+        return Pending(self.actor.archives.remote(), dict)
+
+    def drain_device(self, device_id: str) -> Pending[DrainReport]:
+        return Pending(self.actor.drain_device.remote(device_id), _same)
+
+    def retire_archive(self, archive_id: str) -> Pending[None]:
+        return Pending(self.actor.retire_archive.remote(archive_id), _none)
+
+    def repair_replicas(self) -> Pending[RepairStats]:
+        return Pending(self.actor.repair_replicas.remote(), _same)
+
+    def flush_journal(self) -> Pending[None]:
+        return Pending(self.actor.flush_journal.remote(), _none)
+
+
+class MemberHandle:
+    """What every member actor (device, archive) answers to an operator: where it
+    runs, and a clean close (devices unlink their shared memory, archives flush)."""
+
+    __slots__ = ("actor",)
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def node(self) -> Pending[str]:
+        return Pending(self.actor.node.remote(), str)
+
+    def close(self) -> Pending[None]:
+        return Pending(self.actor.close.remote(), _none)
+
+
+class Fetched(Pending[list[BlockPayload]]):
+    """A device's ``fetch_blocks``: its answer is a reference to the blocks it put in the
+    node's object store (one copy, mapped by every reader of the node); awaiting this
+    awaits both."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, list[BlockPayload]]:
+        ref = yield from self._ref.__await__()
+        payloads = yield from ref.__await__()
+        return list(payloads)
+
+    def result(self, timeout: float | None = None) -> list[BlockPayload]:
+        return list(ray.get(ray.get(self._ref, timeout=timeout), timeout=timeout))
+
+
+class DeviceReaderHandle:
+    """A device actor as a :class:`memkv.protocol.members.BlockReader`: the reader
+    corridor of gateways and the in-cluster API (no raw ``.remote`` calls there)."""
+
+    __slots__ = ("actor",)
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def read_plan(self, keys: Sequence[bytes], stream: str | None, ttl_s: float,
+                  ahead: Sequence[bytes] = (), owner: str | None = None) -> Pending[ReadPlan]:
+        return Pending(self.actor.read_plan.remote(list(keys), stream, ttl_s, list(ahead),
+                                                   owner), _same)
+
+    def release_lease(self, lease_id: str, owner: str | None = None) -> Pending[bool]:
+        return Pending(self.actor.release_lease.remote(lease_id, owner), bool)
+
+    def hold_for_read(self, keys: Sequence[bytes], ttl_s: float) -> Pending[str]:
+        return Pending(self.actor.hold_for_read.remote(list(keys), ttl_s), str)
+
+    def get_blocks(self, keys: Sequence[bytes], stream: str | None = None
+                   ) -> Pending[list[BlockPayload]]:
+        return Pending(self.actor.get_blocks.remote(list(keys), stream), list)
+
+    def fetch_blocks(self, keys: Sequence[bytes], stream: str | None = None) -> Fetched:
+        return Fetched(self.actor.fetch_blocks.remote(list(keys), stream), list)
+
+    def shared_segments(self) -> Pending[tuple[str, list[tuple[str, int, bool]]]]:
+        return Pending(self.actor.shared_segments.remote(), _same)
+
+    def node(self) -> Pending[str]:
+        return Pending(self.actor.node.remote(), str)
 
 
 class DeviceHandle:

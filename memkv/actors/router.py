@@ -1,6 +1,6 @@
 """The session router's Ray actor: one named actor per cluster (or per shard).
 
-:class:`~memkv.storage.router.service.SessionRouter` is the plain service
+:class:`~memkv.router.service.SessionRouter` is the plain service
 (the session table, placement, recovery, garbage); this shell gives it what
 only a Ray process has: devices, archives and peers as typed handles over
 Ray actor handles (:mod:`memkv.actors.handles`), found again by name after a
@@ -25,9 +25,9 @@ from memkv.protocol.services import (
     decode,
     encode,
 )
+from memkv.router import RouterState, SessionRouter
 from memkv.storage.journal import Journal
 from memkv.storage.owned_dir import resolve_on_node
-from memkv.storage.router import RouterState, SessionRouter
 
 __all__ = ["RouterState", "SessionRouter", "SessionRouterActor", "SessionRouterShell"]
 

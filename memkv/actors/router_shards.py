@@ -15,17 +15,20 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
-from memkv.actors.handles import Pending, SessionServiceHandle
+from memkv.actors.handles import DeviceReaderHandle, Pending, SessionServiceHandle
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.messages import PrefixMatch
 from memkv.protocol.services import CreateSession, CreateSessions, SessionView, SessionViews
 from memkv.protocol.shards import shard_name, shard_of
 from memkv.protocol.stats import ClusterStats, TenantUse
-from memkv.storage.router.state import OTHER_TENANTS, STATS_TENANTS
+from memkv.router.state import OTHER_TENANTS, STATS_TENANTS
+
+#: A device's reader in a located group: a handle, or a fake in tests.
+_Reader = TypeVar("_Reader")
 
 __all__ = ["RouterShards", "merge_created", "merge_located", "merge_prefix", "merge_stats"]
 
@@ -74,6 +77,15 @@ class RouterShards:
         """The session service of the shard that owns ``session_id`` (typed)."""
         return self._services[shard_of(session_id, len(self.handles))]
 
+    @property
+    def first_service(self) -> SessionServiceHandle:
+        """Shard 0's service: asked what every shard knows alike (devices, liveness)."""
+        return self._services[0]
+
+    @property
+    def services(self) -> tuple[SessionServiceHandle, ...]:
+        return self._services
+
     def split(self, session_ids: Sequence[str]) -> dict[int, list[int]]:
         """Shard -> the indices of ``session_ids`` it owns (in order)."""
         groups: dict[int, list[int]] = {}
@@ -92,8 +104,10 @@ class RouterShards:
     def match_prefix(self, layout: KVLayout, namespace: str, tokens: list[int]) -> list[Any]:
         return [h.match_prefix.remote(layout, namespace, tokens) for h in self.handles]
 
-    def locate_blocks(self, keys: list[bytes], namespace: str | list[str] | None) -> list[Any]:
-        return [h.locate_blocks.remote(keys, namespace) for h in self.handles]
+    def locate_blocks(self, keys: list[bytes], namespace: str | list[str] | None
+                      ) -> list[Pending[list[tuple[str, DeviceReaderHandle, list[bytes]]]]]:
+        """Each shard's answer: where its blocks of ``keys`` are, as readers."""
+        return [s.locate_blocks(keys, namespace) for s in self._services]
 
     def touch_sessions(self, session_ids: Sequence[str]) -> list[Any]:
         return [
@@ -141,13 +155,13 @@ def merge_prefix(answers: list[PrefixMatch]) -> PrefixMatch:
 
 
 def merge_located(
-    answers: list[list[tuple[str, Any, list[bytes]]]],
-) -> list[tuple[str, Any, list[bytes]]]:
+    answers: list[list[tuple[str, _Reader, list[bytes]]]],
+) -> list[tuple[str, _Reader, list[bytes]]]:
     """One ``(device, handle, keys)`` group per device; a key several shards found
     (content-addressed, so the same bytes) is read from the first."""
     if len(answers) == 1:
         return answers[0]
-    groups: dict[str, tuple[str, Any, list[bytes]]] = {}
+    groups: dict[str, tuple[str, _Reader, list[bytes]]] = {}
     seen: set[bytes] = set()
     for answer in answers:
         for device_id, handle, keys in answer:

@@ -167,7 +167,7 @@ class ReservationOut(BaseModel):
     """Slots of the session's device's shared memory to copy an append's blocks into
     (``id`` None: none, ``reason`` says why; send or stage the blocks instead).
 
-    A client on this host (``host`` equals its :func:`memkv.same_node.shm_identity`)
+    A client on this host (``host`` equals its :func:`memkv.shm.same_node.shm_identity`)
     maps ``segment`` (``segment_bytes`` long) writable, copies block i to
     ``offsets[i]`` and names it in its append as ``staged: {segment, offset,
     reservation: id}``; the device keeps the bytes where they are. Slots not

@@ -25,7 +25,7 @@ from fastapi import FastAPI
 
 from memkv.actors.router_shards import RouterShards, merge_stats
 from memkv.api.auth import Authenticator
-from memkv.api.blocks import FRAMES_MEDIA_TYPE, READ_HOLD_S, BlockFetcher, PlanCache
+from memkv.api.blocks import READ_HOLD_S, BlockFetcher, PlanCache
 from memkv.api.body_budget import BodyBudget
 from memkv.api.client_leases import ClientLeases
 from memkv.api.context import (
@@ -44,6 +44,7 @@ from memkv.api.engines.front_door import (
     RoutingMetrics,
 )
 from memkv.api.errors import install_error_handlers, openapi_with_errors
+from memkv.api.frame_responses import FRAMES_MEDIA_TYPE
 from memkv.api.guarded_send import DEFAULT_STALL_S, LEASE_SAFETY_S
 from memkv.api.middleware import (
     AuthMiddleware,
@@ -54,8 +55,8 @@ from memkv.api.middleware import (
 from memkv.api.observe import StatsSnapshot
 from memkv.api.routes import appends, cluster, health, leases, openai, reads, sessions
 from memkv.protocol.stats import ClusterStats
-from memkv.same_node import SegmentMaps
-from memkv.staging import PutStaging
+from memkv.shm.same_node import SegmentMaps
+from memkv.shm.staging import PutStaging
 
 __all__ = ["FRAMES_MEDIA_TYPE", "create_app"]
 
@@ -107,7 +108,7 @@ def create_app(
             object-store object per block; tests with fakes hand the payload).
         node_id: this process's node, for same-node reads (default: Ray's).
         staging: append bodies are read into this shared-memory segment and the
-            node's devices copy the blocks from there (memkv.staging);
+            node's devices copy the blocks from there (memkv.shm.staging);
             None sends every block through ``put_object``.
         client_lease_bytes: block bytes that clients on the gateway's host may
             keep pinned under leases (``/v1/blocks/lease``) at once.

@@ -31,7 +31,7 @@ import asyncio
 import functools
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +45,21 @@ from memkv.api.body_budget import BodyHold
 from memkv.api.errors import BodyTimeout, PayloadTooLarge, any_error_document
 from memkv.api.guarded_send import TRANSPORT_EXTENSION, UNBUFFERED_EXTENSION
 from memkv.api.models import BlocksByKeyIn
+from memkv.api.port_inbox import ConnectionGone, Inbox
 from memkv.errors import InvalidInputError, MemkvError, UnauthorizedError
+from memkv.protocol.port import (
+    BLOCK_PORT_VERSION,
+    AppendRequest,
+    BadRequest,
+    Hello,
+    ReadKeysRequest,
+    ReadRequest,
+    Reply,
+    Welcome,
+    decode_control,
+    decode_request,
+    port_frame,
+)
 from memkv.protocol.wire import (
     PREFIX_BYTES,
     Frame,
@@ -54,7 +68,6 @@ from memkv.protocol.wire import (
     WireError,
     decode_header,
     decode_prefix,
-    encode_frame,
     payload_buffer,
 )
 
@@ -62,14 +75,8 @@ __all__ = ["BLOCK_PORT_VERSION", "BlockPortServer", "ConnectionGone", "PortStats
 
 logger = logging.getLogger(__name__)
 
-BLOCK_PORT_VERSION = 1
 #: A hello or request header is small (a token, a session id); more is malformed.
 MAX_CONTROL_HEADER_BYTES = 64 << 10
-#: Bytes read ahead of the current frame (headers of pipelined requests).
-_SPARE_BYTES = 256 << 10
-#: At most this much is read ahead at once: the part of a payload that arrives
-#: with its header is copied once more; the rest goes straight to its buffer.
-_READ_AHEAD_BYTES = 64 << 10
 #: Requests of one connection taken off the socket before their answers are written;
 #: reading stops while this many wait (each append holds its body in staging).
 MAX_PIPELINED = 8
@@ -78,196 +85,6 @@ HELLO_TIMEOUT_S = 5.0
 #: Connections that have not said hello yet, at most (more are closed at once): each
 #: costs its buffers until it does.
 MAX_AWAITING_HELLO = 256
-#: The spare buffer of a connection before its hello (enough for the hello itself;
-#: the full _SPARE_BYTES once authenticated).
-_HELLO_SPARE_BYTES = 4 << 10
-
-
-class ConnectionGone(Exception):
-    """The peer closed the connection (or it broke) while a frame was awaited."""
-
-
-class _Inbox(asyncio.BufferedProtocol):
-    """A connection whose bytes go where the reader says: ``readinto(view)``.
-
-    While a reader waits for a payload, :meth:`get_buffer` hands the event loop
-    the rest of that payload's own buffer, so the kernel copies the bytes there
-    (``recv_into``) and nothing copies them again. Between payloads bytes land
-    in a small spare buffer (headers, pipelined requests); reading stops while
-    it is full.
-    """
-
-    def __init__(
-        self, on_open: Callable[[_Inbox], Coroutine[Any, Any, None]], idle_timeout_s: float
-    ) -> None:
-        self._on_open = on_open
-        self._idle_timeout_s = idle_timeout_s
-        self._spare = bytearray(_HELLO_SPARE_BYTES)  # the full size after the hello
-        self._start = self._end = 0  # unread spare bytes: [start, end)
-        self._target: memoryview | None = None  # a waiting reader's buffer
-        self._filled = 0
-        self._waiter: asyncio.Future[None] | None = None
-        self._deadline: asyncio.Timeout | None = None
-        self._hold: BodyHold | None = None
-        self._paused_reading = False
-        self._writable: asyncio.Future[None] | None = None
-        self._gone: BaseException | None = None
-        self.transport: asyncio.Transport | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.peer: Any = None
-
-    # -- asyncio.BufferedProtocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        tcp: Any = transport  # uvloop's transport is no asyncio.Transport subclass
-        self.transport = tcp
-        self.peer = transport.get_extra_info("peername")
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # No write buffer of our own: a block's bytes are in the kernel before the
-        # next one is fetched, and before its lease is let go.
-        tcp.set_write_buffer_limits(high=0, low=0)
-        self.task = asyncio.get_running_loop().create_task(self._on_open(self))
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._target is not None and self._start == self._end:
-            return self._target[self._filled :]
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif self._end == len(self._spare):  # room at the front only: move the tail there
-            tail = self._end - self._start
-            self._spare[:tail] = self._spare[self._start : self._end]
-            self._start, self._end = 0, tail
-        return memoryview(self._spare)[self._end : self._end + _READ_AHEAD_BYTES]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        # A reader sets its target only once the spare bytes are all taken, and the
-        # loop calls get_buffer and buffer_updated back to back: the same branch.
-        if self._target is not None and self._start == self._end:
-            self._filled += nbytes
-            if self._filled == len(self._target):
-                self._target = None  # bytes that come before the reader runs go to spare
-                self._wake()
-        else:
-            self._end += nbytes
-            if self._end == len(self._spare) and self._start == 0:
-                self._pause_reading()
-        self._progress(nbytes)
-
-    def eof_received(self) -> bool:
-        # Requests already received are still answered (the peer may read replies
-        # after closing its side); the handler closes once it needs more bytes.
-        self._fail(ConnectionGone("the peer closed the connection"))
-        return True
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(ConnectionGone(f"the connection was lost: {exc}" if exc else "closed"))
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_exception(ConnectionGone("the connection was lost"))
-
-    def pause_writing(self) -> None:
-        if self._writable is None or self._writable.done():
-            self._writable = asyncio.get_running_loop().create_future()
-
-    def resume_writing(self) -> None:
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_result(None)
-
-    # -- for the connection's handler
-
-    def grow_spare(self) -> None:
-        """The connection said hello: its spare buffer at full size (unread bytes kept)."""
-        if len(self._spare) < _SPARE_BYTES:
-            unread = self._spare[self._start : self._end]
-            self._spare = bytearray(_SPARE_BYTES)
-            self._spare[: len(unread)] = unread
-            self._start, self._end = 0, len(unread)
-            self._resume_reading()
-
-    async def readinto(self, view: memoryview, hold: BodyHold | None = None) -> None:
-        """Fill ``view`` from the connection; idle longer than the timeout raises BodyTimeout."""
-        taken = min(len(view), self._end - self._start)
-        if taken:
-            view[:taken] = self._spare[self._start : self._start + taken]
-            self._start += taken
-            self._resume_reading()
-        if taken == len(view):
-            return
-        if self._gone is not None:
-            raise self._gone
-        self._target, self._filled = view[taken:], 0
-        await self._wait(hold)
-
-    async def read_header(self, max_header_bytes: int, max_payload_bytes: int
-                          ) -> tuple[FrameHeader, int]:
-        """The next frame's header and payload size (the payload is not read)."""
-        prefix = bytearray(PREFIX_BYTES)
-        await self.readinto(memoryview(prefix))
-        raw = bytearray(decode_prefix(prefix, max_header_bytes))
-        await self.readinto(memoryview(raw))
-        return decode_header(bytes(raw), max_payload_bytes)
-
-    async def write(self, chunks: list[bytes | memoryview]) -> None:
-        """Hand ``chunks`` to the kernel; return once the transport holds none of them."""
-        assert self.transport is not None
-        if self._gone is not None:
-            raise self._gone
-        self.transport.writelines(chunks)
-        if self._writable is not None and not self._writable.done():
-            await self._writable
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-    # -- internals
-
-    async def _wait(self, hold: BodyHold | None) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
-        self._hold = hold
-        self._resume_reading()
-        try:
-            async with asyncio.timeout(self._idle_timeout_s) as deadline:
-                self._deadline = deadline
-                if hold is not None:
-                    hold.timeout = deadline  # a stalled body is dropped through it
-                await self._waiter
-        except TimeoutError:
-            if hold is not None and hold.dropped:
-                raise BodyTimeout(f"the body was dropped: {hold.why}") from None
-            raise BodyTimeout(
-                f"the connection stalled: no bytes for {self._idle_timeout_s:g} s"
-            ) from None
-        finally:
-            self._target = self._waiter = self._deadline = self._hold = None
-
-    def _progress(self, nbytes: int) -> None:
-        if self._hold is not None:
-            self._hold.progress(nbytes)
-            if self._hold.dropped:
-                return  # its deadline was brought forward: leave it there
-        if self._deadline is not None and not self._deadline.expired():
-            self._deadline.reschedule(asyncio.get_running_loop().time() + self._idle_timeout_s)
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    def _fail(self, exc: BaseException) -> None:
-        self._gone = exc
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(exc)
-
-    def _pause_reading(self) -> None:
-        if not self._paused_reading and self.transport is not None:
-            self._paused_reading = True
-            self.transport.pause_reading()
-
-    def _resume_reading(self) -> None:
-        if self._paused_reading and self.transport is not None:
-            self._paused_reading = False
-            self.transport.resume_reading()
 
 
 @dataclass
@@ -339,7 +156,7 @@ class BlockPortServer:
         self._max_body_bytes = int(limits["max_body_bytes"])
         self._idle_timeout_s = float(limits["body_timeout_s"])
         self._server: asyncio.Server | None = None
-        self._connections: set[_Inbox] = set()
+        self._connections: set[Inbox] = set()
         self.stats = PortStats()
         self._awaiting_hello = 0  # connections whose hello has not come yet
         app.state.block_port = self
@@ -348,7 +165,7 @@ class BlockPortServer:
         """Serve on ``sock`` (bound and listening, or bound: it is put to listen)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _Inbox(self._serve, self._idle_timeout_s), sock=sock
+            lambda: Inbox(self._serve, self._idle_timeout_s), sock=sock
         )
         self.stats.port = sock.getsockname()[1]
 
@@ -362,7 +179,7 @@ class BlockPortServer:
 
     # -- one connection
 
-    async def _serve(self, inbox: _Inbox) -> None:
+    async def _serve(self, inbox: Inbox) -> None:
         self._connections.add(inbox)
         self.stats.connections += 1
         self.stats.open_connections += 1
@@ -414,7 +231,7 @@ class BlockPortServer:
             self._connections.discard(inbox)
             inbox.close()
 
-    async def _answer(self, inbox: _Inbox, replies: asyncio.Queue[_Answer | None],
+    async def _answer(self, inbox: Inbox, replies: asyncio.Queue[_Answer | None],
                       room: asyncio.Semaphore) -> None:
         """Write the answers in request order; after a closing one, or once the
         connection is gone, the rest are awaited (their work finishes) unanswered."""
@@ -436,20 +253,19 @@ class BlockPortServer:
                 writable = False
                 inbox.close()  # the reader stops at its next read
 
-    async def _hello(self, inbox: _Inbox) -> Principal | None:
+    async def _hello(self, inbox: Inbox) -> Principal | None:
         """Check the connection's token before anything else is read from it."""
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 header, _ = await inbox.read_header(MAX_CONTROL_HEADER_BYTES, 0)
-            if header.get("kind") != "hello":
+            hello = decode_control(header)
+            if not isinstance(hello, Hello):
                 raise WireError(f"a block port connection starts with 'hello', got "
-                                f"{header.get('kind')!r}")
-            if header.get("v") != BLOCK_PORT_VERSION:
-                raise WireError(f"block port version {header.get('v')!r} is not served; "
+                                f"{type(hello).__name__.lower()!r}")
+            if hello.v != BLOCK_PORT_VERSION:
+                raise WireError(f"block port version {hello.v!r} is not served; "
                                 f"expected {BLOCK_PORT_VERSION}")
-            token = header.get("token")
-            if token is not None and not isinstance(token, str):
-                raise WireError("'token' must be a string")
+            token = hello.token
             if token is not None and (token != token.strip() or not token.isprintable()):
                 # HTTP strips a header value's spaces; a frame has no such excuse.
                 raise UnauthorizedError("the bearer token is not valid")
@@ -462,37 +278,32 @@ class BlockPortServer:
                 e = BodyTimeout(f"no hello within {HELLO_TIMEOUT_S:g} s")
             await self._reply_error(inbox, 0, e, closing=True)
             return None
-        await inbox.write(encode_frame({
-            "kind": "welcome", "v": BLOCK_PORT_VERSION, "tenant": who.tenant,
-            "max_body_bytes": self._max_body_bytes,
-        }))
+        await inbox.write(port_frame(Welcome(
+            v=BLOCK_PORT_VERSION, tenant=who.tenant, max_body_bytes=self._max_body_bytes)))
         return who
 
-    async def _accept(self, inbox: _Inbox, who: Principal, header: FrameHeader,
+    async def _accept(self, inbox: Inbox, who: Principal, header: FrameHeader,
                       appends: _SessionOrder) -> _Answer:
         """Take one request off the connection: an append's body is read now and
         stored while the next request is read; other requests run when their turn
         to answer comes (so a read sees every append before it)."""
-        rid = header.get("id")
-        op = header.get("op")
-        self.stats.requests[str(op)] = self.stats.requests.get(str(op), 0) + 1
-        if header.get("kind") != "request" or isinstance(rid, bool) or not isinstance(rid, int) \
-                or rid < 0:
-            return self._fatal(inbox, rid, WireError(
-                "expected a 'request' frame with a non-negative int 'id'"))
-        if op == "append":
-            return await self._append(inbox, who, rid, header, appends)
-        if op == "read":
-            run = functools.partial(self._read, inbox, who, rid, header)
-        elif op == "read_keys":
-            run = functools.partial(self._read_keys, inbox, who, rid, header)
-        elif op == "ping":
-            run = functools.partial(inbox.write, encode_frame(
-                {"kind": "reply", "id": rid, "status": 200}))
+        try:
+            request = decode_request(header)
+        except BadRequest as e:
+            self._count(e.op)
+            if e.fatal or e.request_id is None:
+                return self._fatal(inbox, e.request_id, e)
+            return _Answer(functools.partial(self._reply_error, inbox, e.request_id, e))
+        self._count(request.op.value)
+        rid = request.id
+        if isinstance(request, AppendRequest):
+            return await self._append(inbox, who, request, appends)
+        if isinstance(request, ReadRequest):
+            run = functools.partial(self._read, inbox, who, request)
+        elif isinstance(request, ReadKeysRequest):
+            run = functools.partial(self._read_keys, inbox, who, request)
         else:
-            error = InvalidInputError(
-                f"unknown op {op!r}; expected append, read, read_keys or ping")
-            return _Answer(functools.partial(self._reply_error, inbox, rid, error))
+            run = functools.partial(inbox.write, port_frame(Reply(id=rid, status=200)))
 
         async def write() -> None:
             try:
@@ -504,23 +315,19 @@ class BlockPortServer:
 
         return _Answer(write)
 
-    def _fatal(self, inbox: _Inbox, rid: object, error: BaseException) -> _Answer:
-        """An answer after which the connection closes (its stream position is lost)."""
-        answered = rid if isinstance(rid, int) and not isinstance(rid, bool) and rid >= 0 else 0
-        return _Answer(functools.partial(
-            self._reply_error, inbox, answered, error, closing=True), closing=True)
+    def _count(self, op: str) -> None:
+        self.stats.requests[op] = self.stats.requests.get(op, 0) + 1
 
-    async def _append(self, inbox: _Inbox, who: Principal, rid: int, header: FrameHeader,
+    def _fatal(self, inbox: Inbox, rid: int | None, error: BaseException) -> _Answer:
+        """An answer after which the connection closes (its stream position is lost)."""
+        return _Answer(functools.partial(
+            self._reply_error, inbox, rid or 0, error, closing=True), closing=True)
+
+    async def _append(self, inbox: Inbox, who: Principal, request: AppendRequest,
                       appends: _SessionOrder) -> _Answer:
         """Read the append's body, then store it in the background (after the
         connection's earlier appends to the same session): its answer."""
-        session_id = header.get("session_id")
-        body_bytes = header.get("body_bytes")
-        if not isinstance(session_id, str):
-            return self._fatal(inbox, rid, InvalidInputError("append needs a 'session_id' string"))
-        if isinstance(body_bytes, bool) or not isinstance(body_bytes, int) or body_bytes < 0:
-            return self._fatal(inbox, rid,
-                               WireError("append needs 'body_bytes', a non-negative int"))
+        rid, session_id, body_bytes = request.id, request.session_id, request.body_bytes
         if body_bytes > self._max_body_bytes:
             return self._fatal(inbox, rid, PayloadTooLarge(
                 f"body of {body_bytes} bytes exceeds the limit of {self._max_body_bytes}"))
@@ -565,14 +372,14 @@ class BlockPortServer:
             except Exception as e:  # noqa: BLE001 - answered like the HTTP routes answer it
                 await self._reply_error(inbox, rid, e)
                 return
-            await inbox.write(encode_frame({"kind": "reply", "id": rid, "status": 200,
-                                            "result": AppendOut.of(result).model_dump()}))
+            await inbox.write(port_frame(Reply(id=rid, status=200,
+                                               result=AppendOut.of(result).model_dump())))
 
         return _Answer(write, settle=functools.partial(asyncio.wait, [store]))
 
     async def _body_frames(
         self,
-        inbox: _Inbox,
+        inbox: Inbox,
         body_bytes: int,
         allocate: Callable[[int], memoryview | None] | None,
         hold: BodyHold,
@@ -621,39 +428,25 @@ class BlockPortServer:
             raise e.with_traceback(None) from None
         return frames
 
-    async def _read(self, inbox: _Inbox, who: Principal, rid: int,
-                    header: FrameHeader) -> None:
-        session_id = header.get("session_id")
-        start, end, turn = header.get("start", 0), header.get("end"), header.get("turn")
-        if not isinstance(session_id, str):
-            raise InvalidInputError("read needs a 'session_id' string")
-        for name, value, optional in (("start", start, False), ("end", end, True),
-                                      ("turn", turn, True)):
-            if value is None and optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidInputError(f"read's {name!r} must be a non-negative int")
-        response = await self._app.state.session_blocks(who, session_id, start, end, turn)
-        await self._stream(inbox, response, {"kind": "reply", "id": rid, "status": 200,
-                                             "body_bytes": response.content_length},
-                           f"the read of {session_id!r}")
+    async def _read(self, inbox: Inbox, who: Principal, request: ReadRequest) -> None:
+        response = await self._app.state.session_blocks(
+            who, request.session_id, request.start, request.end, request.turn)
+        await self._stream(inbox, response, Reply(id=request.id, status=200,
+                                                  body_bytes=response.content_length),
+                           f"the read of {request.session_id!r}")
 
-    async def _read_keys(self, inbox: _Inbox, who: Principal, rid: int,
-                         header: FrameHeader) -> None:
-        keys = header.get("keys")
-        if not isinstance(keys, list) or not all(isinstance(k, bytes) for k in keys):
-            raise InvalidInputError("read_keys needs 'keys', a list of 16-byte keys")
+    async def _read_keys(self, inbox: Inbox, who: Principal, request: ReadKeysRequest) -> None:
         try:
-            body = BlocksByKeyIn(namespace=header.get("namespace"),
-                                 keys=[k.hex() for k in keys])
+            body = BlocksByKeyIn(namespace=request.namespace,
+                                 keys=[k.hex() for k in request.keys])
         except ValidationError as e:
             raise InvalidInputError(f"read_keys: {e.errors()[0]['msg']}") from None
         response = await self._app.state.blocks_by_key(body, who)
         # A by-key response has no length known up front: its frames run to the end frame.
-        await self._stream(inbox, response, {"kind": "reply", "id": rid, "status": 200,
-                                             "until_end": True}, "the by-key read")
+        await self._stream(inbox, response, Reply(id=request.id, status=200, until_end=True),
+                           "the by-key read")
 
-    async def _stream(self, inbox: _Inbox, response: Response, head: FrameHeader,
+    async def _stream(self, inbox: Inbox, response: Response, head: Reply,
                       what: str) -> None:
         """Write an ASGI response's body after ``head``; cut short, the connection closes."""
         started = False
@@ -662,7 +455,7 @@ class BlockPortServer:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                await inbox.write(encode_frame(head))
+                await inbox.write(port_frame(head))
             elif message.get("body"):
                 await inbox.write([message["body"]])
 
@@ -681,16 +474,14 @@ class BlockPortServer:
             raise ConnectionGone(f"{what} was cut short") from e
 
     async def _reply_error(
-        self, inbox: _Inbox, rid: int, exc: BaseException, *, closing: bool = False
+        self, inbox: Inbox, rid: int, exc: BaseException, *, closing: bool = False
     ) -> None:
         """Answer ``exc``; ``closing``: the gateway closes the connection after it."""
         error = any_error_document(exc)
         self.stats.errors[error["type"]] = self.stats.errors.get(error["type"], 0) + 1
-        reply = {"kind": "reply", "id": rid, "status": error["status"], "error": error}
-        if closing:
-            reply["close"] = True
+        reply = Reply(id=rid, status=error["status"], error=dict(error), close=closing)
         try:
-            await inbox.write(encode_frame(reply))
+            await inbox.write(port_frame(reply))
         except ConnectionGone:
             pass
 

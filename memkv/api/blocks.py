@@ -1,17 +1,10 @@
-"""Block responses of the gateway: frames written straight from where the bytes sit.
+"""Where a gateway's read responses get their bytes: the block fetcher and its plan cache.
 
-A read response is a raw ASGI response with a Content-Length (computed from
-the session's layout before any block is fetched: see
-:class:`~memkv.protocol.wire.BlockFrameTemplate`), so uvicorn writes each
-block's bytes to the socket as they are, without chunk framing (which would
-join them into a new buffer). Where the device runs on the gateway's node the
-bytes are memoryviews of its shared-memory arenas, pinned by a lease while
-they are written; elsewhere they are zero-copy views of Ray objects.
-
-A response that cannot finish (its device died) is cut short: the client
-sees fewer bytes than the Content-Length and reports it, never a short 200
-taken for a whole one. Bytes in shared memory reach the socket only while
-their pin holds, however slowly the reader reads (:mod:`memkv.api.guarded_send`).
+Where the device runs on the gateway's node the bytes are memoryviews of its
+shared-memory arenas, pinned by a lease while they are written (read plans,
+held a while in :class:`PlanCache` so a hot session's next read asks the device
+nothing); elsewhere they are zero-copy views of Ray objects. The responses that
+write them: :mod:`memkv.api.frame_responses`.
 """
 
 from __future__ import annotations
@@ -20,52 +13,27 @@ import asyncio
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from ray.exceptions import RayError
-from starlette.responses import Response
 
-from memkv.actors.payload import READ_BATCH_BLOCKS, READ_WINDOW_BATCHES, BlockPayload
-from memkv.api.errors import PayloadTooLarge
-from memkv.api.guarded_send import DEFAULT_STALL_S, GuardedSend, ReaderStalledError
-from memkv.errors import CorruptDataError, LeaseExpiredError, MemkvError
+from memkv.api.frame_responses import FetchedBytes
+from memkv.errors import CorruptDataError, MemkvError
 from memkv.protocol.checksum import crc32
-from memkv.protocol.layout import KVLayout
+from memkv.protocol.members import BlockReader
 from memkv.protocol.messages import PlanEntry, ReadPlan, ReadRoute
-from memkv.protocol.wire import BlockFrameTemplate, end_frame
-from memkv.same_node import SegmentMaps
+from memkv.protocol.payload import READ_BATCH_BLOCKS, READ_WINDOW_BATCHES, BlockPayload
+from memkv.shm.same_node import SegmentMaps
 
-__all__ = [
-    "FRAMES_MEDIA_TYPE", "BlockFetcher", "BlockFramesResponse", "FetchedBytes",
-    "KeyedFramesResponse",
-]
+__all__ = ["BlockFetcher", "PlanCache"]
 
-FRAMES_MEDIA_TYPE = "application/x-memkv-frames"
 #: Lease asked for a plan that is released right after its read.
 DEFAULT_PLAN_TTL_S = 30.0
 #: How long a read's hold pins every block it announced (released when it ends).
 READ_HOLD_S = 120.0
-
-
-@dataclass(frozen=True, slots=True)
-class FetchedBytes:
-    """One block's bytes as the gateway writes them (no copy of its own)."""
-
-    key: bytes
-    data: memoryview
-    tier: str
-    exact: bool
-    crc: int
-    lossy: str = ""
-    dtype: str = ""  # the block's dtype and shape, for frames built without a layout
-    shape: tuple[int, ...] = ()
-    #: Local monotonic time its pin runs out where ``data`` is shared memory (inf: the
-    #: bytes are the gateway's own): never handed to a socket after it
-    #: (memkv.api.guarded_send).
-    valid_until: float = math.inf
 
 
 @dataclass(slots=True)
@@ -73,7 +41,7 @@ class _HeldLease:
     """A read plan the gateway keeps after serving it: its blocks stay pinned."""
 
     plan: ReadPlan
-    device: Any
+    device: BlockReader
     segments: dict[str, np.ndarray]  # the mappings its offsets refer to
     use_until: float  # local monotonic time after which the plan is not used
     nbytes: int
@@ -130,7 +98,7 @@ class PlanCache:
         return found
 
     def hold(
-        self, plan: ReadPlan, device: Any, segments: dict[str, np.ndarray], asked_at: float
+        self, plan: ReadPlan, device: BlockReader, segments: dict[str, np.ndarray], asked_at: float
     ) -> _HeldLease:
         """Keep ``plan`` (asked for at local time ``asked_at``) for later reads."""
         nbytes = sum(e.nbytes for e in plan.entries if e is not None)
@@ -233,7 +201,7 @@ class BlockFetcher:
     async def fetch(
         self,
         device_id: str,
-        device: Any,
+        device: BlockReader,
         keys: Sequence[bytes],
         stream: str | None,
         following: Sequence[bytes] = (),
@@ -246,7 +214,7 @@ class BlockFetcher:
         its head sends everything it announced. The pin goes after the last.
 
         Args:
-            device_id, device: the device's name and actor handle.
+            device_id, device: the device's name and its reader corridor.
             following: the keys after ``keys`` in the session (for read-ahead).
         """
         batches = [keys[i : i + READ_BATCH_BLOCKS] for i in range(0, len(keys), READ_BATCH_BLOCKS)]
@@ -266,7 +234,7 @@ class BlockFetcher:
             # Sent before the first batch's call, so the device runs it first.
             if keys and pinned is None:
                 held_until = time.monotonic() + self._hold_s
-                pending_hold = device.hold_for_read.remote(list(keys), self._hold_s)
+                pending_hold = device.hold_for_read(keys, self._hold_s)
             else:
                 pending_hold = None
             for n, batch in enumerate(batches):
@@ -293,7 +261,7 @@ class BlockFetcher:
                     lease.in_use -= 1
             releases += self._let_go(drained, device)
             if hold:
-                releases.append(device.release_lease.remote(hold))
+                releases.append(device.release_lease(hold))
             # Plans asked for but never drained (the client went away).
             for asked in in_flight:
                 if asked.ref is not None and asked.planned:
@@ -320,31 +288,30 @@ class BlockFetcher:
         self._plans.hits += 1
         return found
 
-    def _let_go(self, drained: Sequence[_HeldLease | ReadPlan], device: Any) -> list[Any]:
+    def _let_go(self, drained: Sequence[_HeldLease | ReadPlan], device: BlockReader) -> list[Any]:
         """Plans done with: release them, or (with a cache) mark them free and sweep."""
         out: list[Any] = []
         for item in drained:
             if isinstance(item, _HeldLease):
                 item.in_use -= 1
             else:
-                out.append(device.release_lease.remote(item.lease_id))
+                out.append(device.release_lease(item.lease_id))
         if self._plans is not None:
             for held in self._plans.sweep():
-                out.append(held.device.release_lease.remote(held.plan.lease_id))
+                out.append(held.device.release_lease(held.plan.lease_id))
         return out
 
     def _ask(
         self,
         device_id: str,
-        device: Any,
+        device: BlockReader,
         batch: Sequence[bytes],
         stream: str | None,
         ahead: Sequence[bytes],
         offset: int,
     ) -> _Asked:
         if self._maps is None or device_id in self._in_cluster_only:
-            ref = device.fetch_blocks.remote(list(batch), stream)
-            return _Asked(device_id, batch, ref, False, 0.0)
+            return _Asked(device_id, batch, device.fetch_blocks(batch, stream), False, 0.0)
         if self._plans is not None and all(
             self._plans.lookup(device_id, k) is not None for k in batch
         ):
@@ -360,8 +327,8 @@ class BlockFetcher:
                 if self._plans.lookup(device_id, k) is None
             ]
         ttl = self._plans.ttl_s if self._plans is not None else DEFAULT_PLAN_TTL_S
-        ref = device.read_plan.remote(list(batch), stream, ttl, wanted)
-        return _Asked(device_id, batch, ref, True, time.monotonic())
+        planned = device.read_plan(batch, stream, ttl, wanted)
+        return _Asked(device_id, batch, planned, True, time.monotonic())
 
     async def _settle(self, releases: list[Any]) -> None:
         for done in releases:
@@ -379,7 +346,7 @@ class BlockFetcher:
 
     async def _drain(
         self,
-        device: Any,
+        device: BlockReader,
         asked: _Asked,
         stream: str | None,
         drained: list[_HeldLease | ReadPlan],
@@ -390,7 +357,7 @@ class BlockFetcher:
         (the plan's lease or the read's hold, whichever lasts longer)."""
         batch = asked.batch
         if not asked.planned:
-            for payload in await (await asked.ref):
+            for payload in await asked.ref:
                 self.in_cluster_blocks += 1
                 yield _from_payload(payload)
             return
@@ -414,7 +381,7 @@ class BlockFetcher:
             asked = _Asked(
                 asked.device_id,
                 batch,
-                device.read_plan.remote(list(batch), stream, self._plans.ttl_s),
+                device.read_plan(batch, stream, self._plans.ttl_s),
                 True,
                 time.monotonic(),
             )
@@ -425,7 +392,7 @@ class BlockFetcher:
             if plan.lease_id:
                 drained.append(plan)
             self._in_cluster_only.add(asked.device_id)
-            for payload in await (await device.fetch_blocks.remote(list(batch), stream)):
+            for payload in await device.fetch_blocks(batch, stream):
                 self.in_cluster_blocks += 1
                 yield _from_payload(payload)
             return
@@ -446,7 +413,7 @@ class BlockFetcher:
         missing = [k for k, e in zip(batch, entries, strict=True) if e is None]
         fallback: dict[bytes, BlockPayload] = {}
         if missing:
-            fallback = {p.key: p for p in await device.get_blocks.remote(missing, stream)}
+            fallback = {p.key: p for p in await device.get_blocks(missing, stream)}
         for key, planned in zip(batch, entries, strict=True):
             if planned is None:
                 self.in_cluster_blocks += 1
@@ -474,7 +441,7 @@ class BlockFetcher:
             held.in_use = 0
         gone = self._plans.sweep_all_expired()
         await asyncio.gather(
-            *(h.device.release_lease.remote(h.plan.lease_id) for h in gone),
+            *(h.device.release_lease(h.plan.lease_id) for h in gone),
             return_exceptions=True,  # a device gone meanwhile holds nothing any more
         )
 
@@ -483,14 +450,15 @@ class BlockFetcher:
         if self._plans is None:
             return
         gone = self._plans.drop_keys(route.device_id, route.keys)
-        await asyncio.gather(*(h.device.release_lease.remote(h.plan.lease_id) for h in gone))
+        await asyncio.gather(*(h.device.release_lease(h.plan.lease_id) for h in gone))
 
 
 @dataclass(frozen=True, slots=True)
 class _Asked:
     device_id: str
     batch: Sequence[bytes]
-    ref: Any  # ObjectRef of a ReadPlan or payloads; None: served from held plans
+    ref: Any  # the device's answer on its way (a ReadPlan, or payloads); None: served
+    # from held plans
     planned: bool
     at: float  # local monotonic time the plan was asked for
 
@@ -505,9 +473,9 @@ def _entry_bytes(segment: np.ndarray, entry: PlanEntry, valid_until: float) -> F
     )
 
 
-async def _release_later(device: Any, plan_ref: Any) -> bool:
+async def _release_later(device: BlockReader, plan_ref: Any) -> bool:
     plan: ReadPlan = await plan_ref
-    return bool(await device.release_lease.remote(plan.lease_id))
+    return bool(await device.release_lease(plan.lease_id))
 
 
 def _from_payload(payload: BlockPayload) -> FetchedBytes:
@@ -516,145 +484,3 @@ def _from_payload(payload: BlockPayload) -> FetchedBytes:
         payload.key, data, payload.tier or "hot", payload.exact, crc32(data), payload.lossy,
         payload.dtype, tuple(payload.data.shape),
     )
-
-
-class BlockFramesResponse(Response):
-    """An ASGI response of block frames then an ``end`` frame, with a Content-Length.
-
-    Args:
-        layout: the blocks' layout (sizes and shapes).
-        keys, tokens: the blocks and their token counts, in order.
-        first_index: the ``index`` of the first frame.
-        blocks: their bytes, in the same order (see :class:`BlockFetcher`).
-        on_block: called with each block's byte count once it is written.
-        stall_s: a reader that takes no bytes this long is cut off
-            (:mod:`memkv.api.guarded_send`).
-    """
-
-    media_type = FRAMES_MEDIA_TYPE
-
-    def __init__(  # noqa: PLR0913
-        self,
-        layout: KVLayout,
-        keys: Sequence[bytes],
-        tokens: Sequence[int],
-        first_index: int,
-        blocks: AsyncIterator[FetchedBytes],
-        on_block: Callable[[int], None] = lambda n: None,
-        stall_s: float = DEFAULT_STALL_S,
-    ) -> None:
-        self._templates = [
-            BlockFrameTemplate(
-                index=first_index + i,
-                key=key,
-                dtype=layout.dtype,
-                shape=layout.block_shape(n),
-                nbytes=layout.block_nbytes(n),
-            )
-            for i, (key, n) in enumerate(zip(keys, tokens, strict=True))
-        ]
-        self._end = end_frame(len(keys))
-        self._blocks = blocks
-        self._on_block = on_block
-        self._stall_s = stall_s
-        self._first: FetchedBytes | None = None
-        # Response's own fields (FastAPI merges dependency headers into them);
-        # the body is ours to write in __call__.
-        super().__init__(content=b"", media_type=self.media_type)
-
-    @property
-    def content_length(self) -> int:
-        return sum(len(t.prefix) + t.nbytes for t in self._templates) + len(self._end)
-
-    async def prime(self) -> None:
-        """Fetch the first block before the head goes out, so its errors get a status code."""
-        if self._templates:
-            self._first = await self._blocks.__anext__()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        out = GuardedSend(scope, send, self._stall_s)
-        try:
-            await out.start(200, [
-                (b"content-type", self.media_type.encode()),
-                (b"content-length", str(self.content_length).encode()),
-            ])
-            for i, template in enumerate(self._templates):
-                block = self._first if i == 0 and self._first is not None else None
-                if block is None:
-                    block = await self._blocks.__anext__()
-                if block.key != template.key or block.data.nbytes != template.nbytes:
-                    raise CorruptDataError(
-                        f"block {i}: got {block.data.nbytes} bytes of {block.key.hex()}, "
-                        f"expected {template.nbytes}"
-                    )
-                prefix = bytes(
-                    template.fill(
-                        tier=block.tier, exact=block.exact, crc=block.crc, lossy=block.lossy
-                    )
-                )
-                await out.body(prefix)
-                await out.body(block.data, valid_until=block.valid_until)
-                self._on_block(template.nbytes)
-            await out.body(self._end, more=False)
-        except (LeaseExpiredError, ReaderStalledError) as e:
-            await out.cut(e)  # a reader too slow for its pins: cut off, one line logged
-        finally:
-            await self._blocks.aclose()  # type: ignore[attr-defined]
-            out.done()
-
-
-class KeyedFramesResponse(Response):
-    """Blocks asked for by key, as frames then an ``end`` frame; no length known up front
-    (each frame's header comes from its block), so the body is chunked.
-
-    Args:
-        keys: the blocks, in the order asked.
-        first: the first block, fetched before the head goes out (its errors get a status).
-        blocks: the others, in order (see :class:`BlockFetcher`).
-        max_bytes: the most block bytes one answer may carry.
-        on_block: called with each block's byte count once it is written.
-        stall_s: a reader that takes no bytes this long is cut off.
-    """
-
-    media_type = FRAMES_MEDIA_TYPE
-
-    def __init__(self, keys: Sequence[bytes], first: FetchedBytes,
-                 blocks: AsyncIterator[FetchedBytes], *, max_bytes: int,
-                 on_block: Callable[[int], None] = lambda n: None,
-                 stall_s: float = DEFAULT_STALL_S) -> None:
-        self._keys = list(keys)
-        self._first: FetchedBytes | None = first
-        self._blocks = blocks
-        self._max_bytes = max_bytes
-        self._on_block = on_block
-        self._stall_s = stall_s
-        super().__init__(content=b"", media_type=self.media_type)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        out = GuardedSend(scope, send, self._stall_s)
-        try:
-            await out.start(200, [(b"content-type", self.media_type.encode())])
-            total = 0
-            for i, key in enumerate(self._keys):
-                block, self._first = self._first, None
-                if block is None:
-                    block = await self._blocks.__anext__()
-                if block.key != key:
-                    raise CorruptDataError(f"asked for block {key.hex()}, got {block.key.hex()}")
-                total += block.data.nbytes
-                if total > self._max_bytes:
-                    raise PayloadTooLarge(
-                        f"these blocks are over {self._max_bytes} bytes: ask for fewer at a time")
-                template = BlockFrameTemplate(
-                    index=i, key=key, dtype=block.dtype, shape=block.shape,
-                    nbytes=block.data.nbytes)
-                await out.body(bytes(template.fill(tier=block.tier, exact=block.exact,
-                                                   crc=block.crc, lossy=block.lossy)))
-                await out.body(block.data, valid_until=block.valid_until)
-                self._on_block(block.data.nbytes)
-            await out.body(end_frame(len(self._keys)), more=False)
-        except (LeaseExpiredError, ReaderStalledError) as e:
-            await out.cut(e)
-        finally:
-            await self._blocks.aclose()  # type: ignore[attr-defined]
-            out.done()

@@ -17,7 +17,7 @@ it is given back; beyond the bound blocks are answered unplanned (read them
 over HTTP), never an error.
 
 Whether the client is on the gateway's host is the client's to tell: the
-answer names the host's shared memory (:func:`memkv.same_node.shm_identity`),
+answer names the host's shared memory (:func:`memkv.shm.same_node.shm_identity`),
 and a client elsewhere sees another name and reads over HTTP instead.
 
 A lease's id names its device (``<lease>.<device id>``), and the device keeps
@@ -35,6 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from memkv.protocol.members import BlockReader
 from memkv.protocol.messages import ReadPlan
 
 __all__ = ["ClientLeases", "parse_lease_id"]
@@ -47,7 +48,7 @@ DEFAULT_TTL_S = 30.0
 @dataclass(slots=True)
 class _Issued:
     tenant: str | None
-    device: Any  # the device's actor handle: where the release goes
+    device: BlockReader  # the device's reader: where the release goes
     lease_id: str
     nbytes: int
     expires: float  # local monotonic time after which the device has let go anyway
@@ -79,7 +80,7 @@ class ClientLeases:
         self._expire()
         return max(0, self.max_bytes - self._bytes)
 
-    def add(self, tenant: str | None, device: Any, plan: ReadPlan, ttl_s: float) -> str:
+    def add(self, tenant: str | None, device: BlockReader, plan: ReadPlan, ttl_s: float) -> str:
         """Count ``plan`` (granted to ``tenant``) against the bound; its client-facing id."""
         nbytes = sum(e.nbytes for e in plan.entries if e is not None)
         public_id = f"{plan.lease_id}.{plan.device_id}"
@@ -90,7 +91,7 @@ class ClientLeases:
         self.granted += 1
         return public_id
 
-    def take(self, tenant: str | None, public_id: str) -> Any | None:
+    def take(self, tenant: str | None, public_id: str) -> BlockReader | None:
         """The device of ``tenant``'s lease ``public_id`` if this worker granted it
         (forgotten now), else None: release it at the device its id names."""
         self._expire()

@@ -1,11 +1,11 @@
 """Blocks a same-host client staged in its own shared memory, as the gateway sees them.
 
 A client on the gateway's host (a vLLM engine saving its KV) writes each block
-once, from its paged cache into its staging segment (:func:`memkv.staging.client_staging`),
+once, from its paged cache into its staging segment (:func:`memkv.shm.staging.client_staging`),
 and its append names the bytes (``staged``: segment, offset) instead of sending
 them. The gateway maps the segment read-only, checks each block's key and
 CRC32 there as it checks a sent block, and hands the device a
-:class:`~memkv.actors.payload.StagedBlock`: the device copies the bytes into
+:class:`~memkv.protocol.payload.StagedBlock`: the device copies the bytes into
 its arena. The client reuses the space once the append is answered.
 
 Only segments named like a client's are read: a staged block can never name a
@@ -28,12 +28,12 @@ import functools
 import os
 from collections.abc import Callable
 
-from memkv.actors.payload import StagedBlock
 from memkv.errors import WrongNodeError
+from memkv.protocol.payload import StagedBlock
 from memkv.protocol.wire import WireError
-from memkv.same_node import SegmentMaps
 from memkv.shm.ownership import warm_segment_name
-from memkv.staging import CLIENT_STAGE_PREFIX
+from memkv.shm.same_node import SegmentMaps
+from memkv.shm.staging import CLIENT_STAGE_PREFIX
 
 __all__ = ["ClientSegments"]
 

@@ -15,7 +15,6 @@ from prometheus_client import (
     Counter,
     Histogram,
 )
-from ray.actor import ActorHandle
 
 from memkv.actors.router_shards import RouterShards
 from memkv.api.auth import Principal
@@ -34,9 +33,10 @@ from memkv.protocol.ids import (
     scoped_session_id,
 )
 from memkv.protocol.layout import KVLayout
+from memkv.protocol.members import BlockReader
 from memkv.protocol.messages import ReadRoute
-from memkv.same_node import shm_identity
-from memkv.staging import PutStaging, StagingSlot
+from memkv.shm.same_node import shm_identity
+from memkv.shm.staging import PutStaging, StagingSlot
 
 __all__ = [
     "Caller",
@@ -203,7 +203,7 @@ class Gateway:
         default_factory=lambda: SessionLRU(SESSION_CACHE_ENTRIES))
     unstaged: SessionLRU[bool] = field(default_factory=lambda: SessionLRU(SESSION_CACHE_ENTRIES))
     routes: RouteCache = field(default_factory=lambda: RouteCache(SESSION_CACHE_ENTRIES))
-    devices_by_id: dict[str, ActorHandle] = field(default_factory=dict)
+    devices_by_id: dict[str, BlockReader] = field(default_factory=dict)
     #: The OpenAI front door (engines, affinity, routing counters); None: not served.
     door: FrontDoor | None = None
     device_nodes: dict[str, str] = field(default_factory=dict)
@@ -212,11 +212,15 @@ class Gateway:
     def __post_init__(self) -> None:
         self.touches = Touches(self.routers, TOUCH_FLUSH_S)
 
-    async def device_named(self, device_id: str) -> Any | None:
-        """A device's handle by id (shard 0 is asked again for one not known yet)."""
+    async def device_named(self, device_id: str) -> BlockReader | None:
+        """A device's reader by id (shard 0 is asked again for one not known yet)."""
         if device_id not in self.devices_by_id:
-            self.devices_by_id.update(await self.routers.first.devices.remote())
+            await self.refresh_devices()
         return self.devices_by_id.get(device_id)
+
+    async def refresh_devices(self) -> None:
+        """Learn the devices that joined since (shard 0 knows every one)."""
+        self.devices_by_id.update(await self.routers.first_service.devices())
 
     async def node_of_device(self, device_id: str) -> str | None:
         """The Ray node a device runs on (asked once per device)."""
@@ -224,7 +228,7 @@ class Gateway:
             device = await self.device_named(device_id)
             if device is None:
                 return None
-            self.device_nodes[device_id] = str(await device.node.remote())
+            self.device_nodes[device_id] = await device.node()
         return self.device_nodes[device_id]
 
     async def let_go_of(self, sid: str) -> None:

@@ -9,7 +9,7 @@ conversions, leases, sessions, tenants, archives), made from the router's
 status page's polling) cost the devices one stats call per interval.
 
 Label sets are bounded: devices, tiers, archives and routes are fixed by the
-deployment; tenants are the largest :data:`~memkv.storage.router.state.STATS_TENANTS`
+deployment; tenants are the largest :data:`~memkv.router.state.STATS_TENANTS`
 with the rest summed as ``(other)``.
 """
 

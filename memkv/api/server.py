@@ -21,7 +21,7 @@ from memkv.api.blocks import READ_HOLD_S
 from memkv.api.engines.book import RayKvBook
 from memkv.api.engines.front_door import EngineSpec, FrontDoorOptions
 from memkv.api.guarded_send import DEFAULT_STALL_S, TransportScopeProtocol
-from memkv.staging import PutStaging, staging_for
+from memkv.shm.staging import PutStaging, staging_for
 
 __all__ = ["UVICORN_SETTINGS", "GatewayServer", "UvicornSettings"]
 
@@ -115,7 +115,7 @@ class GatewayServer:
         Args:
             cluster: a :class:`memkv.cluster.MemkvCluster`, or the router shards
                 (:class:`RouterShards`) of one (a gateway worker gets those).
-            put_staging_bytes: shared memory for append bodies (memkv.staging),
+            put_staging_bytes: shared memory for append bodies (memkv.shm.staging),
                 made only where a device runs on this node; 0 = none.
             same_node_reads, plan_cache_bytes, auth: see :func:`memkv.api.app.create_app`.
             block_port: the TCP port of the block port on ``host`` (0: any free
@@ -132,7 +132,7 @@ class GatewayServer:
             routing: how it chooses and checks them (``gateway.routing``).
         """
         routers = cluster if isinstance(cluster, RouterShards) else cluster.routers
-        staging = staging_for(ray.get(routers.first.devices.remote()).values(),
+        staging = staging_for(routers.first_service.devices().result().values(),
                               put_staging_bytes) if put_staging_bytes > 0 else None
         app = create_app(
             routers,

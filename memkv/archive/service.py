@@ -19,13 +19,13 @@ import threading
 import uuid
 from collections.abc import Sequence
 
+from memkv.archive.journal_replica import JOURNALS_DIR, JournalReplica, check_journal_name
 from memkv.errors import CorruptDataError, InvalidInputError, UnknownBlockError
 from memkv.protocol.hashing import HASH_BYTES
 from memkv.protocol.stats import ArchiveStats
 from memkv.storage.codecs import verify_frame
 from memkv.storage.codecs.frame import CODEC_NAMES
 from memkv.storage.config import ArchiveConfig
-from memkv.storage.journal_replica import JOURNALS_DIR, JournalReplica, check_journal_name
 from memkv.storage.segments import CompactionStats, SegmentStore
 
 __all__ = ["ArchiveService"]
@@ -170,7 +170,7 @@ class ArchiveService:
             corrupt_records=s.corrupt_records,
         )
 
-    # -- router journals (:mod:`memkv.storage.journal_replica`) --------------------------
+    # -- router journals (:mod:`memkv.archive.journal_replica`) --------------------------
 
     def node(self) -> str:
         """The node this archive runs on (``$MEMKV_NODE_ID``; a router keeps its

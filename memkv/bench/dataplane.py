@@ -25,30 +25,36 @@ machine's absolute speed drifts with load):
 from __future__ import annotations
 
 import os
-import time
 import uuid
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
 from memkv.bench.clients import ClientRun, run_clients
 from memkv.bench.context import BENCH_MAX_BODY_BYTES, BenchContext
-from memkv.bench.demotion import TIER_BLOCKS, DemotionRun, measure_demotions
+from memkv.bench.dataplane_probes import (
+    crc_gb_s,
+    demotion_note,
+    demotion_rows,
+    drain_cold,
+    memory_bytes,
+    put_cpu,
+    ray_hop_ms,
+)
+from memkv.bench.demotion import measure_demotions
 from memkv.bench.levels import (
     GB,
     MS,
-    P50,
     LevelResult,
-    from_latencies,
     from_runs,
     from_window,
     memcpy_level,
 )
 from memkv.bench.peers import bare_asgi_server, raw_socket_server, redis_server
-from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
+from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, track
 from memkv.bench.session_reads import NAMESPACE, PREFILL_MFU, h100_prefill_s, session_rows
-from memkv.protocol.checksum import CRC32_BACKEND, crc32
+from memkv.protocol.checksum import CRC32_BACKEND
 from memkv.protocol.layout import KVLayout
 
 __all__ = ["LevelResult", "memcpy_level", "run"]
@@ -119,75 +125,7 @@ TARGETS = {
 }
 
 
-def _crc_gb_s(nbytes: int) -> float:
-    data = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8)
-    reps = 20
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        crc32(data)
-    return reps * nbytes / (time.perf_counter() - t0) / GB
-
-
-def _ray_hop_ms(ctx: BenchContext) -> float:
-    """Round trip of a bare call to the device actor (the unit every Ray path pays)."""
-    import ray
-
-    cluster = ctx.get_cluster()
-    device = next(iter(ray.get(cluster.router.devices.remote()).values()))
-    ray.get(device.ping.remote())
-    lat = []
-    for _ in range(50):
-        t0 = time.perf_counter()
-        ray.get(device.ping.remote())
-        lat.append(time.perf_counter() - t0)
-    return percentile(lat, P50) * MS
-
-
-def _demotion_rows(runs: list[DemotionRun]) -> list[LevelResult]:
-    rows = []
-    for run in runs:
-        rows.append(
-            from_latencies(f"append demoting to cold ({run.mode})", "put", run.appends, run.nbytes)
-        )
-        # Throughput over the whole run, drain included: the median append alone
-        # would hide work the writer still had to do.
-        rows[-1] = replace(rows[-1], gb_s=run.gb_s)
-        if run.probes:
-            rows.append(
-                from_latencies(f"pool reader meanwhile ({run.mode})", "lock wait", run.probes, 0)
-            )
-    return rows
-
-
-def _demotion_note(runs: list[DemotionRun]) -> str:
-    calls = ", ".join(f"{r.mode} {r.cold_calls}" for r in runs)
-    return (
-        "appends demoting to cold (memkv.bench.demotion): a pool with full hot and warm tiers "
-        f"of {TIER_BLOCKS} blocks takes one block per append, so each append demotes one block "
-        "hot -> warm and one warm -> cold (zstd, the pool's own segment files, fsync off); GB/s "
-        "counts the drain of the writer's queue; the runs go inline, write-behind, inline again "
-        "(the repeat shows the machine's drift). 'pool reader meanwhile' is another thread's "
-        "wait for the pool's lock (asking where a block is, once a millisecond): inline the "
-        "cold write holds the lock. Cold-tier calls per run: "
-        f"{calls} (a cluster's archive adds one Ray call to each)."
-    )
-
-
 # -- the suite --------------------------------------------------------------------------------
-
-
-def _drain_cold(ctx: BenchContext, drains: list[float]) -> None:
-    """Wait for the devices' cold writers (demotions of earlier rounds); adds the seconds.
-
-    Demotions are written behind the appends that caused them: without this,
-    one round's queued cold writes would run during the next measurement.
-    """
-    import ray
-
-    start = time.perf_counter()
-    devices = ctx.get_cluster().devices.values()
-    ray.get([d.flush_cold.remote() for d in devices])
-    drains.append(time.perf_counter() - start)
 
 
 def _levels(
@@ -207,7 +145,7 @@ def _levels(
     def measure(kind: str, params: dict[str, Any], c: int, tag: str = "") -> list[list[ClientRun]]:
         return [
             run_clients(kind, {**params, "run": f"{run}{tag}-{c}-{k}"}, c,
-                        before_start=lambda: _drain_cold(ctx, drains))
+                        before_start=lambda: drain_cold(ctx, drains))
             for k in range(rounds)
         ]
 
@@ -290,57 +228,11 @@ def _levels(
         # what an engine's saves meet in steady state (the device demotes ahead of them).
         params = {"url": url, "layout": layout.to_dict(), "ops": append_ops,
                   "blocks": big // nbytes, "namespace": NAMESPACE, "block_port": True,
-                  "staged": True, "ballast_bytes": _memory_bytes(ctx) * 5 // 4,
+                  "staged": True, "ballast_bytes": memory_bytes(ctx) * 5 // 4,
                   "pause_s": FULL_DEVICE_PAUSE_S}
         out.append(from_runs(f"{GATEWAY_STAGED_FULL} ({big >> 20} MiB)", "append",
                               measure("gateway_append", params, 1), big))
     return out
-
-
-def _put_cpu(ctx: BenchContext, layout: KVLayout, puts: int) -> dict[str, float]:
-    """CPU milliseconds per block-port PUT at 1 client, per process (all its threads, Ray's
-    included), beside the raw socket client's: where a put's work is on this machine."""
-    import ray
-
-    cluster = ctx.get_cluster()
-    members = {"router": list(cluster.routers),
-               "device": list(ray.get(cluster.router.devices.remote()).values()),
-               "archive": list(ray.get(cluster.router.archives.remote()).values())}
-
-    def cpu() -> dict[str, float]:
-        # process_time in each actor's process: every thread, Ray's own included.
-        out = {"gateway": time.process_time()}  # the gateway runs in this process
-        for role, handles in members.items():
-            out[role] = sum(ray.get([h.__ray_call__.remote(lambda _self: time.process_time())
-                                     for h in handles]))
-        return out
-
-    params = {"url": ctx.get_gateway_url(), "layout": layout.to_dict(), "ops": puts,
-              "op": "put", "session_blocks": SESSION_BLOCKS, "namespace": NAMESPACE,
-              "block_port": True, "run": f"cpu-{uuid.uuid4().hex[:8]}"}
-    _drain_cold(ctx, [])
-    before = cpu()
-    runs = run_clients("gateway", params, 1)
-    after = cpu()
-    out = {role: MS * (after[role] - before[role]) / puts for role in before}
-    out["client"] = MS * runs[0].cpu_s / puts
-    with raw_socket_server(layout.block_nbytes()) as raw_port:
-        raw = run_clients("raw", {"nbytes": layout.block_nbytes(), "ops": puts, "op": "put",
-                                  "port": raw_port}, 1)
-    out["raw socket client"] = MS * raw[0].cpu_s / puts
-    return out
-
-
-def _memory_bytes(ctx: BenchContext) -> int:
-    """Bytes the devices' memory tiers hold (hot and warm), from their stats."""
-    import ray
-
-    from memkv.protocol.stats import DeviceStats
-
-    stats: list[DeviceStats] = ray.get(
-        [d.stats.remote() for d in ctx.get_cluster().devices.values()])
-    return sum(t.capacity_bytes or 0 for s in stats for name, t in s.tiers.items()
-               if name in ("hot", "warm"))
 
 
 def run(ctx: BenchContext) -> SuiteResult:
@@ -361,7 +253,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         )
         results += _levels(ctx, layout, levels, ops, redis_port, 1 if quick else ROUNDS, drains)
     session_tokens = QUICK_SESSION_TOKENS if quick else SESSION_TOKENS
-    _drain_cold(ctx, [])
+    drain_cold(ctx, [])
     results += session_rows(ctx, layout, session_tokens, reps, "4k")
     real_size: dict[str, Any] = {}
     if not quick:
@@ -375,11 +267,11 @@ def run(ctx: BenchContext) -> SuiteResult:
             "h100_prefill_s_at_mfu": typical,
             "break_even_gb_s": big[0].block_bytes / typical / GB,
         }
-    put_cpu = _put_cpu(ctx, layout, QUICK_CPU_PUTS if quick else CPU_PUTS)
-    hop_ms = _ray_hop_ms(ctx)
-    crc_gb_s = _crc_gb_s(nbytes)
+    cpu_ms = put_cpu(ctx, layout, QUICK_CPU_PUTS if quick else CPU_PUTS, SESSION_BLOCKS)
+    hop_ms = ray_hop_ms(ctx)
+    crc_speed = crc_gb_s(nbytes)
     demotions = measure_demotions(layout, QUICK_DEMOTIONS if quick else DEMOTIONS)
-    results += _demotion_rows(demotions)
+    results += demotion_rows(demotions)
 
     def find(target: str, op: str, c: int = 1) -> LevelResult | None:
         return next(
@@ -488,8 +380,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         f"{bare_put.p50_ms if bare_put else float('nan'):.2f} ms put (uvicorn hands a body "
         "over in uvloop's 256 KiB reads, each copied by the parser, joined into the cycle's "
         "buffer and copied again into the ASGI message); one Ray call to the device "
-        f"{hop_ms:.2f} ms round trip; CRC32 ({CRC32_BACKEND}) {crc_gb_s:.1f} GB/s "
-        f"({nbytes / crc_gb_s / 1e6:.2f} ms per block, made by the writer, checked by the "
+        f"{hop_ms:.2f} ms round trip; CRC32 ({CRC32_BACKEND}) {crc_speed:.1f} GB/s "
+        f"({nbytes / crc_speed / 1e6:.2f} ms per block, made by the writer, checked by the "
         "reader). A get the gateway can serve from a read plan it holds costs no Ray call "
         "(it plans 8 blocks ahead where they are in memory); a put makes 3 Ray calls in "
         "sequence (the router; the router's to the device; the router's journal flush to an "
@@ -498,15 +390,15 @@ def run(ctx: BenchContext) -> SuiteResult:
         "1.0 ms the body; each process is mostly idle, waiting on the next): the gateway "
         "reads the body into its staging "
         "segment in shared memory and the device copies the block from there into its arena "
-        "(no object store; memkv.staging). In-cluster session reads are timed after an "
+        "(no object store; memkv.shm.staging). In-cluster session reads are timed after an "
         "untimed pass over the object store's worth of bytes (first-touch page faults).",
     ]
-    server_cpu = sum(v for k, v in put_cpu.items() if k not in ("client", "raw socket client"))
+    server_cpu = sum(v for k, v in cpu_ms.items() if k not in ("client", "raw socket client"))
     notes.append(
         f"CPU per {nbytes / (1 << 20):.3g} MiB block-port PUT at 1 client (process time of "
         "every thread, Ray's included, over a run of its own): "
-        + ", ".join(f"{k} {v:.2f} ms" for k, v in put_cpu.items() if k != "raw socket client")
-        + f"; the raw socket's client {put_cpu['raw socket client']:.2f} ms. memkv's servers "
+        + ", ".join(f"{k} {v:.2f} ms" for k, v in cpu_ms.items() if k != "raw socket client")
+        + f"; the raw socket's client {cpu_ms['raw socket client']:.2f} ms. memkv's servers "
         f"spend {server_cpu:.1f} ms of CPU on each put: three Ray calls in sequence (gateway to "
         "router, router to device, router to an archive's journal), each costing both of its "
         "ends CPU, besides the body's copies. With puts in flight side by side (the pipelined "
@@ -560,7 +452,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         "rounds' puts were deduplicated and their gets read blocks already under read plans "
         "(the 1-client HTTP GET was 0.82x bare ASGI then)."
     )
-    notes.append(_demotion_note(demotions))
+    notes.append(demotion_note(demotions))
     if drains:
         notes.append(
             "before every timed round (and the session reads) the devices' cold writers are "
@@ -609,8 +501,8 @@ def run(ctx: BenchContext) -> SuiteResult:
             "block_bytes": nbytes,
             "redis": redis_port is not None,
             "ray_hop_ms": hop_ms,
-            "put_cpu_ms": put_cpu,
-            "crc32_gb_s": crc_gb_s,
+            "put_cpu_ms": cpu_ms,
+            "crc32_gb_s": crc_speed,
             "real_size": real_size,
             "redis_found": redis_how,
             "targets": TARGETS,

@@ -146,7 +146,7 @@ def _measure_size(
     from memkv.integrations.reference_model import cache_kv
     from memkv.integrations.transformers import greedy_decode, kv_to_cache, restore, save_turn
     from memkv.storage.config import ArchiveConfig, StoreConfig, validated
-    from memkv.storage.store import TieredStore
+    from memkv.store import TieredStore
 
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(SEED + n)

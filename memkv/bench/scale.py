@@ -181,7 +181,7 @@ def _table_bytes_per_session(n: int) -> float:
     """
     import tracemalloc
 
-    from memkv.storage.router.state import RouterState
+    from memkv.router.state import RouterState
 
     state = RouterState()
     layout = LAYOUT.to_dict()

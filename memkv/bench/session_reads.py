@@ -52,9 +52,9 @@ def _store_session(ctx: BenchContext, layout: KVLayout, tokens: int, tag: str) -
 def _same_node_reads(route: Any, reps: int) -> list[float]:
     import ray
 
-    from memkv.same_node import SameNodeReader
+    from memkv.shm.same_node import SameNodeReader
 
-    layout = KVLayout.from_dict(route.layout)
+    layout: KVLayout = route.layout
     out = [np.empty(layout.block_nbytes(n), dtype=np.uint8) for n in route.tokens]
     node = ray.get_runtime_context().get_node_id()
     lat = []
@@ -81,7 +81,7 @@ def _in_cluster_reads(ctx: BenchContext, sid: str, route: Any, reps: int) -> lis
     # fresh process's first pass over the store's pages pays page faults (64 MiB:
     # 43 ms against 25 ms once touched, measured here; Ray's preallocation of the
     # store did not remove it) that a long-running cluster paid long ago.
-    layout = KVLayout.from_dict(route.layout)
+    layout: KVLayout = route.layout
     session_bytes = max(1, sum(layout.block_nbytes(n) for n in route.tokens))
     warm = 1 + -(-_object_store_bytes() // session_bytes)
     lat = []
@@ -104,7 +104,7 @@ def _object_store_bytes() -> int:
 def _gateway_session_reads(
     url: str, sid: str, route: Any, reps: int, block_port: bool
 ) -> list[float]:
-    layout = KVLayout.from_dict(route.layout)
+    layout: KVLayout = route.layout
     params = {
         "url": url,
         "block_port": block_port,

@@ -8,8 +8,8 @@ import torch
 
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.layout import KVLayout
+from memkv.router.sessions import SessionTable
 from memkv.storage.block_pool import BlockPool
-from memkv.storage.sessions import SessionTable
 
 __all__ = ["OneBlockSessions"]
 

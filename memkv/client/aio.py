@@ -37,13 +37,14 @@ from memkv.client.views import (
 )
 from memkv.port_connection import AsyncPortConnection, PortError
 from memkv.protocol.layout import KVLayout
+from memkv.protocol.port import AppendRequest, PortRequest, ReadRequest, Reply
 from memkv.protocol.wire import (
     WireError,
 )
 
 if TYPE_CHECKING:
     from memkv.client.reserved import DeviceSegments, SlotReservation
-    from memkv.staging import PutStaging
+    from memkv.shm.staging import PutStaging
 
 logger = logging.getLogger(__name__)
 
@@ -121,16 +122,17 @@ class AsyncClient:
             return self._port
 
     async def _over_port(
-        self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()
-    ) -> tuple[AsyncPortConnection, dict[str, Any], int | None, asyncio.Future[None]] | None:
-        """A request over the block port, retried like HTTP's; None: no port, use HTTP."""
+        self, request: PortRequest, body: Sequence[bytes | memoryview] = ()
+    ) -> tuple[AsyncPortConnection, Reply, int | None, asyncio.Future[None]] | None:
+        """A request over the block port (its id 0: the connection numbers it),
+        retried like HTTP's; None: no port, use HTTP."""
         async for attempt in async_retrying(self._retries):
             with attempt:
                 conn = await self._port_connection()
                 if conn is None:
                     return None
                 try:
-                    reply, length, done = await conn.request(header, body)
+                    reply, length, done = await conn.request(request, body)
                 except PortError as e:
                     raise port_error(e) from None
                 except (OSError, WireError):
@@ -294,11 +296,11 @@ class AsyncClient:
     ) -> TurnResult:
         body, _ = append_body(session, token_ids, blocks, keys, values, start_block, turn,
                               staging, reserved=reserved)
-        sent = await self._over_port({"op": "append", "session_id": session.session_id}, body)
+        sent = await self._over_port(AppendRequest(id=0, session_id=session.session_id), body)
         if sent is not None:
             _, reply, _, done = sent
             done.set_result(None)
-            result = parse_turn(reply["result"])
+            result = parse_turn(reply.result or {})
         else:
             r = await self._request(
                 "POST",
@@ -315,8 +317,8 @@ class AsyncClient:
         self, session_id: str, start: int = 0, end: int | None = None
     ) -> AsyncIterator[Block]:
         seen = self._known.read_turn(session_id)
-        sent = await self._over_port({"op": "read", "session_id": session_id, "start": start,
-                                      "end": end, "turn": seen})
+        sent = await self._over_port(ReadRequest(id=0, session_id=session_id, start=start,
+                                                 end=end, turn=seen))
         if sent is not None:
             async for block in _port_blocks(*sent):
                 yield block
@@ -347,7 +349,7 @@ class AsyncClient:
 
 
 async def _port_blocks(
-    conn: AsyncPortConnection, reply: dict[str, Any], length: int | None,
+    conn: AsyncPortConnection, reply: Reply, length: int | None,
     done: asyncio.Future[None],
 ) -> AsyncIterator[Block]:
     """The blocks of a block port reply of ``length`` bytes, read to its end."""

@@ -22,7 +22,7 @@ from memkv.protocol.hashing import token_array
 from memkv.protocol.layout import KVLayout
 
 if TYPE_CHECKING:
-    from memkv.staging import PutStaging
+    from memkv.shm.staging import PutStaging
 
 __all__ = ["AppendStaging", "KnownSessions", "layout_conflict"]
 
@@ -52,7 +52,7 @@ class AppendStaging:
         """The segment, made on the first call (of ``nbytes``, its pages populated)."""
         with self._lock:
             if self.segment is None:
-                from memkv.staging import client_staging  # numpy and torch: only when used
+                from memkv.shm.staging import client_staging  # numpy and torch: only when used
 
                 self.segment = client_staging(nbytes)
                 if self.segment is not None:

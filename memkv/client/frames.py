@@ -6,25 +6,28 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import numpy as np
 
 from memkv import errors
 from memkv.client.views import Block, SessionView
 from memkv.protocol.checksum import crc32
 from memkv.protocol.dtypes import numpy_view_dtype
-from memkv.protocol.exactness import lossy_name
+from memkv.protocol.frame_headers import (
+    BlockHeader,
+    EndHeader,
+    decode_response_header,
+    response_header,
+)
 from memkv.protocol.hashing import BlockHash, chain_hashes, token_array
 from memkv.protocol.layout import KV_AXIS_SIZE, KVLayout
 
 if TYPE_CHECKING:
     from memkv.client.reserved import SlotReservation
-    from memkv.staging import PutStaging
+    from memkv.shm.staging import PutStaging
 
 from memkv.protocol.wire import (
     MAGIC,
     MAX_HEADER_BYTES,
-    TIER_NAMES,
     FrameReader,
     WireError,
     block_payload,
@@ -161,50 +164,30 @@ def _staged_at(staging: PutStaging | None, array: np.ndarray) -> int | None:
         return None
 
 
-def check_block_header(header: dict[str, Any], count: int) -> tuple[bytes, str, list[int], int]:
-    key, dtype, shape, nbytes = (
-        header.get("key"),
-        header.get("dtype"),
-        header.get("shape"),
-        header.get("nbytes"),
-    )
-    if not isinstance(key, bytes) or not isinstance(dtype, str) or not isinstance(shape, list):
-        raise WireError(f"block frame {count}: malformed header {header!r:.200}")
-    if not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_BLOCK_BYTES:
-        raise WireError(f"block frame {count}: bad 'nbytes' {nbytes!r}")
-    item = numpy_view_dtype(dtype).itemsize
-    if int(np.prod(shape, dtype=np.int64)) * item != nbytes:
-        raise WireError(f"block frame {count}: shape {shape} of {dtype} is not {nbytes} bytes")
-    return key, dtype, shape, nbytes
+def check_block_header(header: BlockHeader, count: int) -> int:
+    """The payload size of block frame ``count``, checked against its shape and dtype."""
+    if not header.nbytes <= MAX_BLOCK_BYTES:
+        raise WireError(f"block frame {count}: bad 'nbytes' {header.nbytes!r}")
+    try:
+        item = numpy_view_dtype(header.dtype).itemsize
+    except errors.LayoutMismatchError as e:
+        raise WireError(f"block frame {count}: {e}") from None
+    if int(np.prod(header.shape, dtype=np.int64)) * item != header.nbytes:
+        raise WireError(f"block frame {count}: shape {header.shape} of {header.dtype} is not "
+                        f"{header.nbytes} bytes")
+    return header.nbytes
 
 
-def tier_name(raw: object) -> str | None:
-    if isinstance(raw, int):
-        return TIER_NAMES.get(raw)
-    return raw if isinstance(raw, str) else None
-
-
-def make_block(
-    header: dict[str, Any], key: bytes, dtype: str, shape: list[int], buf: np.ndarray,
-    received_crc: int | None = None,
-) -> Block:
+def make_block(header: BlockHeader, buf: np.ndarray, received_crc: int | None = None) -> Block:
     """The block ``buf`` holds, once its CRC32 (``received_crc``: made as it arrived)
     matches its header's."""
-    crc = header.get("crc32")
     if received_crc is None:
         received_crc = crc32(buf)
-    if not isinstance(crc, int) or received_crc != crc:
-        raise WireError(f"block {header.get('index')}: payload checksum does not match its header")
-    array = buf.view(numpy_view_dtype(dtype)).reshape(shape)
-    return Block(
-        int(header.get("index", 0)),
-        key,
-        array,
-        dtype,
-        tier_name(header.get("tier")),
-        bool(header.get("exact", True)),
-        lossy_name(header.get("lossy")),
-    )
+    if header.crc32 is None or received_crc != header.crc32:
+        raise WireError(f"block {header.index}: payload checksum does not match its header")
+    array = buf.view(numpy_view_dtype(header.dtype)).reshape(header.shape)
+    return Block(header.index, header.key, array, header.dtype, header.tier_name,
+                 header.exact, header.lossy_name)
 
 
 class BlockStream:
@@ -217,25 +200,17 @@ class BlockStream:
 
     def feed(self, chunk: bytes) -> Iterator[Block]:
         for frame in self._reader.feed(chunk):
-            if frame.kind == "end":
-                if frame.header.get("count") != self._count:
-                    raise WireError(
-                        f"stream ended after {self._count} blocks, its end frame says "
-                        f"{frame.header.get('count')}"
-                    )
+            header = response_header(frame.header)
+            if isinstance(header, EndHeader):
+                if header.count != self._count:
+                    raise WireError(f"stream ended after {self._count} blocks, its end frame "
+                                    f"says {header.count}")
                 self._ended = True
                 continue
             key, dtype, array = block_payload(frame)
             self._count += 1
-            yield Block(
-                int(frame.header["index"]),
-                key,
-                array,
-                dtype,
-                tier_name(frame.header.get("tier")),
-                bool(frame.header.get("exact", True)),
-                lossy_name(frame.header.get("lossy")),
-            )
+            yield Block(header.index, key, array, dtype, header.tier_name, header.exact,
+                        header.lossy_name)
 
     def close(self) -> None:
         self._reader.close()
@@ -319,28 +294,20 @@ def read_block_frames(
         header_len = int.from_bytes(prefix[4:], "little")
         if header_len > MAX_HEADER_BYTES:
             raise WireError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
-        try:
-            header = msgpack.unpackb(read_exact(response, header_len, "a header"), raw=False)
-        except (ValueError, msgpack.UnpackException) as e:
-            raise WireError(f"frame header is not valid msgpack: {e}") from e
-        if not isinstance(header, dict):
-            raise WireError("a frame header must be a msgpack map")
-        kind = header.get("kind")
-        if kind == "end":
-            if header.get("count") != count:
+        header = decode_response_header(read_exact(response, header_len, "a header"))
+        if isinstance(header, EndHeader):
+            if header.count != count:
                 raise WireError(
-                    f"stream ended after {count} blocks, its end frame says {header.get('count')}"
+                    f"stream ended after {count} blocks, its end frame says {header.count}"
                 )
             if body_ends and response.read(1):
                 raise WireError("bytes after the end frame")
             return
-        if kind != "block":
-            raise WireError(f"expected a block or end frame, got {kind!r}")
-        key, dtype, shape, nbytes = check_block_header(header, count)
+        nbytes = check_block_header(header, count)
         buf = destination(out, count, nbytes)
         received_crc = read_into(response, buf)
         count += 1
-        yield make_block(header, key, dtype, shape, buf, received_crc)
+        yield make_block(header, buf, received_crc)
 
 
 # -- the sync client ---------------------------------------------------------------------------

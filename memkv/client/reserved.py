@@ -140,7 +140,7 @@ def reservation_body(blocks: int, tokens: Sequence[int] | None, ttl_s: float) ->
 def parse_reservation(doc: dict[str, Any], segments: DeviceSegments) -> SlotReservation | None:
     """The gateway's answer as a reservation this process can write into (None: none was
     made, or it is of another host, or its segment cannot be mapped here)."""
-    from memkv.same_node import shm_identity
+    from memkv.shm.same_node import shm_identity
 
     if not doc.get("id"):
         logger.debug("no write reservation: %s", doc.get("reason"))

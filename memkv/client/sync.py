@@ -40,14 +40,15 @@ from memkv.client.views import (
 )
 from memkv.port_connection import PortConnection, PortError, ReplyBody
 from memkv.protocol.layout import KVLayout
+from memkv.protocol.port import AppendRequest, PortRequest, ReadKeysRequest, ReadRequest, Reply
 from memkv.protocol.wire import (
     WireError,
 )
 
 if TYPE_CHECKING:
     from memkv.client.reserved import DeviceSegments, SlotReservation
-    from memkv.same_node import HostLease
-    from memkv.staging import PutStaging
+    from memkv.shm.same_node import HostLease
+    from memkv.shm.staging import PutStaging
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +134,10 @@ class Client:
         return port if isinstance(port, int) and not isinstance(port, bool) else None
 
     def _over_port(
-        self, header: dict[str, Any], body: Sequence[bytes | memoryview] = ()
-    ) -> tuple[PortConnection, dict[str, Any], ReplyBody] | None:
-        """A request over the block port, retried like HTTP's; None: no port, use HTTP."""
+        self, request: PortRequest, body: Sequence[bytes | memoryview] = ()
+    ) -> tuple[PortConnection, Reply, ReplyBody] | None:
+        """A request over the block port (its id 0: the connection numbers it),
+        retried like HTTP's; None: no port, use HTTP."""
         ports = self._ports
         assert ports is not None
         for attempt in retrying(self._retries):
@@ -144,7 +146,7 @@ class Client:
                 if conn is None:
                     return None
                 try:
-                    reply, reply_body = conn.request(header, body)
+                    reply, reply_body = conn.request(request, body)
                 except PortError as e:
                     if conn.broken or e.status in RETRY_STATUSES:
                         ports.drop()
@@ -314,7 +316,7 @@ class Client:
         """The shared-memory segments of the devices on the gateway's host (``device_id``,
         ``incarnation``, ``segment``, ``segment_bytes``, ``reservable``); [] where the
         gateway runs on another host."""
-        from memkv.same_node import shm_identity
+        from memkv.shm.same_node import shm_identity
 
         doc = self._request("GET", "/v1/segments", idempotent=True).json()
         if doc.get("host") != shm_identity():
@@ -404,12 +406,12 @@ class Client:
                               staging, reserved=reserved)
         path = f"/v1/sessions/{session.session_id}/turns"
         sent = (
-            self._over_port({"op": "append", "session_id": session.session_id}, body)
+            self._over_port(AppendRequest(id=0, session_id=session.session_id), body)
             if self._ports is not None
             else None
         )
         if sent is not None:
-            result = parse_turn(sent[1]["result"])
+            result = parse_turn(sent[1].result or {})
         elif self._blocks is None:
             r = self._request(
                 "POST",
@@ -454,8 +456,8 @@ class Client:
             query += f"&turn={seen}"
         path = f"/v1/sessions/{session_id}/blocks?{query}"
         sent = (
-            self._over_port({"op": "read", "session_id": session_id, "start": start, "end": end,
-                             "turn": seen})
+            self._over_port(ReadRequest(id=0, session_id=session_id, start=start, end=end,
+                                        turn=seen))
             if self._ports is not None
             else None
         )
@@ -504,8 +506,8 @@ class Client:
             raise errors.InvalidInputError(f"{len(keys)} keys need as many out buffers, "
                                            f"got {len(out)}")
         sent = (
-            self._over_port({"op": "read_keys", "namespace": namespace,
-                             "keys": [bytes(k) for k in keys]})
+            self._over_port(ReadKeysRequest(id=0, namespace=namespace,
+                                            keys=[bytes(k) for k in keys]))
             if self._ports is not None
             else None
         )
@@ -539,11 +541,11 @@ class Client:
         """Pin blocks in the gateway host's shared memory and learn where they are.
 
         Of use only on the gateway's host (``lease.local``): copy them with
-        :func:`memkv.same_node.copy_entries`, check each CRC32, and give every
+        :func:`memkv.shm.same_node.copy_entries`, check each CRC32, and give every
         plan back with :meth:`release_lease`. Blocks answered None: read them
         with :meth:`read_blocks_by_key`. Not retried (a retry would pin twice).
         """
-        from memkv.same_node import HostLease
+        from memkv.shm.same_node import HostLease
 
         body = {"namespace": namespace, "keys": [bytes(k).hex() for k in keys], "ttl_s": ttl_s}
         doc = self._request("POST", "/v1/blocks/lease", json=body, idempotent=False).json()

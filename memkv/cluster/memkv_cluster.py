@@ -13,10 +13,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TypeVar
 
-import msgspec
 import numpy as np
 import ray
 import torch
@@ -28,13 +27,10 @@ from tenacity import (
     stop_after_attempt,
 )
 
-from memkv.actors.handles import ACTOR_GONE_ERRORS, DeviceHandle
-from memkv.actors.payload import (
-    READ_BATCH_BLOCKS,
-    READ_WINDOW_BATCHES,
-    BlockPayload,
-    from_payload,
-    to_payload,
+from memkv.actors.handles import (
+    ACTOR_GONE_ERRORS,
+    MemberHandle,
+    Pending,
 )
 from memkv.actors.restarts import through_restarts
 from memkv.actors.router_shards import (
@@ -44,11 +40,14 @@ from memkv.actors.router_shards import (
     merge_prefix,
     merge_stats,
 )
+from memkv.cluster.operations import NodeDrain, drain_node, drain_to_archive
 from memkv.config import MemkvConfig
 from memkv.errors import InvalidInputError, UnknownBlockError, WrongNodeError
 from memkv.protocol.enums import parse_ack, parse_priority
 from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.members import Answer, BlockReader
 from memkv.protocol.messages import PlanEntry, ReadPlan
+from memkv.protocol.payload import READ_BATCH_BLOCKS, READ_WINDOW_BATCHES, BlockPayload
 from memkv.protocol.services import (
     AppendAnswer,
     AppendTurn,
@@ -57,55 +56,17 @@ from memkv.protocol.services import (
     ResumeAnswer,
     SessionView,
 )
-from memkv.protocol.stats import ClusterStats, DrainReport
-from memkv.same_node import HostLease, SameNodeReader, shm_identity
-from memkv.staging import PutStaging, staging_for, staging_node
+from memkv.protocol.stats import ClusterStats
+from memkv.shm.same_node import HostLease, SameNodeReader, shm_identity
+from memkv.shm.staging import PutStaging, staging_for, staging_node
 from memkv.storage.layout import KVLayout, split_kv
+from memkv.storage.payloads import from_payload, to_payload
 
 __all__ = ["MemkvCluster", "NodeDrain"]
 
 logger = logging.getLogger(__name__)
 
-#: Repair passes a node drain runs for its archive's blocks to have their copies
-#: elsewhere (one is enough unless an archive is lost meanwhile).
-_DRAIN_REPAIR_PASSES = 3
-
-
-@dataclass(frozen=True)
-class NodeDrain:
-    """What :meth:`MemkvCluster.drain_node` did."""
-
-    node: str
-    devices: list[str]
-    archives: list[str]
-    reports: list[DrainReport]  # one per device and router shard
-    blocks_short: int  # blocks still short of copies on the archives that stay
-    seconds: float
-
-    @property
-    def sessions_moved(self) -> int:
-        return sum(r.sessions_moved for r in self.reports)
-
-    @property
-    def lost(self) -> tuple[int, int]:
-        """(sessions lost, tokens lost): both 0 when every block reached the archives."""
-        return (sum(r.sessions_lost for r in self.reports),
-                sum(r.tokens_lost for r in self.reports))
-
-    @property
-    def bytes_moved(self) -> int:
-        return sum(r.bytes_moved for r in self.reports)
-
-    def document(self) -> dict[str, Any]:
-        """As plain JSON values (``memkv drain --json``)."""
-        return {
-            "node": self.node, "devices": self.devices, "archives": self.archives,
-            "sessions_moved": self.sessions_moved, "bytes_moved": self.bytes_moved,
-            "sessions_lost": self.lost[0], "tokens_lost": self.lost[1],
-            "blocks_short": self.blocks_short, "seconds": self.seconds,
-            "reports": [msgspec.to_builtins(r) for r in self.reports],
-        }
-
+_T = TypeVar("_T")
 
 # A read that hits a device while it restarts is retried this often after the
 # router has recovered the device.
@@ -116,12 +77,11 @@ _CLOSE_TIMEOUT_S = 30.0
 ROUTER_RESTART_WAIT_S = 120.0
 
 
-def _from_router(method: Any, *args: Any) -> Any:
-    """``ray.get(method.remote(*args))`` of a router shard's method, sent again while
-    the router restarts (reads and recoveries only: they change nothing a second
-    call would change again, so one that ran before its answer was lost is safe)."""
-    return through_restarts(lambda: ray.get(method.remote(*args)),
-                            timeout_s=ROUTER_RESTART_WAIT_S)
+def _from_router(call: Callable[[], Pending[_T]]) -> _T:
+    """A router shard's answer to ``call()``, asked again while the router restarts
+    (reads and recoveries only: they change nothing a second call would change
+    again, so one that ran before its answer was lost is safe)."""
+    return through_restarts(lambda: call().result(), timeout_s=ROUTER_RESTART_WAIT_S)
 
 
 class MemkvCluster:
@@ -152,7 +112,7 @@ class MemkvCluster:
         self._closed = False
         self._readers: dict[str, SameNodeReader] = {}
         self._remote_devices: set[str] = set()  # devices of other nodes: no same-node reads
-        # Appends staged in shared memory for this node's devices (memkv.staging):
+        # Appends staged in shared memory for this node's devices (memkv.shm.staging):
         # made on the first append, None when no device runs here (or after a refusal).
         self._staging: PutStaging | None = None
         self._staging_checked = False
@@ -234,7 +194,7 @@ class MemkvCluster:
         """Store blocks ``start_block ..`` of a session whose tokens so far are ``token_ids``.
 
         ``staging``: a segment of the caller's the blocks were written into
-        (:func:`memkv.staging.staging_for`): a device of this node copies them
+        (:func:`memkv.shm.staging.staging_for`): a device of this node copies them
         from there, with no copy on this side.
         """
         record = self.session(session_id)
@@ -306,7 +266,7 @@ class MemkvCluster:
         """This process's staging segment, made once a device runs on its node."""
         if not self._staging_checked:
             self._staging_checked = True
-            self._staging = staging_for(self.devices.values(),
+            self._staging = staging_for([MemberHandle(d) for d in self.devices.values()],
                                         self.config.gateway.put_staging_bytes)
         return self._staging
 
@@ -341,13 +301,15 @@ class MemkvCluster:
         """:meth:`read_session`'s blocks with what is known of each: ``exact`` (False
         once its bytes went through a lossy step), ``lossy`` (which one:
         memkv.protocol.exactness), ``tier`` (where it was found); ``data`` is a
-        read-only view (``memkv.actors.payload.from_payload`` makes the tensor)."""
+        read-only view (``memkv.protocol.payload.from_payload`` makes the tensor)."""
         position = start
         attempt = 0
-        router = self.routers.of(session_id)
+        service = self.routers.service(session_id)
         while True:
-            route = _from_router(router.read_route, session_id, position, end)
+            route = _from_router(partial(service.read_route, session_id, position, end))
             device_id, device = route.device_id, route.device
+            if device is None:  # the session holds no block yet
+                return
             try:
                 for payload in _pipelined(device, list(route.keys), session_id):
                     position += 1
@@ -357,15 +319,15 @@ class MemkvCluster:
                 if attempt >= _DEVICE_RETRIES:
                     raise
                 attempt += 1
-                _from_router(router.device_failed, device_id)
+                _from_router(partial(service.device_failed, device_id))
 
     def get_blocks(self, session_id: str, keys: Sequence[bytes]) -> list[torch.Tensor]:
         """Blocks by key from the session's device (retried once if the device restarted)."""
-        router = self.routers.of(session_id)
+        service = self.routers.service(session_id)
         asked: list[str] = []  # the device of each attempt
 
         def recover(_: RetryCallState) -> None:
-            _from_router(router.device_failed, asked[-1])  # it recovers it
+            _from_router(partial(service.device_failed, asked[-1]))  # it recovers it
 
         for attempt in Retrying(
             retry=retry_if_exception_type(ACTOR_GONE_ERRORS),
@@ -374,9 +336,9 @@ class MemkvCluster:
             reraise=True,
         ):
             with attempt:
-                device_id, device = _from_router(router.device_of, session_id)
+                device_id, device = _from_router(partial(service.device_of, session_id))
                 asked.append(device_id)
-                payloads = ray.get(device.get_blocks.remote([bytes(k) for k in keys], session_id))
+                payloads = device.get_blocks([bytes(k) for k in keys], session_id).result()
                 return [from_payload(p) for p in payloads]
         raise AssertionError("unreachable: Retrying reraises")  # pragma: no cover
 
@@ -402,7 +364,7 @@ class MemkvCluster:
             UnknownBlockError: a key that no device of the namespace holds.
         """
         wanted = [bytes(k) for k in keys]
-        groups = merge_located(ray.get(self.routers.locate_blocks(wanted, namespace)))
+        groups = merge_located([p.result() for p in self.routers.locate_blocks(wanted, namespace)])
         found: dict[bytes, BlockPayload] = {}
         for device_id, device, group in groups:
             if same_node and device_id not in self._remote_devices:
@@ -413,7 +375,7 @@ class MemkvCluster:
                     copies = []
                 for c in copies:
                     found[c.key] = BlockPayload(c.key, c.dtype, c.array, c.found, c.exact, c.lossy)
-            for payload in ray.get(device.get_blocks.remote([k for k in group if k not in found])):
+            for payload in device.get_blocks([k for k in group if k not in found]).result():
                 found[payload.key] = payload
         missing = [k for k in wanted if k not in found]
         if missing:
@@ -435,7 +397,7 @@ class MemkvCluster:
             UnknownBlockError: a key that no device of the namespace holds.
         """
         wanted = [bytes(k) for k in keys]
-        groups = merge_located(ray.get(self.routers.locate_blocks(wanted, namespace)))
+        groups = merge_located([p.result() for p in self.routers.locate_blocks(wanted, namespace)])
         plans: list[tuple[SameNodeReader, ReadPlan]] = []
         where: dict[bytes, tuple[ReadPlan, PlanEntry]] = {}
         for device_id, device, group in groups:
@@ -462,7 +424,7 @@ class MemkvCluster:
                           tuple(where.get(k) for k in wanted))
         return lease, release
 
-    def _reader(self, device_id: str, device: ActorHandle) -> SameNodeReader:
+    def _reader(self, device_id: str, device: BlockReader) -> SameNodeReader:
         """One reader per device: its segment mappings are kept between reads."""
         reader = self._readers.get(device_id)
         if reader is None:
@@ -484,9 +446,9 @@ class MemkvCluster:
         return merge_stats(ray.get(self.routers.stats()))
 
     def device_of(self, session_id: str) -> str:
-        router = self.routers.of(session_id)
-        device_id, _ = _from_router(router.device_of, session_id)
-        return str(device_id)
+        service = self.routers.service(session_id)
+        device_id, _ = _from_router(partial(service.device_of, session_id))
+        return device_id
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -500,61 +462,9 @@ class MemkvCluster:
             ray.shutdown()
 
     def drain_node(self, node_id: str | None = None) -> NodeDrain:
-        """Move everything off a Ray node that is about to leave, losing nothing.
-
-        Its archive stops counting as a replica (repair copies its blocks to the
-        others while it can still be read), every device on it hands its
-        sessions to devices elsewhere (:mod:`memkv.storage.router.drain`; reads
-        are served throughout), then repair runs until every block some session
-        holds has its copies on the archives that stay.
-
-        Args:
-            node_id: the Ray node id (a unique prefix will do); None: this
-                process's node (a worker pod's preStop hook).
-
-        Raises:
-            InvalidInputError: no memkv device or archive runs on that node.
-        """
-        started = time.monotonic()
-        node_id = node_id or ray.get_runtime_context().get_node_id()
-        # The router's members now (this client's may be stale: lost, joined).
-        self.devices = dict(ray.get(self.router.devices.remote()))
-        self.archives = dict(ray.get(self.router.archives.remote()))
-        devices = self._members_on(node_id, self.devices, "node")
-        archives = self._members_on(node_id, self.archives, "node")
-        if not devices and not archives:
-            raise InvalidInputError(f"no memkv device or archive runs on node {node_id}")
-        for archive in archives:
-            ray.get([h.retire_archive.remote(archive) for h in self.routers.handles])
-        reports = []
-        for device in devices:
-            for shard in self.routers.handles:
-                reports.append(ray.get(shard.drain_device.remote(device)))
-            self.devices.pop(device, None)
-        repair = None
-        if archives:
-            for _ in range(_DRAIN_REPAIR_PASSES):
-                repair = ray.get(self.router.repair_replicas.remote())
-                if repair.under_replicated == 0:
-                    break
-        return NodeDrain(
-            node=node_id, devices=devices, archives=archives, reports=reports,
-            blocks_short=repair.under_replicated if repair is not None else 0,
-            seconds=round(time.monotonic() - started, 3),
-        )
-
-    def _members_on(self, node_id: str, members: dict[str, ActorHandle], method: str
-                    ) -> list[str]:
-        """Names of ``members`` whose ``node()`` is ``node_id`` (or a prefix of it either way)."""
-        found = []
-        for name in sorted(members):
-            try:
-                at = str(ray.get(getattr(members[name], method).remote()))
-            except ACTOR_GONE_ERRORS:
-                continue  # gone already: nothing of it to move
-            if at.startswith(node_id) or node_id.startswith(at):
-                found.append(name)
-        return found
+        """Move everything off a Ray node that is about to leave, losing nothing
+        (:func:`memkv.cluster.operations.drain_node`)."""
+        return drain_node(self, node_id)
 
     def drain_to_archive(
         self,
@@ -562,42 +472,10 @@ class MemkvCluster:
         progress: Callable[[str, int, int], None] | None = None,
         batch_blocks: int = 64,
     ) -> bool:
-        """Give every held block a durable archive copy (a planned stop).
-
-        Devices write, batch by batch, the blocks their sessions hold that live
-        only in memory; the router shards' journals are made durable last. A
-        restart then serves every session again, ``memory`` mode included.
-        Stops at ``timeout_s`` (what is left is lost with the memory, as in a
-        crash). ``progress(device_id, written so far, left)`` after each batch.
-        Returns whether everything was written.
-        """
-        deadline = time.monotonic() + timeout_s
-        complete = True
-        for device_id, handle in sorted(self.devices.items()):
-            written = 0
-            while True:
-                left_s = deadline - time.monotonic()
-                if left_s <= 0:
-                    complete = False
-                    break
-                try:
-                    done, left = DeviceHandle(handle).archive_held(batch_blocks).result(left_s)
-                except (*ACTOR_GONE_ERRORS, ray.exceptions.GetTimeoutError) as e:
-                    logger.warning("device %s was not drained: %s", device_id, e)
-                    complete = False
-                    break
-                written += int(done)
-                if progress is not None:
-                    progress(device_id, written, int(left))
-                if left == 0:
-                    break
-        try:
-            ray.get([h.flush_journal.remote() for h in self.routers.handles],
-                    timeout=max(deadline - time.monotonic(), 1.0))
-        except (*ACTOR_GONE_ERRORS, ray.exceptions.GetTimeoutError) as e:
-            logger.warning("a router journal was not made durable: %s", e)
-            complete = False
-        return complete
+        """Give every held block a durable archive copy (a planned stop:
+        :func:`memkv.cluster.operations.drain_to_archive`). Returns whether
+        everything was written."""
+        return drain_to_archive(self, timeout_s, progress, batch_blocks)
 
     @property
     def owns_actors(self) -> bool:
@@ -616,9 +494,11 @@ class MemkvCluster:
         self._close_readers()
         # Close first: devices unlink their shared-memory warm pools and the
         # archive flushes; ray.kill alone would leave both behind.
-        closing = [h.close.remote() for h in self._owned if h not in self.routers.handles]
+        closing = [MemberHandle(h).close() for h in self._owned if h not in self.routers.handles]
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
         try:
-            ray.get(closing, timeout=_CLOSE_TIMEOUT_S)
+            for closed in closing:
+                closed.result(timeout=max(deadline - time.monotonic(), 0.0))
         except (*ACTOR_GONE_ERRORS, ray.exceptions.GetTimeoutError) as e:
             logger.warning("some memkv actors did not close cleanly: %s", e)
         for handle in self._owned:
@@ -642,7 +522,7 @@ class MemkvCluster:
         self.shutdown()
 
 
-def _pipelined(device: ActorHandle, keys: list[bytes], stream: str
+def _pipelined(device: BlockReader, keys: list[bytes], stream: str
                ) -> Iterator[BlockPayload]:
     """Payloads of ``keys`` in order, with a bounded window of batched fetch_blocks calls.
 
@@ -650,10 +530,10 @@ def _pipelined(device: ActorHandle, keys: list[bytes], stream: str
     ``DeviceCache.fetch_blocks``) whose arrays this process maps read-only.
     """
     batches = [keys[i : i + READ_BATCH_BLOCKS] for i in range(0, len(keys), READ_BATCH_BLOCKS)]
-    in_flight: deque[ray.ObjectRef[ray.ObjectRef[list[BlockPayload]]]] = deque()
+    in_flight: deque[Answer[list[BlockPayload]]] = deque()
     for batch in batches:
-        in_flight.append(device.fetch_blocks.remote(batch, stream))
+        in_flight.append(device.fetch_blocks(batch, stream))
         if len(in_flight) > READ_WINDOW_BATCHES:
-            yield from ray.get(ray.get(in_flight.popleft()))
+            yield from in_flight.popleft().result()
     while in_flight:
-        yield from ray.get(ray.get(in_flight.popleft()))
+        yield from in_flight.popleft().result()

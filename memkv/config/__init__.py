@@ -37,6 +37,13 @@ The models are in :mod:`memkv.config.schema`, the loading in :mod:`memkv.config.
 
 from __future__ import annotations
 
+from memkv.config.base import GIB
+from memkv.config.gateway import (
+    AuthSettings,
+    GatewaySettings,
+    InferenceEngineSettings,
+    RoutingSettings,
+)
 from memkv.config.loading import (
     DATA_DIR_ENV,
     DEFAULT_PROFILE,
@@ -49,16 +56,11 @@ from memkv.config.loading import (
 )
 from memkv.config.schema import (
     DEFAULT_DATA_DIR,
-    GIB,
     ArchiveSettings,
-    AuthSettings,
     ClusterSettings,
     DeviceSettings,
-    GatewaySettings,
-    InferenceEngineSettings,
     MemkvConfig,
     RouterSettings,
-    RoutingSettings,
 )
 
 __all__ = [

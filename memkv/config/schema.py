@@ -10,8 +10,12 @@ from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from memkv.config.base import Frozen
+from memkv.config.gateway import (
+    GatewaySettings,
+)
 from memkv.errors import ConfigError
 from memkv.storage.codecs import CodecPolicy
 from memkv.storage.config import (
@@ -22,8 +26,6 @@ from memkv.storage.config import (
 )
 from memkv.storage.sizing import AutoCapacity, MemoryProbe, TierSizes, size_tiers
 
-GIB: Final = 1 << 30
-
 #: Where local data goes by default; ``~`` is expanded when a path is used, not
 #: when the config is loaded, so one config serves every node's user.
 DEFAULT_DATA_DIR: Final = Path("~/.cache/memkv")
@@ -32,7 +34,6 @@ DEFAULT_DATA_DIR: Final = Path("~/.cache/memkv")
 # (ray._private.ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES); not imported
 # so that loading a config does not import Ray.
 _RAY_MIN_OBJECT_STORE_BYTES: Final = 75 * MIB
-_MAX_PORT: Final = 65535
 # An embedded (single-machine) cluster with more device actors than this is a
 # typo rather than a plan: each one reserves its own hot and warm arenas.
 _MAX_EMBEDDED_DEVICES: Final = 64
@@ -45,10 +46,6 @@ _PROFILE_NAME_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _ARCHIVE_SUBDIR: Final = "archive"
 #: Profile used when neither the caller, the environment nor the file picks one.
 DEFAULT_PROFILE: Final = "default"
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _archive_default(name: str) -> Any:
@@ -220,7 +217,7 @@ class DeviceSettings(EngineSettings):
             raise ConfigError(f"invalid StoreConfig: {_format_errors(e)}") from e
 
 
-class ArchiveSettings(_Frozen):
+class ArchiveSettings(Frozen):
     """One archive actor: the cold tier's segment files on a node's NVMe path.
 
     Which cold codec a block gets (and ``cold_min_turns_old``) is codec policy
@@ -313,7 +310,7 @@ class ArchiveSettings(_Frozen):
             raise ConfigError(f"invalid ArchiveConfig: {_format_errors(e)}") from e
 
 
-class RouterSettings(_Frozen):
+class RouterSettings(Frozen):
     """The cluster's SessionRouterActor.
 
     When background prefetch may run (hot-tier use below a share) is
@@ -374,7 +371,7 @@ class RouterSettings(_Frozen):
     )
 
 
-class ClusterSettings(_Frozen):
+class ClusterSettings(Frozen):
     """Finding Ray, naming and placing the actors, and the embedded local Ray."""
 
     namespace: str = Field(
@@ -461,141 +458,7 @@ class ClusterSettings(_Frozen):
         return self
 
 
-class AuthSettings(_Frozen):
-    """Who may call the gateway (see :mod:`memkv.api.auth`)."""
-
-    enabled: bool = Field(
-        default=True,
-        description="Every route but /healthz and /readyz needs a bearer token. Off: one "
-        "trusted user, session ids unscoped, any namespace (loopback experiments only).",
-    )
-    tokens_file: Path | None = Field(
-        default=None,
-        description="Token document (tenant, roles, public namespaces per SHA-256 of a token), "
-        "e.g. a mounted Kubernetes Secret; None: $MEMKV_TOKENS, else `memkv up` makes a "
-        "token for tenant 'default' and writes it to <data dir>/gateway-token (0600).",
-    )
-    open_metrics: bool = Field(
-        default=True, description="Serve /metrics without a token (for Prometheus scrapes)."
-    )
-    open_docs: bool = Field(
-        default=True, description="Serve /docs, /redoc and /openapi.json without a token."
-    )
-    max_sessions_per_tenant: int | None = Field(
-        default=None,
-        ge=0,
-        description="Sessions a tenant may hold (507 beyond); the token document's "
-        "'tenants' section sets it per tenant. None: no limit.",
-    )
-    max_bytes_per_tenant: int | None = Field(
-        default=None,
-        ge=0,
-        description="KV bytes (model dtype) a tenant's sessions may hold together (507 "
-        "beyond, nothing stored). None: no limit.",
-    )
-
-
-class InferenceEngineSettings(_Frozen):
-    """An inference engine the gateway's OpenAI front door routes to (``vllm serve``)."""
-
-    url: str = Field(pattern=r"^https?://", description="Its base URL.")
-    model: str | None = Field(default=None, description="Its model; null: its /v1/models.")
-    node: str = Field(default="", description="The Ray node it runs on (KV affinity).")
-    priority_scheduling: bool = Field(
-        default=False, description="It runs vLLM's priority scheduler (--scheduling-policy "
-        "priority): a session's priority goes with its requests.")
-    max_requests: int | None = Field(
-        default=None, ge=1, description="Its spill bound: running + waiting requests at which "
-        "sessions move to another engine; null: gateway.routing.spill_requests.")
-    tenants: list[str] | None = Field(
-        default=None, description="The tenants whose requests it takes (its connector holds "
-        "a token of theirs and stores what it computes as theirs); null: every tenant's.")
-
-
-class RoutingSettings(_Frozen):
-    """How the OpenAI front door chooses an engine for a session's turn and checks engines."""
-
-    spill_requests: int = Field(
-        default=32, ge=1, description="An engine with this many running + waiting requests "
-        "is passed over while another is under its bounds: the session's turn goes there and "
-        "its KV follows from memkv (an engine's max_requests overrides it).")
-    spill_kv_use: float = Field(
-        default=0.95, gt=0, le=1, description="Likewise for the share of the engine's KV "
-        "cache in use (its /metrics).")
-    check_interval_s: float = Field(
-        default=2.0, gt=0, description="Seconds between an engine's checks (/health, /metrics).")
-    failures_to_down: int = Field(
-        default=2, ge=1, description="Failed checks in a row that take an engine out of "
-        "routing (one failed request does at once); one good check brings it back.")
-    request_timeout_s: float = Field(
-        default=600.0, gt=0, description="A forwarded request's time limit (the engine's "
-        "connection is closed after it, which aborts the request there).")
-
-
-class GatewaySettings(_Frozen):
-    """The FastAPI gateway."""
-
-    host: str = Field(
-        default="127.0.0.1",
-        min_length=1,
-        description="Address to bind; 127.0.0.1 keeps it local, 0.0.0.0 serves the network.",
-    )
-    port: int = Field(
-        default=8080, ge=0, le=_MAX_PORT, description="TCP port to bind (0: any free port)."
-    )
-    block_port: int | None = Field(
-        default=8081,
-        ge=0,
-        le=_MAX_PORT,
-        description="TCP port of the block port on the same host: memkv's frames over bare "
-        "TCP beside HTTP, which clients use for KV bodies when /healthz advertises it "
-        "(docs/wire-format.md); 0: any free port; null: off (HTTP only).",
-    )
-    workers: int = Field(
-        default=1,
-        ge=1,
-        le=64,
-        description="Gateway processes on this node, all on the same HTTP and block port "
-        "(SO_REUSEPORT; the kernel spreads connections): one event loop each, so more "
-        "cores for KV bodies. Each has its own staging segment (put_staging_bytes each).",
-    )
-    max_body_bytes: int = Field(
-        default=GIB, gt=0, description="Largest request body accepted (a turn's KV blocks)."
-    )
-    read_stall_s: float = Field(
-        default=5.0,
-        gt=0,
-        le=60,
-        description="A block reader that takes no bytes for this long has its connection "
-        "aborted: bytes in the devices' shared memory never reach a socket after the pin "
-        "that keeps them (docs/security.md).",
-    )
-    read_hold_s: float = Field(
-        default=120.0,
-        gt=0,
-        le=600,
-        description="How long a block read pins every block it announced (released when "
-        "it ends; a delete racing the read waits for it).",
-    )
-    put_staging_bytes: int = Field(
-        default=256 * MIB,
-        ge=0,
-        description="Shared memory the gateway reads append bodies into, for devices on its "
-        "node to copy from (no object store on the way); 0 = off. Used only where a device "
-        "runs on the gateway's node.",
-    )
-    auth: AuthSettings = Field(default_factory=AuthSettings, description="Authentication.")
-    engines: list[InferenceEngineSettings] = Field(
-        default_factory=list,
-        description="Engines the OpenAI front door (/v1/chat/completions, /v1/completions) "
-        "routes to; more register at /v1/engines or with memkv up --engine URL.",
-    )
-    routing: RoutingSettings = Field(
-        default_factory=RoutingSettings, description="The front door's engine choice and checks."
-    )
-
-
-class MemkvConfig(_Frozen):
+class MemkvConfig(Frozen):
     """The whole configuration of a memkv deployment, validated and frozen."""
 
     profile: str = Field(

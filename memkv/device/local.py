@@ -1,9 +1,9 @@
 """A device in the caller's own process, as the session service directs devices.
 
-:class:`~memkv.storage.router.service.SessionRouter` talks to devices through
+:class:`~memkv.router.service.SessionRouter` talks to devices through
 the :class:`~memkv.protocol.members.BlockStore` protocol, whose calls answer
 awaitables (an actor call's reference, in a cluster). :class:`LocalBlockStore`
-gives it a :class:`~memkv.storage.device.service.DeviceService` of the same
+gives it a :class:`~memkv.device.service.DeviceService` of the same
 process: each call runs when it is made, as an actor call is sent when it is
 made (the router fires some and never awaits them), and its answer or error
 waits in a finished future. :class:`LocalDirectory` finds it again by name,
@@ -16,13 +16,12 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from memkv.device.service import DeviceService
 from memkv.protocol.events import BlockEvents
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.members import DeviceInfo, SlotGrant, StoredBlocks, TierOf
+from memkv.protocol.members import DeviceInfo, Holder, SlotGrant, StoredBlocks, TierOf
 from memkv.protocol.messages import ChainUpdate
 from memkv.protocol.stats import DeviceStats
-from memkv.storage.device.service import DeviceService
-from memkv.storage.pool_core import Holder
 
 __all__ = ["LocalBlockStore", "LocalDirectory"]
 

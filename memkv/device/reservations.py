@@ -2,7 +2,7 @@
 fills, and an append then names, so that the device stores the bytes where they
 are instead of copying them (a save's second copy).
 
-A plain class embedded in the device, like :mod:`memkv.storage.device.leases`.
+A plain class embedded in the device, like :mod:`memkv.device.leases`.
 A reservation ends when an append names its slots (those it did not name go
 back with it) or when its time runs out (a writer that died must not hold
 memory for ever); expired ones are swept on every grant and take. A writer
@@ -21,8 +21,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from memkv.actors.payload import StagedBlock
 from memkv.errors import InvalidInputError, LeaseExpiredError
+from memkv.protocol.payload import StagedBlock
 from memkv.storage.arena import Allocation
 from memkv.storage.block_pool import BlockPool, ReservedSlots
 

@@ -19,8 +19,9 @@ from dataclasses import replace
 
 import torch
 
-from memkv.actors.payload import BlockPayload, StagedBlock, from_payload, to_payload
-from memkv.config import DeviceSettings
+from memkv.device.headroom import HeadroomKeeper
+from memkv.device.leases import LeaseTable
+from memkv.device.reservations import DEFAULT_RESERVATION_S, SlotReservations
 from memkv.errors import CorruptDataError, InvalidInputError, WrongNodeError
 from memkv.gpu_kernels import backend as kernel_backend
 from memkv.gpu_kernels.unified import PriorityStreams
@@ -29,22 +30,22 @@ from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.events import BlockEvents
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.members import DeviceInfo, SlotGrant, StoredBlocks
+from memkv.protocol.members import DeviceInfo, Holder, SlotGrant, StoredBlocks
 from memkv.protocol.messages import ChainUpdate, ReadPlan
+from memkv.protocol.payload import BlockPayload, StagedBlock
 from memkv.protocol.stats import DeviceStats, LeaseStats, ReservationStats, TierStats
-from memkv.same_node import SegmentMaps
 from memkv.shm.ownership import (
     SegmentOwnership,
     reclaim_orphans,
     warm_segment_name,
 )
+from memkv.shm.same_node import SegmentMaps
 from memkv.shm.sweeper import OrphanSweeper
 from memkv.storage.arena import Allocation
-from memkv.storage.block_pool import BlockPool, Holder
+from memkv.storage.block_pool import BlockPool
 from memkv.storage.config import CodecConfig, StoreConfig
-from memkv.storage.device.headroom import HeadroomKeeper
-from memkv.storage.device.leases import LeaseTable
-from memkv.storage.device.reservations import DEFAULT_RESERVATION_S, SlotReservations
+from memkv.storage.payloads import from_payload, to_payload
+from memkv.storage.sizing import TierSizes
 from memkv.storage.tiers import ColdBackend
 
 __all__ = [
@@ -100,15 +101,13 @@ class DeviceService:
     Args:
         device_id: the cluster-wide name of this device.
         store_config: tier capacities and policies (``archive`` unused when
-            ``cold_tier`` is given), or a deployment's DeviceSettings (its
-            ``auto`` device is resolved in this process).
+            ``cold_tier`` is given); a deployment's device settings are resolved
+            into one by the actor (:mod:`memkv.actors.device`).
         cold_tier: makes the cold tier from the resolved codecs (the node's
             archive, in a cluster); None keeps a local one
             (``store_config.archive``), for single-process use.
-        same_node_reads: serve read plans (default: the DeviceSettings' choice; on
-            for a plain StoreConfig).
-        devices_on_node: device actors on this node, which split its host memory
-            between them where a tier is ``auto``.
+        same_node_reads: serve read plans (shared-memory reads of this node).
+        tier_sizes: how the tiers were sized (None: from ``store_config``).
         put_object: how :meth:`fetch_blocks` hands blocks over (the actor: ``ray.put``;
             as they are by default).
         node_id: the node this device runs on (readers compare it with theirs).
@@ -123,11 +122,11 @@ class DeviceService:
     def __init__(
         self,
         device_id: str,
-        store_config: StoreConfig | DeviceSettings,
+        store_config: StoreConfig,
         cold_tier: Callable[[CodecConfig], ColdBackend] | None = None,
         *,
-        same_node_reads: bool | None = None,
-        devices_on_node: int = 1,
+        same_node_reads: bool = True,
+        tier_sizes: TierSizes | None = None,
         put_object: Callable[[list[BlockPayload]], object] = _as_is,
         node_id: str = "local",
         segment_scope: str = "",
@@ -141,25 +140,9 @@ class DeviceService:
         self._put_object = put_object
         self.incarnation = uuid.uuid4().hex
         # Plain use (tests, one process) plans reads unless told otherwise; a
-        # deployment says so in its DeviceSettings (off unless turned on).
-        self.same_node_reads = (
-            same_node_reads
-            if same_node_reads is not None
-            else store_config.same_node_reads
-            if isinstance(store_config, DeviceSettings)
-            else True
-        )
-        if isinstance(store_config, DeviceSettings):
-            # Resolved here, in the actor: only it knows whether Ray gave it a GPU
-            # (Ray narrows CUDA_VISIBLE_DEVICES, so its GPU is cuda:0).
-            device = store_config.resolve_device(0 if torch.cuda.is_available() else None)
-            # Sized here too: 'auto' measures this node's free memory.
-            self.tier_sizes = store_config.tier_sizes(device, devices_on_node=devices_on_node)
-            store_config = store_config.store_config(
-                device=device, archive=None, sizes=self.tier_sizes
-            )
-        else:
-            self.tier_sizes = store_config.tier_sizes()
+        # deployment says so in its device settings (off unless turned on).
+        self.same_node_reads = same_node_reads
+        self.tier_sizes = tier_sizes if tier_sizes is not None else store_config.tier_sizes()
         cold = cold_tier(store_config.codecs) if cold_tier is not None else None
         # A fixed segment name per device, so a restart after a crash (which
         # could not unlink it) reclaims the old warm pool instead of leaking it.
@@ -187,7 +170,7 @@ class DeviceService:
         self._clock = clock
         self.sweeper = OrphanSweeper(also=self._release_idle_memory).start()
         self.node_id = node_id
-        self._staging_maps = SegmentMaps()  # gateways' staging segments (memkv.staging)
+        self._staging_maps = SegmentMaps()  # gateways' staging segments (memkv.shm.staging)
         self._streams: PriorityStreams | None = None  # unified memory only
 
     def ping(self) -> DeviceInfo:
@@ -268,7 +251,7 @@ class DeviceService:
                       ttl_s: float = DEFAULT_RESERVATION_S) -> SlotGrant | None:
         """A write reservation: ``count`` slots of ``slot_bytes`` in this device's shared
         memory for a writer on its node to fill and an append to name; the put then
-        adopts the bytes instead of copying them (:mod:`memkv.storage.device.reservations`).
+        adopts the bytes instead of copying them (:mod:`memkv.device.reservations`).
 
         None where no tier is shared memory or there is no room for them.
 

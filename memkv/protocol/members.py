@@ -1,6 +1,6 @@
 """What a session router asks of the cluster's other members, as ``typing.Protocol``s.
 
-The router's logic (:class:`memkv.storage.router.SessionRouter`) is written
+The router's logic (:class:`memkv.router.SessionRouter`) is written
 against these and never against Ray: :mod:`memkv.actors.handles` adapts Ray
 actor handles to them (an actor that died surfaces as
 :class:`~memkv.errors.MemberGoneError`), and a single process or a test passes
@@ -13,28 +13,53 @@ answer (a fire-and-forget prefetch) simply does not await it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
+from memkv.protocol.enums import Priority
 from memkv.protocol.events import BlockEvents
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.messages import ChainUpdate
+from memkv.protocol.messages import ChainUpdate, ReadPlan
+from memkv.protocol.payload import BlockPayload
 from memkv.protocol.stats import ArchiveStats, DeviceStats
 
-if TYPE_CHECKING:  # the pool's record of a holder (storage imports torch)
-    from memkv.storage.pool_core import Holder
-
 __all__ = [
+    "Answer",
     "Archive",
+    "BlockReader",
     "BlockStore",
     "DeviceInfo",
     "Directory",
+    "Holder",
     "RouterPeer",
     "SlotGrant",
     "StoredBlocks",
     "TierOf",
 ]
+
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class Answer(Protocol[_T_co]):
+    """A reader's answer on its way: awaited in a gateway's event loop, or taken
+    with :meth:`result` by a synchronous caller (the in-cluster API)."""
+
+    def __await__(self) -> Generator[Any, None, _T_co]: ...
+
+    def result(self, timeout: float | None = None) -> _T_co: ...
+
+
+class Holder(NamedTuple):
+    """One session's hold on a pool's blocks, as its owner records it (see ``resync``)."""
+
+    layout: KVLayout
+    chain: Sequence[bytes]
+    tokens: Sequence[int]
+    active: bool
+    priority: Priority
+    exact_only: bool = False
+
 
 #: ``(key, tier, tokens)`` of one stored block, as a device answers it.
 TierOf = tuple[bytes, str, int]
@@ -178,3 +203,28 @@ class Directory(Protocol):
     def archive(self, name: str) -> Archive | None: ...
 
     def peer(self, name: str) -> RouterPeer | None: ...
+
+
+class BlockReader(Protocol):
+    """What a reader (a gateway, the in-cluster API) asks of a device: blocks by key,
+    where they lie in shared memory under a lease (a read plan), and the pins of a
+    read. The reader corridor: :class:`memkv.actors.handles.DeviceReaderHandle`
+    adapts a device actor to it; tests pass fakes."""
+
+    def read_plan(self, keys: Sequence[bytes], stream: str | None, ttl_s: float,
+                  ahead: Sequence[bytes] = (), owner: str | None = None
+                  ) -> Answer[ReadPlan]: ...
+
+    def release_lease(self, lease_id: str, owner: str | None = None) -> Answer[bool]: ...
+
+    def hold_for_read(self, keys: Sequence[bytes], ttl_s: float) -> Answer[str]: ...
+
+    def get_blocks(self, keys: Sequence[bytes], stream: str | None = None
+                   ) -> Answer[list[BlockPayload]]: ...
+
+    def fetch_blocks(self, keys: Sequence[bytes], stream: str | None = None
+                     ) -> Answer[list[BlockPayload]]: ...
+
+    def shared_segments(self) -> Answer[tuple[str, list[tuple[str, int, bool]]]]: ...
+
+    def node(self) -> Answer[str]: ...

@@ -7,11 +7,14 @@ read plans (same node) or wire frames (HTTP).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from memkv.protocol.enums import Priority
 from memkv.protocol.layout import KVLayout
+
+if TYPE_CHECKING:
+    from memkv.protocol.members import BlockReader
 
 __all__ = ["ChainUpdate", "PlanEntry", "PrefixMatch", "ReadPlan", "ReadRoute"]
 
@@ -92,27 +95,34 @@ class ReadRoute:
     """The router's answer to "where do I read this session's blocks".
 
     Attributes:
-        device_id: the session's device.
-        device: its actor handle (reads go there directly).
+        device_id: the session's device ("" while the session holds no block).
+        device: its reader (reads go there directly, never through the router).
+            The router puts its actor handle here; the session-service handle
+            (``memkv.actors.handles``) hands the route on with the handle
+            wrapped as a :class:`~memkv.protocol.members.BlockReader`.
         first_index: chain index of ``keys[0]``.
         keys: the block keys, in chain order.
         tokens: tokens held by each of those blocks (the last may be partial).
-        layout: the session's layout (``KVLayout.to_dict()``).
+        layout: the session's layout.
         turn: the session's turn this route was read at.
     """
 
     device_id: str
-    device: Any
+    device: BlockReader | None
     first_index: int
     keys: tuple[bytes, ...]
     tokens: tuple[int, ...]
-    layout: dict[str, Any]
+    layout: KVLayout
     turn: int = 0
 
     def sliced(self, start: int, end: int | None) -> ReadRoute:
         """The part of a whole-session route (first_index 0) from ``start`` to ``end``."""
         keys, tokens = self.keys[start:end], self.tokens[start:end]
         return ReadRoute(self.device_id, self.device, start, keys, tokens, self.layout, self.turn)
+
+    def with_reader(self, reader: BlockReader | None) -> ReadRoute:
+        """The same route read through ``reader`` (a handle over ``device``)."""
+        return replace(self, device=reader)
 
 
 @dataclass(frozen=True, slots=True)

@@ -225,7 +225,7 @@ class ResumeAnswer(_Message, frozen=True, kw_only=True):
 class ReserveSlots(_Message, frozen=True, kw_only=True):
     """A write reservation for a session's next append: ``count`` block-sized slots
     in its device's shared memory, for a writer on Ray node ``node`` to fill
-    (:mod:`memkv.storage.device.reservations`). ``chain``: the blocks they are for,
+    (:mod:`memkv.device.reservations`). ``chain``: the blocks they are for,
     which place a new session by prefix like its first append would."""
 
     session_id: str

@@ -118,7 +118,7 @@ class TenantUse(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RepairStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Replica repair of the cold tier (the router's, :mod:`memkv.storage.router.repair`)."""
+    """Replica repair of the cold tier (the router's, :mod:`memkv.router.repair`)."""
 
     replicas: int  # copies of each block asked for (archive.replicas)
     live_archives: int

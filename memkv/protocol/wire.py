@@ -53,6 +53,7 @@ __all__ = [
     "decode_prefix",
     "encode_frame",
     "end_frame",
+    "frame_checksum",
     "numpy_dtype",
     "staged_ref",
     "staged_reservation",
@@ -293,6 +294,13 @@ def block_payload(
         raise WireError(f"block {h.get('index')}: payload checksum does not match its header")
     array = np.frombuffer(payload, dtype=numpy_dtype(dtype)).reshape(shape)
     return key, dtype, array
+
+
+def frame_checksum(frame: Frame) -> int | None:
+    """The writer's CRC32 of a block frame's payload (checked by :func:`block_payload`);
+    None for a staged block sent without one (the device makes it)."""
+    crc = frame.header.get("crc32")
+    return None if crc is None else int(crc)
 
 
 #: Bytes of a frame's fixed prefix (magic + header length).

@@ -4,7 +4,7 @@ archives and garbage (:mod:`.collector`), the other shards (:mod:`.peers`),
 the append path (:mod:`.appends`), background prefetch (:mod:`.background`)
 and the service that ties them together (:mod:`.service`)."""
 
-from memkv.storage.router.service import SessionRouter
-from memkv.storage.router.state import RouterState
+from memkv.router.service import SessionRouter
+from memkv.router.state import RouterState
 
 __all__ = ["RouterState", "SessionRouter"]

@@ -23,10 +23,10 @@ from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.members import StoredBlocks
 from memkv.protocol.messages import ChainUpdate
 from memkv.protocol.services import AppendAnswer, AppendTurn, LayoutSpec
-from memkv.storage.router.collector import Collector
-from memkv.storage.router.members import Members
-from memkv.storage.router.peers import ShardPeers
-from memkv.storage.router.state import RouterState
+from memkv.router.collector import Collector
+from memkv.router.members import Members
+from memkv.router.peers import ShardPeers
+from memkv.router.state import RouterState
 
 __all__ = ["Appends"]
 

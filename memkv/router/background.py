@@ -8,8 +8,8 @@ import logging
 
 from memkv.errors import MemkvError
 from memkv.periodic import Periodic
-from memkv.storage.router.members import Members
-from memkv.storage.router.state import RouterState
+from memkv.router.members import Members
+from memkv.router.state import RouterState
 
 __all__ = ["BackgroundPrefetch"]
 
@@ -39,6 +39,18 @@ class BackgroundPrefetch:
 
     def cancel(self) -> None:
         self._rounds.cancel()
+
+    async def input_ended(self, device_id: str, session_id: str) -> int:
+        """A turn's input has ended: prefetch the session's head on its device, then
+        what the Markov model expects after its last block (e.g. another session
+        that usually follows this one). Returns the blocks moved up."""
+        chain = list(self.state.get(session_id).chain)
+        head = chain[: self.head_blocks]
+        moved = await self.members.call(device_id, session_id, lambda d: d.prefetch(head))
+        if chain:
+            moved += await self.members.call(
+                device_id, session_id, lambda d: d.prefetch_predicted(chain[-1]))
+        return int(moved)
 
     async def round(self) -> int:
         """One pass over the devices; returns the blocks prefetched."""

@@ -17,8 +17,8 @@ from typing import TypeVar
 
 from memkv.errors import MemberGoneError, MemberLostError
 from memkv.protocol.members import Archive, Directory
-from memkv.storage.router.peers import ShardPeers
-from memkv.storage.router.state import RouterState
+from memkv.router.peers import ShardPeers
+from memkv.router.state import RouterState
 
 __all__ = ["Collector"]
 

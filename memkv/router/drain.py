@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from memkv.errors import ConflictError, InvalidInputError, MemberGoneError
 from memkv.protocol.layout import block_token_count
 from memkv.protocol.stats import DrainReport
-from memkv.storage.router.appends import Appends
-from memkv.storage.router.members import Members
-from memkv.storage.router.state import RouterState
+from memkv.router.appends import Appends
+from memkv.router.members import Members
+from memkv.router.state import RouterState
 
 __all__ = ["DRAIN_BATCH_BLOCKS", "DrainReport", "Drainer", "Moved"]
 

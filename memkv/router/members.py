@@ -40,10 +40,9 @@ from memkv.errors import (
 )
 from memkv.protocol.enums import SessionState
 from memkv.protocol.layout import block_token_count
-from memkv.protocol.members import BlockStore, DeviceInfo, Directory
-from memkv.storage.pool_core import Holder
-from memkv.storage.router.state import RouterState
-from memkv.storage.sessions import SessionRecord
+from memkv.protocol.members import BlockStore, DeviceInfo, Directory, Holder
+from memkv.router.sessions import SessionRecord
+from memkv.router.state import RouterState
 
 __all__ = ["DEVICE_CHECK_INTERVAL_S", "DEVICE_RECOVERY_TIMEOUT_S", "Members"]
 

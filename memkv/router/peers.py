@@ -14,7 +14,7 @@ import logging
 from memkv.errors import InvalidInputError, MemberGoneError
 from memkv.protocol.members import Directory, RouterPeer
 from memkv.protocol.shards import shard_name, shard_of
-from memkv.storage.router.state import tenant_of
+from memkv.router.state import tenant_of
 
 __all__ = ["ShardPeers"]
 

@@ -1,120 +1,236 @@
-"""The router journal's records: what a snapshot writes, and how each is replayed.
+"""The router journal's records, typed: what each change writes, and how each is replayed.
 
 The journal (:class:`~memkv.storage.journal.Journal`) is the session table's
 only persistence: every change is one record, and a restarted router rebuilds
-:class:`~memkv.storage.router.state.RouterState` by replaying them
+:class:`~memkv.router.state.RouterState` by replaying them
 (``docs/durability.md``). A snapshot rewrites the journal as the fewest records
 that replay to the table as it is.
+
+Each record is a frozen struct of a tagged union (:data:`JournalRecord`, tagged
+by ``op``), written as the same msgpack map the journal has always held, so
+journals of earlier versions replay unchanged. Replay dispatches on the type
+against :class:`Table`, the part of the state a record changes, so this module
+does not import the state it rebuilds.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import msgspec
 
 from memkv.errors import CorruptDataError
-from memkv.protocol.enums import SessionState
-from memkv.storage.sessions import parse_priority
+from memkv.protocol.enums import Priority, SessionState
+from memkv.router.sessions import SessionRecord, SessionTable, parse_priority
 
-if TYPE_CHECKING:
-    from memkv.storage.router.state import RouterState
+__all__ = [
+    "ArchiveKnown",
+    "ArchiveForgotten",
+    "ChainPut",
+    "DeviceForgotten",
+    "DeviceKnown",
+    "JournalRecord",
+    "PriorityChanged",
+    "SessionCreated",
+    "SessionDeleted",
+    "SessionLost",
+    "SessionMoved",
+    "SessionTruncated",
+    "StateChanged",
+    "Table",
+    "apply_record",
+    "decode_record",
+    "encode_record",
+    "snapshot_records",
+]
 
-__all__ = ["apply_record", "snapshot_records"]
+
+class _Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="op"):
+    pass
 
 
-def snapshot_records(state: RouterState) -> list[dict[str, Any]]:
-    """The records that replay to ``state``'s table (devices, archives, sessions)."""
-    records: list[dict[str, Any]] = [{"op": "device", "name": n} for n in state.known_devices]
-    records += [{"op": "archive", "name": n} for n in state.known_archives]
-    for r in state.sessions:
-        records.append(
-            {
-                "op": "create",
-                "id": r.session_id,
-                "ns": r.namespace,
-                "layout": r.layout.to_dict(),
-                "prio": r.priority.value,
-                "durable": r.durable,
-                "exact_only": r.exact_only,
-                "finite_only": r.finite_only,
-            }
-        )
+class DeviceKnown(_Record, frozen=True, tag="device"):
+    name: str
+
+
+class DeviceForgotten(_Record, frozen=True, tag="forget_device"):
+    name: str
+
+
+class ArchiveKnown(_Record, frozen=True, tag="archive"):
+    name: str
+
+
+class ArchiveForgotten(_Record, frozen=True, tag="forget_archive"):
+    name: str
+
+
+class SessionCreated(_Record, frozen=True, tag="create"):
+    id: str
+    ns: str
+    layout: dict[str, Any]  # KVLayout.to_dict(): parsed once per distinct dict on replay
+    prio: str
+    durable: bool = False
+    exact_only: bool = False
+    finite_only: bool = False
+
+
+class ChainPut(_Record, frozen=True, tag="put"):
+    id: str
+    chain: list[bytes]
+    tokens: int
+    turn: int
+    tail: int = 0
+    device: str | None = None
+
+
+class StateChanged(_Record, frozen=True, tag="state"):
+    id: str
+    state: SessionState
+
+
+class PriorityChanged(_Record, frozen=True, tag="prio"):
+    id: str
+    prio: str
+
+
+class SessionMoved(_Record, frozen=True, tag="move"):
+    id: str
+    device: str
+
+
+class SessionDeleted(_Record, frozen=True, tag="delete"):
+    id: str
+
+
+class SessionLost(_Record, frozen=True, tag="lost"):
+    id: str
+    reason: str
+
+
+class SessionTruncated(_Record, frozen=True, tag="truncate"):
+    id: str
+    keep: int
+    lost_tokens: int
+    reason: str
+
+
+JournalRecord = (
+    DeviceKnown | DeviceForgotten | ArchiveKnown | ArchiveForgotten | SessionCreated
+    | ChainPut | StateChanged | PriorityChanged | SessionMoved | SessionDeleted | SessionLost
+    | SessionTruncated
+)
+
+
+def encode_record(record: JournalRecord) -> dict[str, Any]:
+    """The record as the journal stores it (a msgpack map of plain values)."""
+    entry: dict[str, Any] = msgspec.to_builtins(record, builtin_types=(bytes,))
+    return entry
+
+
+def decode_record(entry: Any) -> JournalRecord:
+    """A stored record, typed.
+
+    Raises:
+        CorruptDataError: an unknown ``op`` or a field of the wrong type (named).
+    """
+    try:
+        record: JournalRecord = msgspec.convert(entry, JournalRecord)
+    except msgspec.ValidationError as e:
+        raise CorruptDataError(f"a router journal record that does not decode: {e}") from None
+    return record
+
+
+class Table(Protocol):
+    """What a replayed record changes (:class:`memkv.router.state.RouterState`)."""
+
+    known_devices: list[str]
+    known_archives: list[str]
+    sessions: SessionTable
+
+    def forget_device(self, device_id: str) -> None: ...
+
+    def create(self, session_id: str, layout: dict[str, Any], namespace: str,
+               priority: Priority | str, durable: bool = False, exact_only: bool = False,
+               finite_only: bool = False) -> SessionRecord: ...
+
+    def restore_chain(self, record: SessionRecord, chain: Sequence[bytes], tokens: int,
+                      turn: int, tail_rewrites: int, device_id: str | None) -> None: ...
+
+    def move(self, session_id: str, device_id: str) -> None: ...
+
+    def delete(self, session_id: str) -> list[bytes]: ...
+
+    def mark_lost(self, session_id: str, reason: str) -> None: ...
+
+    def truncate(self, session_id: str, keep_blocks: int, reason: str) -> list[bytes]: ...
+
+
+def apply_record(table: Table, record: JournalRecord) -> None:
+    """Replay one journal record onto ``table`` (the journal is the table's history)."""
+    match record:
+        case DeviceKnown(name=name):
+            if name not in table.known_devices:
+                table.known_devices.append(name)
+        case DeviceForgotten(name=name):
+            table.forget_device(name)
+        case ArchiveKnown(name=name):
+            if name not in table.known_archives:
+                table.known_archives.append(name)
+        case ArchiveForgotten(name=name):
+            if name in table.known_archives:
+                table.known_archives.remove(name)
+        case SessionCreated():
+            table.create(record.id, record.layout, record.ns, record.prio,
+                         durable=record.durable, exact_only=record.exact_only,
+                         finite_only=record.finite_only)
+        case ChainPut():
+            found = table.sessions.lookup(record.id)
+            if found is not None:
+                table.restore_chain(found, record.chain, record.tokens, record.turn,
+                                    record.tail, record.device)
+        case StateChanged():
+            found = table.sessions.lookup(record.id)
+            if found is not None:
+                found.state = record.state
+        case PriorityChanged():
+            found = table.sessions.lookup(record.id)
+            if found is not None:
+                found.priority = parse_priority(record.prio)
+        case SessionMoved():
+            table.move(record.id, record.device)
+        case SessionDeleted():
+            if record.id in table.sessions:
+                table.delete(record.id)
+        case SessionLost():
+            if record.id in table.sessions:
+                table.mark_lost(record.id, record.reason)
+        case SessionTruncated():
+            found = table.sessions.lookup(record.id)
+            if found is not None and 0 < record.keep <= len(found.chain):
+                table.truncate(record.id, record.keep, record.reason)
+                found.lost_tokens = record.lost_tokens
+
+
+def snapshot_records(known_devices: Iterable[str], known_archives: Iterable[str],
+                     sessions: Iterable[SessionRecord]) -> list[JournalRecord]:
+    """The records that replay to a table of these members and sessions."""
+    records: list[JournalRecord] = [DeviceKnown(name=n) for n in known_devices]
+    records += [ArchiveKnown(name=n) for n in known_archives]
+    for r in sessions:
+        records.append(SessionCreated(
+            id=r.session_id, ns=r.namespace, layout=r.layout.to_dict(), prio=r.priority.value,
+            durable=r.durable, exact_only=r.exact_only, finite_only=r.finite_only))
         if r.chain or r.turn:
-            records.append(
-                {
-                    "op": "put",
-                    "id": r.session_id,
-                    "chain": [bytes(k) for k in r.chain],
-                    "tokens": r.tokens,
-                    "turn": r.turn,
-                    "tail": r.tail_rewrites,
-                    "device": r.device_id,
-                }
-            )
+            records.append(ChainPut(id=r.session_id, chain=[bytes(k) for k in r.chain],
+                                    tokens=r.tokens, turn=r.turn, tail=r.tail_rewrites,
+                                    device=r.device_id))
         if not r.active:
-            records.append({"op": "state", "id": r.session_id, "state": r.state.value})
+            records.append(StateChanged(id=r.session_id, state=r.state))
         if r.partial_reason is not None:
-            records.append(
-                {
-                    "op": "truncate",
-                    "id": r.session_id,
-                    "keep": len(r.chain),
-                    "lost_tokens": r.lost_tokens,
-                    "reason": r.partial_reason,
-                }
-            )
+            records.append(SessionTruncated(id=r.session_id, keep=len(r.chain),
+                                            lost_tokens=r.lost_tokens, reason=r.partial_reason))
         if r.lost_reason is not None:
-            records.append({"op": "lost", "id": r.session_id, "reason": r.lost_reason})
+            records.append(SessionLost(id=r.session_id, reason=r.lost_reason))
     return records
-
-
-def apply_record(state: RouterState, entry: dict[str, Any]) -> None:
-    """Replay one journal record onto ``state`` (the journal is the table's history)."""
-    op = entry["op"]
-    if op == "device":
-        if entry["name"] not in state.known_devices:
-            state.known_devices.append(entry["name"])
-    elif op == "forget_device":
-        state.forget_device(entry["name"])
-    elif op == "forget_archive":
-        if entry["name"] in state.known_archives:
-            state.known_archives.remove(entry["name"])
-    elif op == "archive":
-        if entry["name"] not in state.known_archives:
-            state.known_archives.append(entry["name"])
-    elif op == "create":
-        state.create(
-            entry["id"],
-            entry["layout"],
-            entry["ns"],
-            entry["prio"],
-            durable=bool(entry.get("durable", False)),
-            exact_only=bool(entry.get("exact_only", False)),
-            finite_only=bool(entry.get("finite_only", False)),
-        )
-    elif op == "put":
-        record = state.sessions.lookup(entry["id"])
-        if record is not None:
-            state.restore_chain(record, entry["chain"], int(entry["tokens"]), int(entry["turn"]),
-                                int(entry.get("tail", 0)), entry.get("device"))
-    elif op in ("state", "prio"):
-        found = state.sessions.lookup(entry["id"])
-        if found is not None and op == "state":
-            found.state = SessionState(entry["state"])
-        elif found is not None:
-            found.priority = parse_priority(entry["prio"])
-    elif op == "move":
-        state.move(entry["id"], entry["device"])
-    elif op == "delete":
-        if entry["id"] in state.sessions:
-            state.delete(entry["id"])
-    elif op == "lost":
-        if entry["id"] in state.sessions:
-            state.mark_lost(entry["id"], entry["reason"])
-    elif op == "truncate":
-        found = state.sessions.lookup(entry["id"])
-        if found is not None and 0 < int(entry["keep"]) <= len(found.chain):
-            state.truncate(entry["id"], int(entry["keep"]), str(entry["reason"]))
-            found.lost_tokens = int(entry["lost_tokens"])
-    else:
-        raise CorruptDataError(f"unknown router journal record {op!r}")
-

@@ -27,7 +27,7 @@ import msgspec
 from memkv.errors import MemberLostError
 from memkv.periodic import Periodic
 from memkv.protocol.stats import RepairStats
-from memkv.storage.router.collector import Collector
+from memkv.router.collector import Collector
 
 __all__ = ["ReplicaRepair", "RepairStats"]
 

@@ -16,24 +16,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from msgspec.structs import asdict as msgspec_asdict
 
 from memkv.errors import (
     ClosedError,
     ConflictError,
     InvalidInputError,
-    MemberGoneError,
     MemkvError,
     UnknownBlockError,
     UnknownSessionError,
 )
 from memkv.protocol.enums import AckMode, Priority, SessionState, Tier
-from memkv.protocol.layout import KVLayout, block_token_count
+from memkv.protocol.layout import KVLayout
 from memkv.protocol.members import Archive, BlockStore, Directory
 from memkv.protocol.messages import PrefixMatch, ReadRoute
 from memkv.protocol.services import (
@@ -50,17 +46,18 @@ from memkv.protocol.services import (
     SlotsReserved,
 )
 from memkv.protocol.shards import shard_owner
-from memkv.protocol.stats import ClusterStats, DeviceStats, DrainReport, RepairStats
+from memkv.protocol.stats import ClusterStats, DrainReport, RepairStats
+from memkv.router.admission import Admission
+from memkv.router.appends import Appends
+from memkv.router.background import BackgroundPrefetch
+from memkv.router.collector import Collector
+from memkv.router.drain import Drainer
+from memkv.router.figures import device_stats, reattach, table_stats
+from memkv.router.members import Members
+from memkv.router.peers import ShardPeers
+from memkv.router.repair import ReplicaRepair
+from memkv.router.state import RouterState
 from memkv.storage.journal import Journal, TableJournal
-from memkv.storage.router.appends import Appends
-from memkv.storage.router.background import BackgroundPrefetch
-from memkv.storage.router.collector import Collector
-from memkv.storage.router.drain import Drainer
-from memkv.storage.router.members import Members
-from memkv.storage.router.peers import ShardPeers
-from memkv.storage.router.repair import ReplicaRepair
-from memkv.storage.router.state import RouterState, tenant_of
-from memkv.storage.sessions import SessionRecord
 
 __all__ = ["JOURNAL_SNAPSHOT_RECORDS", "SessionRouter"]
 
@@ -165,6 +162,8 @@ class SessionRouter:
         self.appends = Appends(self.state, self.members, self.collector, self.peers,
                                self._owner, self._durable)
         self.drainer = Drainer(self.state, self.members, self.appends)
+        self.admission = Admission(self.state, self.members, self.peers, self._owner,
+                                   default_ack)
         self._rebalance_on_join = rebalance_on_join
         self._rebalancing: set[asyncio.Task[int]] = set()
 
@@ -246,7 +245,7 @@ class SessionRouter:
     async def create_session(self, request: CreateSession) -> SessionView:
         """A new session (:class:`CreateSession` says what each option means)."""
         await self._ready()
-        record = await self._create(request, {})
+        record = await self.admission.admit(request, {})
         await self._durable(record.durable)
         return record.view()
 
@@ -267,7 +266,7 @@ class SessionRouter:
             for at, one in enumerate(request.requests):
                 i = request.indices[at] if request.indices is not None else at
                 try:
-                    record = await self._create(one, elsewhere)
+                    record = await self.admission.admit(one, elsewhere)
                 except MemkvError as e:
                     raise type(e)(f"spec {i} ({one.session_id!r}): {e}") from e
                 durable = durable or record.durable
@@ -276,66 +275,13 @@ class SessionRouter:
             await self._durable(durable)
         return SessionViews(sessions=tuple(views))
 
-    async def _create(self, request: CreateSession,
-                      elsewhere: dict[str, tuple[int, int]]) -> SessionRecord:
-        """Admit and record one session; ``elsewhere``: other shards' use per tenant,
-        filled as asked (a bulk create asks once per tenant)."""
-        session_id = request.session_id
-        self.peers.check_owned(session_id)
-        ack = self._default_ack if request.ack is None else request.ack.value
-        if request.quota is not None:
-            quota = request.quota.limits()
-            tenant = tenant_of(session_id)
-            if tenant not in elsewhere:
-                elsewhere[tenant] = await self.peers.usage_elsewhere(session_id, quota)
-            self.state.check_quota(session_id, max_sessions=quota[0], new_session=True,
-                                   elsewhere=elsewhere[tenant])
-        record = self.state.create(
-            session_id,
-            msgspec_asdict(request.layout),
-            request.namespace,
-            request.priority.value,
-            durable=ack == AckMode.ARCHIVE,
-            exact_only=request.exact_only,
-            finite_only=request.finite_only,
-        )
-        if request.near_node:
-            # Placed now, on that node if it has a live device (else as any session
-            # is, at its first append). Not journaled: a router restarted before the
-            # first append places it again, by load.
-            self.state.place_near(session_id, request.near_node)
-        return record
-
     async def adopt_session(self, request: CreateSession, chain: list[bytes], tokens: int,
                             turn: int) -> SessionView:
         """A session whose blocks are all in the cold tier already (an earlier
         version's records, another store's): registered archived, its chain held
-        whole by a device.
-
-        Raises:
-            BlockLostError: a block is in no tier (nothing is registered).
-            InvalidInputError: the chain does not cover ``tokens``.
-        """
+        whole by a device (:meth:`Admission.adopt`)."""
         await self._ready()
-        layout = request.layout.layout()
-        need = len(block_token_count(layout, tokens))
-        if len(chain) != need:
-            raise InvalidInputError(
-                f"the chain has {len(chain)} blocks; {tokens} tokens take {need}")
-        record = await self._create(request, {})
-        session_id = request.session_id
-        try:
-            update = self.state.sessions.plan_append(session_id, tokens, chain, 0)
-            device_id = self.state.place(session_id, chain)
-            await self.members.call(device_id, session_id, lambda d: d.adopt(
-                layout, chain, block_token_count(layout, tokens), record.priority.value,
-                record.exact_only, self._owner, False))
-        except BaseException:
-            self.state.delete(session_id)
-            raise
-        record.turn = max(turn, 1) - 1  # the put below is its turn
-        self.state.record_put(session_id, update)
-        self.state.record_state(session_id, SessionState.ARCHIVED)
+        record = await self.admission.adopt(request, chain, tokens, turn)
         await self._durable(True)
         return record.view()
 
@@ -407,7 +353,7 @@ class SessionRouter:
         record = self.state.get(session_id)
         if record.device_id is None or not record.chain:
             self.state.touch(session_id)
-            return ReadRoute("", None, 0, (), (), record.layout.to_dict(), record.turn)
+            return ReadRoute("", None, 0, (), (), record.layout, record.turn)
         device_id, endpoint = await self.device_of(session_id)
         self.state.touch(session_id)
         record = self.state.get(session_id)
@@ -416,8 +362,7 @@ class SessionRouter:
         bt = record.layout.block_tokens
         tokens = [min(bt, record.tokens - i * bt) for i in range(first, first + len(keys))]
         return ReadRoute(
-            device_id, endpoint, first, tuple(keys), tuple(tokens), record.layout.to_dict(),
-            record.turn,
+            device_id, endpoint, first, tuple(keys), tuple(tokens), record.layout, record.turn,
         )
 
     async def touch_sessions(self, session_ids: list[str]) -> None:
@@ -464,20 +409,11 @@ class SessionRouter:
         return out
 
     async def notify_input_end(self, session_id: str) -> int:
-        """Trigger 1: a turn's input has ended and its cache is needed now.
-
-        Prefetches the session's head, then what the Markov model expects after
-        its last block (e.g. another session that usually follows this one).
-        """
+        """Trigger 1: a turn's input has ended and its cache is needed now
+        (:meth:`BackgroundPrefetch.input_ended`). Returns the blocks prefetched."""
         device_id = await self._device_id_of(session_id)
         self.state.touch(session_id)
-        chain = list(self.state.get(session_id).chain)
-        head = chain[: self._head_blocks]
-        moved = await self.members.call(device_id, session_id, lambda d: d.prefetch(head))
-        if chain:
-            moved += await self.members.call(
-                device_id, session_id, lambda d: d.prefetch_predicted(chain[-1]))
-        return int(moved)
+        return await self.background.input_ended(device_id, session_id)
 
     async def resume(self, session_id: str) -> ResumeAnswer:
         """Answer at once with the chain and where each block is; prefetch runs behind."""
@@ -556,32 +492,17 @@ class SessionRouter:
         """The table's figures; ``members``: with every device's and archive's stats
         (a client merging shards asks one shard for them)."""
         await self._ready()
-        devices = await self._device_stats() if members else {}
+        devices = await device_stats(self.members) if members else {}
         archives = await self.collector.each_archive(lambda a: a.stats()) if members else {}
-        states = Counter("lost" if r.lost else r.state.value for r in self.state.sessions)
-        logical = sum(
-            r.layout.block_nbytes(n)
-            for r in self.state.sessions
-            for n in block_token_count(r.layout, r.tokens)
-        )
-        priorities = Counter(r.priority.value for r in self.state.sessions)
-        return ClusterStats(
-            shard=self.shard,
-            shards=self.shards,
-            sessions=len(self.state.sessions),
-            logical_bytes=logical,
-            session_states=dict(states),
-            session_priorities=dict(priorities),
-            tenants=self.state.tenant_usage(),
-            devices=devices,
-            archives=archives,
+        return table_stats(
+            self.state, self.shard, self.shards, devices, archives,
             background_prefetched=self.background.prefetched,
             repair=self.repair.stats if self.repair is not None else None,
         )
 
     async def drain_device(self, device_id: str) -> DrainReport:
         """Move this shard's sessions off a device that is leaving, then retire it
-        (:mod:`memkv.storage.router.drain`); the journal is durable before the answer."""
+        (:mod:`memkv.router.drain`); the journal is durable before the answer."""
         await self._ready()
         report = await self.drainer.drain(device_id)
         await self._durable(True)
@@ -640,19 +561,6 @@ class SessionRouter:
 
     # -- internals ---------------------------------------------------------------------
 
-    async def _device_stats(self) -> dict[str, DeviceStats]:
-        """Every live device's stats; one that is gone is recovered (or forgotten) and
-        left out, so the cluster's figures do not fail with one node."""
-        out: dict[str, DeviceStats] = {}
-        for device_id in list(self.members.devices):
-            try:
-                out[device_id] = await self.members.devices[device_id].stats()
-            except MemberGoneError:
-                await self.members.check(device_id, force=True)
-                if device_id in self.members.devices:
-                    out[device_id] = await self.members.devices[device_id].stats()
-        return out
-
     async def _ready(self) -> None:
         """Once per start: find the journal's devices and archives again by name."""
         if self._restored:
@@ -665,15 +573,7 @@ class SessionRouter:
 
     async def _restore(self) -> None:
         """A restarted router: reattach to the members the journal names, reconcile, collect."""
-        if self._directory is not None:
-            await self.collector.reattach(self._directory)
-            await self.members.reattach(self._directory)
-        else:  # nothing to find them with: the next registrations bring them back
-            for name in list(self.state.known_archives):
-                self.state.forget_archive(name)
-            for name in list(self.state.known_devices):
-                self.state.forget_device(name)
-        await self.members.rehome_orphans()
+        await reattach(self.state, self.collector, self.members, self._directory)
         await self._durable(True)
         await self.collector.collect_unreferenced(list(self.collector.archives.values()))
         logger.warning(

@@ -2,7 +2,7 @@
 
 A session's chain, tokens, turn, state, priority, placement and manifest live
 here and nowhere else. The router holds one table for the cluster (and for a
-single-process :class:`~memkv.storage.store.TieredStore`, a shell over the
+single-process :class:`~memkv.store.TieredStore`, a shell over the
 router and one device). Block stores never see sessions: an append becomes a
 :class:`~memkv.protocol.messages.ChainUpdate` (which blocks the session holds,
 drops and keeps), computed here and applied by the block store.

@@ -1,15 +1,15 @@
 """The router's plain logic: sessions, placement, hotness and the blocks sessions hold.
 
 :class:`RouterState` holds the session table
-(:class:`~memkv.storage.sessions.SessionTable`, the one owner of sessions),
+(:class:`~memkv.router.sessions.SessionTable`, the one owner of sessions),
 places sessions on devices (prefix affinity, then least loaded), keeps each
 session's hotness (an exponentially decayed access rate) and counts, per
 block, the sessions of this shard that hold it (a view of its own chains: the
 archive deletes a block only when no session of any shard holds it). Where a
 block sits is not counted here: the devices' pools own their blocks, and the
-:class:`~memkv.storage.router.block_index.BlockIndex` follows what they say.
+:class:`~memkv.router.block_index.BlockIndex` follows what they say.
 Tested without Ray;
-:class:`~memkv.storage.router.service.SessionRouter` is the service around it.
+:class:`~memkv.router.service.SessionRouter` is the service around it.
 """
 
 from __future__ import annotations
@@ -33,12 +33,31 @@ from memkv.protocol.ids import TENANT_SEPARATOR
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ChainUpdate
 from memkv.protocol.stats import TenantUse
+from memkv.router.block_index import BlockIndex
+from memkv.router.layouts import LAYOUTS
+from memkv.router.records import (
+    ArchiveForgotten,
+    ArchiveKnown,
+    ChainPut,
+    DeviceForgotten,
+    DeviceKnown,
+    JournalRecord,
+    PriorityChanged,
+    SessionCreated,
+    SessionDeleted,
+    SessionLost,
+    SessionMoved,
+    SessionTruncated,
+    StateChanged,
+    apply_record,
+    decode_record,
+    encode_record,
+    snapshot_records,
+)
+from memkv.router.sessions import SessionRecord, SessionTable, parse_priority
 from memkv.storage.journal import TableJournal
-from memkv.storage.router.block_index import BlockIndex
-from memkv.storage.router.records import apply_record, snapshot_records
-from memkv.storage.sessions import SessionRecord, SessionTable, parse_priority
 
-__all__ = ["DeviceLoad", "RouterState", "SessionRecord", "parse_layout"]
+__all__ = ["DeviceLoad", "RouterState", "SessionRecord"]
 
 
 #: Tenants named in stats and metrics (the largest by bytes); the rest are summed as
@@ -113,7 +132,7 @@ class RouterState:
             self._replaying = True
             try:
                 for entry in journal.replay():
-                    apply_record(self, entry)
+                    apply_record(self, decode_record(entry))
             finally:
                 self._replaying = False
             self.compact_journal()
@@ -130,17 +149,17 @@ class RouterState:
         load.incarnation, load.live = incarnation, True
         if device_id not in self.known_devices:
             self.known_devices.append(device_id)
-            self._log({"op": "device", "name": device_id})
+            self._log(DeviceKnown(name=device_id))
 
     def add_archive(self, name: str) -> None:
         if name not in self.known_archives:
             self.known_archives.append(name)
-            self._log({"op": "archive", "name": name})
+            self._log(ArchiveKnown(name=name))
 
     def forget_archive(self, name: str) -> None:
         if name in self.known_archives:
             self.known_archives.remove(name)
-            self._log({"op": "forget_archive", "name": name})
+            self._log(ArchiveForgotten(name=name))
 
     def forget_device(self, device_id: str) -> None:
         """A journaled device that no longer exists (a machine restarted: new names)."""
@@ -148,7 +167,7 @@ class RouterState:
         self.blocks.forget(device_id)
         if device_id in self.known_devices:
             self.known_devices.remove(device_id)
-            self._log({"op": "forget_device", "name": device_id})
+            self._log(DeviceForgotten(name=device_id))
 
     def update_load(self, device_id: str, hot_usage: float) -> None:
         self.devices[device_id].hot_usage = hot_usage
@@ -169,7 +188,7 @@ class RouterState:
         finite_only: bool = False,
     ) -> SessionRecord:
         """A new session (the id rule, layout and priority are checked here, once)."""
-        layout, layout_dict = _LAYOUTS.parse(layout)
+        layout, layout_dict = LAYOUTS.parse(layout)
         record = self.sessions.create(
             session_id,
             layout,
@@ -180,18 +199,10 @@ class RouterState:
             finite_only=finite_only,
         )
         self.tenant_sessions[tenant_of(session_id)] += 1
-        entry = {
-            "op": "create",
-            "id": session_id,
-            "ns": record.namespace,
-            "layout": layout_dict,
-            "prio": record.priority.value,
-            "durable": record.durable,
-            "exact_only": record.exact_only,
-        }
-        if record.finite_only:  # only where set: older journals read the same
-            entry["finite_only"] = True
-        self._log(entry)
+        self._log(SessionCreated(
+            id=session_id, ns=record.namespace, layout=layout_dict,
+            prio=record.priority.value, durable=record.durable, exact_only=record.exact_only,
+            finite_only=record.finite_only))
         return record
 
     def get(self, session_id: str) -> SessionRecord:
@@ -279,28 +290,20 @@ class RouterState:
         before = chain_bytes(record)
         self.sessions.commit_append(session_id, update)
         self.tenant_bytes[tenant_of(session_id)] += chain_bytes(record) - before
-        self._log(
-            {
-                "op": "put",
-                "id": session_id,
-                "chain": [bytes(k) for k in record.chain],
-                "tokens": record.tokens,
-                "turn": record.turn,
-                "tail": record.tail_rewrites,
-                "device": record.device_id,
-            }
-        )
+        self._log(ChainPut(id=session_id, chain=[bytes(k) for k in record.chain],
+                           tokens=record.tokens, turn=record.turn, tail=record.tail_rewrites,
+                           device=record.device_id))
         self.touch(session_id)
         return garbage
 
     def record_state(self, session_id: str, state: SessionState) -> None:
         self.get(session_id).state = state
-        self._log({"op": "state", "id": session_id, "state": state.value})
+        self._log(StateChanged(id=session_id, state=state))
 
     def set_priority(self, session_id: str, priority: Priority | str) -> SessionRecord:
         record = self.get(session_id)
         record.priority = parse_priority(priority)
-        self._log({"op": "prio", "id": session_id, "prio": record.priority.value})
+        self._log(PriorityChanged(id=session_id, prio=record.priority.value))
         return record
 
     def move(self, session_id: str, device_id: str) -> None:
@@ -314,7 +317,7 @@ class RouterState:
         record.device_id = device_id
         # (a replayed move may name a device this process has not met yet)
         self.devices.setdefault(device_id, DeviceLoad()).sessions += 1
-        self._log({"op": "move", "id": session_id, "device": device_id})
+        self._log(SessionMoved(id=session_id, device=device_id))
 
     def delete(self, session_id: str) -> list[bytes]:
         """Forget a session (lost ones too). Returns blocks no session holds any more."""
@@ -324,12 +327,12 @@ class RouterState:
         tenant = tenant_of(session_id)
         self.tenant_sessions[tenant] -= 1
         self.tenant_bytes[tenant] -= chain_bytes(record)
-        self._log({"op": "delete", "id": session_id})
+        self._log(SessionDeleted(id=session_id))
         return [k for k in dict.fromkeys(record.chain) if self._unref(k)]
 
     def mark_lost(self, session_id: str, reason: str) -> None:
         self.sessions.mark_lost(session_id, reason)
-        self._log({"op": "lost", "id": session_id, "reason": reason})
+        self._log(SessionLost(id=session_id, reason=reason))
 
     def truncate(self, session_id: str, keep_blocks: int, reason: str) -> list[bytes]:
         """Only the first ``keep_blocks`` of a session's blocks survive (the rest are lost).
@@ -361,15 +364,9 @@ class RouterState:
         return [k for k in dropped if self._unref(k)]
 
     def _log_truncation(self, record: SessionRecord) -> None:
-        self._log(
-            {
-                "op": "truncate",
-                "id": record.session_id,
-                "keep": len(record.chain),
-                "lost_tokens": record.lost_tokens,
-                "reason": record.partial_reason,
-            }
-        )
+        self._log(SessionTruncated(id=record.session_id, keep=len(record.chain),
+                                   lost_tokens=record.lost_tokens,
+                                   reason=record.partial_reason or ""))
 
     def tenant_usage(self, limit: int = STATS_TENANTS) -> dict[str, TenantUse]:
         """Sessions and KV bytes per tenant (``""``: unscoped ids), the ``limit`` largest
@@ -431,9 +428,13 @@ class RouterState:
 
     # -- the journal ---------------------------------------------------------------------
 
-    def _log(self, entry: dict[str, Any]) -> None:
+    def _log(self, record: JournalRecord) -> None:
         if self.journal is not None and not self._replaying:
-            self.journal.append(entry)
+            self.journal.append(encode_record(record))
+
+    def _snapshot(self) -> list[dict[str, Any]]:
+        records = snapshot_records(self.known_devices, self.known_archives, self.sessions)
+        return [encode_record(r) for r in records]
 
     def compact_journal(self, every: int = 0) -> None:
         """Rewrite the journal as a snapshot of the table once it holds ``every`` records
@@ -446,7 +447,7 @@ class RouterState:
         """
         if self._compaction_due(every):
             assert self.journal is not None
-            self.journal.snapshot(snapshot_records(self))
+            self.journal.snapshot(self._snapshot())
 
     async def compact_journal_async(self, every: int = 0) -> None:
         """:meth:`compact_journal` from the router's event loop, which serves other calls
@@ -456,7 +457,7 @@ class RouterState:
         assert self.journal is not None
         self._compacting = True
         try:
-            await self.journal.snapshot_async(lambda: snapshot_records(self))
+            await self.journal.snapshot_async(self._snapshot)
         finally:
             self._compacting = False
 
@@ -591,43 +592,3 @@ def chain_bytes(record: SessionRecord) -> int:
         return 0
     counts = block_token_count(record.layout, record.tokens)
     return sum(record.layout.block_nbytes(n) for n in counts)
-
-
-class _LayoutCache:
-    """Layouts as callers send them, each parsed and checked once.
-
-    A fleet's sessions name a handful of layouts, and parsing one (checks and a
-    fingerprint hash) was a tenth of the router's own work per create. The key
-    holds each value's type beside it, so a value that compares equal to a
-    valid one (``True`` for ``1``) is still parsed, and refused, on its own.
-    """
-
-    def __init__(self, limit: int = 256) -> None:
-        self._limit = limit
-        self._parsed: dict[tuple[Any, ...], tuple[KVLayout, dict[str, Any]]] = {}
-
-    def parse(self, layout: KVLayout | dict[str, Any]) -> tuple[KVLayout, dict[str, Any]]:
-        """``(layout, its canonical dict)``; the dict is shared: never change it."""
-        if isinstance(layout, KVLayout):
-            return layout, layout.to_dict()
-        try:
-            key = tuple((k, type(v), v) for k, v in layout.items())
-            hash(key)
-        except (AttributeError, TypeError):  # not a dict, or unhashable values
-            parsed = KVLayout.from_dict(layout)  # raises the error naming what is expected
-            return parsed, parsed.to_dict()
-        found = self._parsed.get(key)
-        if found is None:
-            parsed = KVLayout.from_dict(layout)
-            if len(self._parsed) >= self._limit:
-                self._parsed.clear()
-            found = self._parsed[key] = (parsed, parsed.to_dict())
-        return found
-
-
-_LAYOUTS = _LayoutCache()
-
-
-def parse_layout(layout: KVLayout | dict[str, Any]) -> KVLayout:
-    """A layout dict as :meth:`KVLayout.from_dict` reads it, parsed once per distinct dict."""
-    return _LAYOUTS.parse(layout)[0]

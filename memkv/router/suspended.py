@@ -1,10 +1,10 @@
 """The suspended-session journal of the last version's single-process store.
 
 Read only to move its sessions into the session service's journal
-(:meth:`memkv.storage.store.TieredStore._migrate_sessions`); a store now keeps
+(:meth:`memkv.store.TieredStore._migrate_sessions`); a store now keeps
 the router's journal. What it was:
 
-A suspended (or archived) session of a :class:`~memkv.storage.store.TieredStore`
+A suspended (or archived) session of a :class:`~memkv.store.TieredStore`
 outlives its process: its record (:meth:`SessionRecord.manifest`: chain,
 tokens, turn, layout, priority) goes into a :class:`~memkv.storage.journal.Journal`
 in ``sessions/`` beside the cold tier's segment files, and a store reopened on

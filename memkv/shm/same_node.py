@@ -150,8 +150,9 @@ class SameNodeReader:
     """Reads blocks from a device actor on this node through shared memory.
 
     Args:
-        device: the device: a Ray actor handle, or a plain
-            :class:`~memkv.actors.device.DeviceCache` (same process, tests).
+        device: the device: its reader (a :class:`~memkv.protocol.members.BlockReader`,
+            as routes and located groups hand it out), a bare Ray actor handle,
+            or a plain :class:`~memkv.actors.device.DeviceCache` (same process, tests).
         node_id: this process's Ray node id (``ray.get_runtime_context()``);
             plans of another node are refused.
         ttl_s: lease length asked for.
@@ -182,11 +183,13 @@ class SameNodeReader:
 
     def _call(self, method: str, *args: Any) -> Any:
         fn = getattr(self._device, method)
-        if hasattr(fn, "remote"):
+        if hasattr(fn, "remote"):  # a bare actor handle
             import ray
 
             return ray.get(fn.remote(*args))
-        return fn(*args)
+        answer = fn(*args)
+        # A reader handle's answer is on its way (Answer); a local device's is here.
+        return answer.result() if hasattr(answer, "result") else answer
 
     def plan(self, keys: Sequence[bytes], stream: str | None = None) -> ReadPlan:
         """A plan for ``keys`` (pinned until :meth:`release` or the lease runs out)."""

@@ -4,7 +4,7 @@ Without staging, each block of an append crosses into Ray's object store
 (``ray.put``: a copy and ~3 ms of object bookkeeping for 4 MiB) before the
 device copies it into its arena. With staging the gateway reads the request
 body into a slot of its own shared-memory segment, hands the device a
-:class:`~memkv.actors.payload.StagedBlock` (segment, offset, length) through
+:class:`~memkv.protocol.payload.StagedBlock` (segment, offset, length) through
 the router, and the device copies the bytes from there into its arena: one
 copy on each side, no object store. The slot is reused once the append has
 been answered (the device has copied by then).
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from memkv.actors.payload import BlockPayload, StagedBlock
+from memkv.protocol.payload import BlockPayload, StagedBlock
 from memkv.shm.ownership import SegmentOwnership, reclaim_orphans, warm_segment_name
 from memkv.storage.buddy import BuddyAllocator
 
@@ -173,8 +173,9 @@ def staging_node() -> str:
 
 def staging_for(devices: Iterable[Any], nbytes: int, role: str = "gateway-stage"
                 ) -> PutStaging | None:
-    """A staging segment of ``nbytes`` when one of ``devices`` (actor handles) runs on
-    this node, else None: nothing elsewhere could map it."""
+    """A staging segment of ``nbytes`` when one of ``devices`` runs on this node, else
+    None: nothing elsewhere could map it. ``devices``: what answers ``node()`` with an
+    answer to take (``memkv.actors.handles``' reader or member handles)."""
     if nbytes <= 0:
         return None
     import ray
@@ -182,7 +183,8 @@ def staging_for(devices: Iterable[Any], nbytes: int, role: str = "gateway-stage"
     if not ray.is_initialized():
         return None
     handles = list(devices)
-    if not handles or staging_node() not in ray.get([d.node.remote() for d in handles]):
+    if not handles or staging_node() not in [answer.result() for answer in
+                                              [d.node() for d in handles]]:
         return None
     try:
         return PutStaging(nbytes, role=role)

@@ -1,44 +1,40 @@
-"""memkv's single-process storage engine: no Ray, no HTTP.
+"""memkv's block engine: no Ray, no HTTP, nothing above it.
 
-The public entry point is :class:`~memkv.storage.store.TieredStore`; the
-modules below it are the building blocks it is made of (layouts and hashes,
-the buddy allocator and arenas, eviction and prefetch policies, precision and
-codecs, archive segments, diagnostics).
+Layouts and hashes, the buddy allocator and arenas, the tiers and the block pool,
+eviction and prefetch policies, precision and codecs, archive segments and
+diagnostics. The services of the router, device and archive processes are built
+on it (memkv.router, memkv.device, memkv.archive); :class:`memkv.store.TieredStore`
+composes them in one process.
 """
 
-from typing import TYPE_CHECKING, Any
+import importlib
+from typing import Any
 
-from memkv.protocol.enums import Priority, SessionState, Tier
-from memkv.protocol.hashing import BlockHash, chain_hashes
-from memkv.storage.config import StoreConfig
-from memkv.storage.layout import KVLayout, join_blocks, split_kv
-
-if TYPE_CHECKING:
-    from memkv.storage.store import SessionInfo, StoreStats, TieredStore
-
-_FROM_STORE = ("SessionInfo", "StoreStats", "TieredStore")
+#: Re-exported names and where they live: imported on first use, so that importing
+#: one building block (the journal, say, in the router's torch-free process) never
+#: imports the others.
+_WHERE = {
+    "Priority": "memkv.protocol.enums", "SessionState": "memkv.protocol.enums",
+    "Tier": "memkv.protocol.enums", "BlockHash": "memkv.protocol.hashing",
+    "chain_hashes": "memkv.protocol.hashing", "StoreConfig": "memkv.storage.config",
+    "KVLayout": "memkv.storage.layout", "join_blocks": "memkv.storage.layout",
+    "split_kv": "memkv.storage.layout",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # The store is a shell over the session service and a device, which read
-    # memkv.config, which reads building blocks of this package: imported on
-    # first use, so importing a building block never imports the whole service.
-    if name in _FROM_STORE:
-        from memkv.storage import store
-
-        return getattr(store, name)
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BlockHash",
     "KVLayout",
     "Priority",
-    "SessionInfo",
     "SessionState",
     "StoreConfig",
-    "StoreStats",
     "Tier",
-    "TieredStore",
     "chain_hashes",
     "join_blocks",
     "split_kv",

@@ -4,7 +4,7 @@
   on a device (``cuda:N`` on a GPU node, ``cpu`` where there is none).
 * :class:`~memkv.storage.shm_arena.SharedHostArena` — the warm tier: a POSIX
   shared-memory segment (pinned for fast device copies on GPU hosts) that other
-  processes on the node map without a copy (:class:`memkv.same_node.SegmentMaps`).
+  processes on the node map without a copy (:class:`memkv.shm.same_node.SegmentMaps`).
 
 This module holds what both share: :class:`Arena` (allocation, slabs, views,
 prefault) and its records.

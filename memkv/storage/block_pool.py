@@ -2,7 +2,7 @@
 
 The block store under every DeviceCacheActor, in the manner of vLLM's block
 pool: it knows blocks, not sessions. Its owner (the router, in a cluster or
-in a single-process :class:`~memkv.storage.store.TieredStore`) tells it which
+in a single-process :class:`~memkv.store.TieredStore`) tells it which
 blocks are held and by how many sessions, which of those are active, and at
 what priority; the pool keeps where each block lives, pins of blocks being
 read, and the movement between tiers:
@@ -61,7 +61,6 @@ from memkv.storage.free_memory import RELEASE_MIN_BYTES, release_idle_extents
 from memkv.storage.pool_core import (
     BlockLocation,
     FetchedBlock,
-    Holder,
     PoolStats,
     TierStats,
     _Block,
@@ -80,7 +79,6 @@ __all__ = [
     "BlockLocation",
     "BlockPool",
     "FetchedBlock",
-    "Holder",
     "PoolStats",
     "ReservedSlots",
     "StoredBlocks",

@@ -1,7 +1,7 @@
 """A crash-safe journal of records: append, group-committed fsync, snapshot, replay.
 
 The router keeps its session table in one, the single-process store its
-suspended sessions (:mod:`memkv.storage.suspended`): ``journal.log`` beside a
+suspended sessions (:mod:`memkv.router.suspended`): ``journal.log`` beside a
 ``snapshot.bin`` in its directory, so the table survives a restart of the
 process, or of the whole machine. Each record is framed as::
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -67,17 +67,6 @@ class _Block:
     @property
     def exact(self) -> bool:
         return not self.lossy
-
-
-class Holder(NamedTuple):
-    """One session's hold on a pool's blocks, as its owner records it (see ``resync``)."""
-
-    layout: KVLayout
-    chain: Sequence[bytes]
-    tokens: Sequence[int]
-    active: bool
-    priority: Priority
-    exact_only: bool = False
 
 
 class FetchedBlock(NamedTuple):

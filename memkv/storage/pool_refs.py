@@ -19,13 +19,12 @@ from memkv.errors import (
 from memkv.protocol.enums import PRIORITY_RANK, Priority
 from memkv.protocol.events import BlockEvents
 from memkv.protocol.hashing import BlockHash
-from memkv.protocol.members import StoredBlocks
+from memkv.protocol.members import Holder, StoredBlocks
 from memkv.protocol.messages import ChainUpdate
 from memkv.storage.arena import Allocation
 from memkv.storage.diagnostics import check_refcounts
 from memkv.storage.layout import KVLayout
 from memkv.storage.pool_core import (
-    Holder,
     _Block,
     _codec_step,
     _crc32,

@@ -80,7 +80,7 @@ class SharedHostArena(Arena):
 
     The creating process owns the segment: :meth:`close` (or garbage
     collection of the arena) unlinks it. Other processes on the node map it by
-    :attr:`name` (:class:`memkv.same_node.SegmentMaps`) and read blocks
+    :attr:`name` (:class:`memkv.shm.same_node.SegmentMaps`) and read blocks
     at the offsets this arena hands out, without a copy.
 
     Args:

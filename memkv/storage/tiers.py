@@ -301,7 +301,7 @@ class ColdBackend(Protocol):
     the store deletes the blocks it frees; a shared archive (a cluster's)
     leaves that to the router, which sees every session. Sessions themselves
     are never kept here (a journal keeps them: the router's, or the
-    single-process store's :mod:`memkv.storage.suspended`).
+    single-process store's :mod:`memkv.router.suspended`).
     """
 
     tier: Tier

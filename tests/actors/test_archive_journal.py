@@ -17,12 +17,12 @@ import pytest
 from ray.exceptions import ActorUnschedulableError
 
 from memkv.actors.archive_journal import ArchiveJournal, journal_name, journal_shard_counts
+from memkv.archive.journal_replica import SupersededError
+from memkv.archive.service import ArchiveService
 from memkv.errors import InvalidInputError, MemberLostError
-from memkv.storage.archive_service import ArchiveService
+from memkv.router.state import RouterState
 from memkv.storage.config import ArchiveConfig
 from memkv.storage.journal import Journal
-from memkv.storage.journal_replica import SupersededError
-from memkv.storage.router.state import RouterState
 
 NAME = journal_name("memkv-router", 0, 1)
 

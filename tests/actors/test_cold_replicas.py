@@ -18,13 +18,13 @@ import torch
 from ray.exceptions import ActorUnschedulableError
 
 from memkv.actors.cold_replicas import ArchiveReplicas, replica_order
+from memkv.archive.service import ArchiveService
 from memkv.errors import MemberLostError, UnknownBlockError
-from memkv.storage.archive_service import ArchiveService
+from memkv.router.collector import Collector
+from memkv.router.peers import ShardPeers
+from memkv.router.repair import ReplicaRepair
+from memkv.router.state import RouterState
 from memkv.storage.config import ArchiveConfig, CodecConfig
-from memkv.storage.router.collector import Collector
-from memkv.storage.router.peers import ShardPeers
-from memkv.storage.router.repair import ReplicaRepair
-from memkv.storage.router.state import RouterState
 
 FINGERPRINT = bytes(16)
 

@@ -5,7 +5,6 @@ import torch
 
 from memkv.actors.archive import ArchiveService
 from memkv.actors.device import DeviceCache
-from memkv.actors.payload import BlockPayload, from_payload, to_payload
 from memkv.errors import (
     CorruptDataError,
     InvalidInputError,
@@ -14,10 +13,12 @@ from memkv.errors import (
 )
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.members import StoredBlocks
+from memkv.protocol.payload import BlockPayload
+from memkv.router.sessions import SessionTable
 from memkv.storage.codecs import get_codec
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
-from memkv.storage.sessions import SessionTable
+from memkv.storage.payloads import from_payload, to_payload
 
 LAYOUT = KVLayout("m", 2, 2, 8, block_tokens=4)
 

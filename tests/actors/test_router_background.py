@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from memkv.actors.payload import to_payload
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec
 from memkv.storage.layout import KVLayout, split_kv
+from memkv.storage.payloads import to_payload
 
 from ..api.fakes import device_and_router
 

@@ -9,12 +9,12 @@ import asyncio
 import torch
 
 from memkv.actors.device import DeviceCache
-from memkv.actors.payload import to_payload
 from memkv.actors.router import SessionRouterShell
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
 from memkv.storage.layout import KVLayout, split_kv
+from memkv.storage.payloads import to_payload
 
 from ..api.fakes import FakeHandle, Resolved
 

@@ -14,15 +14,15 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from memkv.actors.payload import to_payload
+from memkv.device.service import DeviceService
 from memkv.errors import BlockLostError, MemberLostError
 from memkv.protocol.enums import AckMode, SessionState
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec
+from memkv.router.service import SessionRouter
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, CodecConfig, StoreConfig
-from memkv.storage.device.service import DeviceService
 from memkv.storage.layout import KVLayout, split_kv
-from memkv.storage.router.service import SessionRouter
+from memkv.storage.payloads import to_payload
 from memkv.storage.tiers import ColdTier
 
 from ..api.fakes import Resolved

@@ -10,7 +10,7 @@ from memkv.errors import (
 from memkv.protocol.enums import SessionState
 from memkv.protocol.events import BlockEvents
 from memkv.protocol.layout import KVLayout
-from memkv.storage.router.state import RouterState
+from memkv.router.state import RouterState
 
 LAYOUT = KVLayout("m", 2, 2, 8, block_tokens=4).to_dict()
 
@@ -367,3 +367,36 @@ def test_a_truncated_session_keeps_its_prefix_and_the_journal_remembers(tmp_path
     u = fresh()  # read back from the snapshot
     assert (u.get("a").tokens, u.get("a").lost_tokens) == (4, 6)
     assert not u.referenced(b"a1")
+
+
+def test_records_of_an_earlier_version_replay_and_a_corrupt_one_is_named(tmp_path):
+    """The journal's records are typed now (memkv.router.records): the maps an earlier
+    version wrote (no finite_only, no tail, a put naming no device) replay as before,
+    and a record that does not decode is refused with the field it got wrong."""
+    from memkv.errors import CorruptDataError
+    from memkv.router.records import SessionCreated, decode_record, encode_record
+    from memkv.storage.journal import Journal
+
+    journal = Journal(tmp_path / "router")
+    for entry in (
+        {"op": "device", "name": "d0"},
+        {"op": "create", "id": "old", "ns": "t", "layout": LAYOUT, "prio": "normal",
+         "durable": True, "exact_only": False},
+        {"op": "put", "id": "old", "chain": [b"p", b"q"], "tokens": 6, "turn": 1},
+        {"op": "state", "id": "old", "state": "suspended"},
+        {"op": "prio", "id": "old", "prio": "high"},
+    ):
+        journal.append(entry)
+    journal.close()
+    s = RouterState(clock=Clock(), journal=Journal(tmp_path / "router"))
+    old = s.get("old")
+    assert (old.chain, old.tokens, old.turn, old.state, old.priority.value, old.durable,
+            old.finite_only, old.device_id) == ([b"p", b"q"], 6, 1, SessionState.SUSPENDED,
+                                                 "high", True, False, None)
+    # What is written now is the same map (defaults left out: older readers default them).
+    assert encode_record(SessionCreated(id="x", ns="t", layout=LAYOUT, prio="normal")) == {
+        "op": "create", "id": "x", "ns": "t", "layout": LAYOUT, "prio": "normal"}
+    with pytest.raises(CorruptDataError, match="unknown|op"):
+        decode_record({"op": "teleport", "id": "x"})
+    with pytest.raises(CorruptDataError, match=r"\$\.tokens"):
+        decode_record({"op": "put", "id": "x", "chain": [], "tokens": "six", "turn": 1})

@@ -17,40 +17,33 @@ BLOCK = 4096
 KEYS = [bytes([i]) * 16 for i in range(4)]
 
 
-class _Method:
-    def __init__(self, device: _Device, name: str) -> None:
-        self._device, self._name = device, name
-
-    def remote(self, *args: Any) -> Any:
-        self._device.calls.append(self._name)
-        answer = getattr(self._device, f"_{self._name}")(*args)
-
-        async def later() -> Any:
-            return answer
-
-        return later()
+async def _answer(value: Any) -> Any:
+    return value
 
 
 class _Device:
-    """Plans every block in one segment; counts its calls."""
+    """A reader (memkv.protocol.members.BlockReader) that plans every block in one
+    segment and counts its calls."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.leases = 0
-        for name in ("hold_for_read", "read_plan", "release_lease"):
-            setattr(self, name, _Method(self, name))
 
-    def _hold_for_read(self, keys: list[bytes], ttl_s: float = 120.0) -> str:
-        return "hold"
+    def hold_for_read(self, keys: list[bytes], ttl_s: float = 120.0) -> Any:
+        self.calls.append("hold_for_read")
+        return _answer("hold")
 
-    def _read_plan(self, keys: list[bytes], stream: Any, ttl: float, wanted: Any = ()) -> ReadPlan:
+    def read_plan(self, keys: list[bytes], stream: Any, ttl: float, wanted: Any = (),
+                  owner: str | None = None) -> Any:
+        self.calls.append("read_plan")
         self.leases += 1
         entries = tuple(PlanEntry(k, "hot", "seg", SEGMENT_BYTES, KEYS.index(k) * BLOCK, BLOCK,
                                   (1,), "float16", 0, True) for k in [*keys, *wanted])
-        return ReadPlan(f"lease-{self.leases}", "dev", "node", "inc", ttl, entries)
+        return _answer(ReadPlan(f"lease-{self.leases}", "dev", "node", "inc", ttl, entries))
 
-    def _release_lease(self, lease_id: str) -> bool:
-        return True
+    def release_lease(self, lease_id: str, owner: str | None = None) -> Any:
+        self.calls.append("release_lease")
+        return _answer(True)
 
 
 class _Maps:

@@ -15,7 +15,7 @@ from memkv.api.auth import Authenticator, TokenEntry, hash_token
 from memkv.client import Client
 from memkv.errors import ForbiddenError, UnknownBlockError
 from memkv.protocol.checksum import crc32
-from memkv.same_node import SegmentMaps, copy_entries, shm_identity
+from memkv.shm.same_node import SegmentMaps, copy_entries, shm_identity
 from memkv.storage.layout import KVLayout, split_kv
 
 from ..kvdata import random_kv
@@ -125,7 +125,7 @@ def test_leases_follow_the_token_tenant_and_cannot_be_released_by_another(cluste
 
 
 def test_an_answer_from_another_host_is_not_local():
-    from memkv.same_node import HostLease
+    from memkv.shm.same_node import HostLease
 
     doc = {"host": "some-other-boot/12", "leases": [], "blocks": [None]}
     lease = HostLease.from_json(doc)

@@ -129,7 +129,7 @@ def test_pipelined_requests_are_answered_in_order(gateway):
                 conn.send({"op": "ping"}),
             ]
             head, _ = conn.reply(ids[0])
-            assert head["result"]["new_blocks"] == 3 and head["result"]["turn"] == 1
+            assert head.result["new_blocks"] == 3 and head.result["turn"] == 1
             _, reply_body = conn.reply(ids[1])
             blocks = list(read_block_frames(reply_body))
             assert [b.index for b in blocks] == [1, 2]
@@ -137,7 +137,7 @@ def test_pipelined_requests_are_answered_in_order(gateway):
             with pytest.raises(PortError) as missing:
                 conn.reply(ids[2])
             assert missing.value.status == 404 and not conn.broken  # the connection goes on
-            assert conn.reply(ids[3])[0]["status"] == 200
+            assert conn.reply(ids[3])[0].status == 200
         finally:
             conn.close()
 
@@ -159,7 +159,7 @@ def test_a_sessions_pipelined_turns_are_stored_in_order_and_read_back(gateway):
                 if turn == 0:  # another session's append in between overlaps them
                     ids.append(conn.send({"op": "append", "session_id": other}, other_body))
             read = conn.send({"op": "read", "session_id": sid})
-            turns = [conn.reply(i)[0]["result"] for i in ids]
+            turns = [conn.reply(i)[0].result for i in ids]
             assert [t["turn"] for t in turns] == [1, 1, 2, 3]
             assert [t["new_blocks"] for t in turns] == [1, 2, 1, 1]
             _, reply_body = conn.reply(read)
@@ -195,10 +195,10 @@ def test_blocks_by_key_come_over_the_port_and_the_connection_goes_on(gateway):
             first = conn.send({"op": "read_keys", "namespace": None, "keys": found.blocks[:1]})
             ping = conn.send({"op": "ping"})
             head, reply_body = conn.reply(first)
-            assert head["until_end"]
+            assert head.until_end
             (block,) = read_block_frames(reply_body, body_ends=False)
             assert torch.equal(block.tensor, expected[0])
-            assert conn.reply(ping)[0]["status"] == 200
+            assert conn.reply(ping)[0].status == 200
             with pytest.raises(PortError) as missing:
                 conn.request({"op": "read_keys", "keys": [b"\x01" * 16]})
             assert missing.value.status == 404
@@ -216,8 +216,8 @@ def test_a_replayed_turn_and_a_conflicting_one_answer_as_over_http(gateway):
         try:
             first, _ = conn.request({"op": "append", "session_id": sid}, body)
             again, _ = conn.request({"op": "append", "session_id": sid}, body)
-            assert again["result"]["replayed"] and again["result"]["chain"] == \
-                first["result"]["chain"]
+            assert again.result["replayed"] and again.result["chain"] == \
+                first.result["chain"]
         finally:
             conn.close()
 
@@ -234,7 +234,7 @@ def test_a_bad_checksum_is_refused_and_nothing_is_stored(gateway):
                              [*body[:2], payload, *body[3:]])
             assert bad.value.status == 422 and "checksum" in bad.value.error["message"]
             # The body was read to its end: the connection goes on.
-            assert conn.request({"op": "ping"})[0]["status"] == 200
+            assert conn.request({"op": "ping"})[0].status == 200
         finally:
             conn.close()
         assert c.session(sid).turn == 0
@@ -307,7 +307,7 @@ def test_garbage_and_hostile_frames_close_the_connection_and_the_server_stays_up
         assert bad.value.status == 422
         with pytest.raises(PortError):
             conn.request({"op": "read"})  # no session id
-        assert conn.request({"op": "ping"})[0]["status"] == 200
+        assert conn.request({"op": "ping"})[0].status == 200
     finally:
         conn.close()
 
@@ -360,7 +360,7 @@ def test_connections_that_never_say_hello_are_bounded(gateway):
             sock.close()
     conn = PortConnection("127.0.0.1", gateway.block_port, token=None, timeout=10)
     try:
-        assert conn.request({"op": "ping"})[0]["status"] == 200
+        assert conn.request({"op": "ping"})[0].status == 200
     finally:
         conn.close()
 

@@ -19,7 +19,7 @@ from memkv.client import Client
 from memkv.client.frames import append_body
 from memkv.errors import InvalidInputError
 from memkv.port_connection import PortConnection, PortError
-from memkv.staging import client_staging
+from memkv.shm.staging import client_staging
 from memkv.storage.layout import KVLayout, split_kv
 
 from ..kvdata import random_kv
@@ -297,7 +297,7 @@ def test_the_vllm_transport_maps_this_hosts_device_segments_at_start(gateway):
     """What the connector does when its engine starts: every device segment of the host
     mapped for loads, the reservable ones writable for saves, page tables populated."""
     from memkv.integrations.vllm.transport import GatewayTransport
-    from memkv.same_node import SegmentMaps
+    from memkv.shm.same_node import SegmentMaps
 
     transport = GatewayTransport(LAYOUT, url=gateway.url, token=None, namespace=None,
                                  save_staging_bytes=1 << 20)

@@ -404,7 +404,7 @@ def test_a_device_on_another_node_gets_staged_blocks_by_value(cluster):
     """A gateway whose node is not the device's: the device refuses the staged
     blocks (it cannot map the segment) and the append goes by the object store."""
     from memkv.api.app import create_app
-    from memkv.staging import PutStaging
+    from memkv.shm.staging import PutStaging
 
     staging = PutStaging(1 << 20)
     try:

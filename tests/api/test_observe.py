@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from memkv.api.observe import StatsSnapshot, engine_metrics
 from memkv.protocol.stats import TenantUse, cluster_stats
-from memkv.storage.router.state import OTHER_TENANTS, STATS_TENANTS, RouterState
+from memkv.router.state import OTHER_TENANTS, STATS_TENANTS, RouterState
 
 STATS = {
     "sessions": 3,

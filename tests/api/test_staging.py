@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from memkv.protocol.wire import FrameReader, encode_frame
-from memkv.staging import STAGING_UNIT_BYTES, PutStaging
+from memkv.shm.staging import STAGING_UNIT_BYTES, PutStaging
 
 
 @pytest.fixture

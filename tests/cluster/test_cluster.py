@@ -237,8 +237,8 @@ def test_restarted_archive_rebuilds_its_index_and_serves_again(fault_cluster):
 
 def test_prefix_match_and_reads_by_key_in_cluster_and_from_shared_memory(cluster):
     """What an engine inside the cluster uses (the vLLM connector's cluster transport)."""
-    from memkv.actors.payload import from_payload
     from memkv.errors import UnknownBlockError
+    from memkv.storage.payloads import from_payload
 
     sid, tokens, blocks = new_session(cluster, 12, seed=300, namespace="by-key")
     matched, keys = cluster.match_prefix(LAYOUT, "by-key", tokens + [1, 2, 3])

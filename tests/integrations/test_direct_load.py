@@ -20,7 +20,7 @@ from memkv.integrations.vllm import direct_load
 from memkv.integrations.vllm.direct_load import DirectLoad
 from memkv.protocol.checksum import crc32
 from memkv.protocol.messages import PlanEntry, ReadPlan
-from memkv.same_node import LEASE_MARGIN_S, SegmentMaps
+from memkv.shm.same_node import LEASE_MARGIN_S, SegmentMaps
 
 L, H, N, D = 3, 2, 4, 8
 SHAPE = (L, 2, H, N, D)

@@ -71,9 +71,9 @@ def test_devices_of_two_deployments_on_one_node_have_segments_of_their_own(tmp_p
     their shared memory apart, and one deployment's device is still one of a kind."""
     import pytest
 
+    from memkv.device import DeviceService
     from memkv.errors import ConflictError
     from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
-    from memkv.storage.device import DeviceService
 
     def config(name: str) -> StoreConfig:
         return StoreConfig(hot_capacity_bytes=4096, warm_capacity_bytes=4096,

@@ -16,12 +16,12 @@ from memkv.shm.sweeper import OrphanSweeper
 
 
 def test_a_killed_engines_staging_is_unlinked_by_the_next_sweep():
-    # An engine's connector makes its save staging (memkv.staging.client_staging) and
+    # An engine's connector makes its save staging (memkv.shm.staging.client_staging) and
     # is killed: nothing of it unlinks the segment.
     code = (
         "import os, signal\n"
         "from multiprocessing import resource_tracker\n"
-        "from memkv.staging import client_staging\n"
+        "from memkv.shm.staging import client_staging\n"
         "s = client_staging(1 << 20)\n"
         "resource_tracker.unregister('/' + s.segment, 'shared_memory')\n"
         "print(s.segment, flush=True)\n"
@@ -37,7 +37,7 @@ def test_a_killed_engines_staging_is_unlinked_by_the_next_sweep():
 
 
 def test_a_live_owners_segment_is_left_alone():
-    from memkv.staging import client_staging
+    from memkv.shm.staging import client_staging
 
     staging = client_staging(1 << 20)
     assert staging is not None

@@ -22,7 +22,7 @@ from memkv.errors import (
     InvalidInputError,
     LayoutMismatchError,
 )
-from memkv.same_node import SegmentMaps
+from memkv.shm.same_node import SegmentMaps
 from memkv.storage.arena import ALIGNMENT_BYTES, Allocation, Arena, ArenaStats
 from memkv.storage.config import UNIT_PROFILES, AllocatorConfig
 from memkv.storage.device_arena import DeviceArena

@@ -1,7 +1,7 @@
 """The block pool's change log: what a reader following a device learns of its table."""
 
+from memkv.router.block_index import BlockIndex
 from memkv.storage.block_events import BlockEventLog
-from memkv.storage.router.block_index import BlockIndex
 
 
 def test_changes_since_a_cursor_are_net_per_key():

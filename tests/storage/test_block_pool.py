@@ -8,12 +8,13 @@ import torch
 from memkv.errors import InvalidInputError, UnknownBlockError
 from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.hashing import BlockHash, chain_hashes
+from memkv.protocol.members import Holder
+from memkv.router.sessions import SessionTable
 from memkv.storage import pool_refs
-from memkv.storage.block_pool import BlockPool, Holder
+from memkv.storage.block_pool import BlockPool
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, EvictionConfig, StoreConfig
 from memkv.storage.layout import KVLayout, block_token_count, split_kv
 from memkv.storage.pool_core import COPY_CRC_CHUNK_BYTES, _copy_crc32
-from memkv.storage.sessions import SessionTable
 
 from .test_store import kv
 

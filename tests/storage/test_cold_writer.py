@@ -8,6 +8,7 @@ import torch
 from memkv.errors import CapacityError, UnknownBlockError
 from memkv.protocol.enums import Tier
 from memkv.protocol.hashing import HASH_BYTES
+from memkv.router.sessions import SessionTable
 from memkv.storage.block_pool import BlockPool
 from memkv.storage.cold_writer import ColdWriter
 from memkv.storage.config import (
@@ -17,7 +18,6 @@ from memkv.storage.config import (
     ColdWriterConfig,
     StoreConfig,
 )
-from memkv.storage.sessions import SessionTable
 from memkv.storage.tiers import ColdTier
 
 from .test_block_pool import LAYOUT, UNIT, append

@@ -28,17 +28,17 @@ from hypothesis.stateful import (
     rule,
 )
 
-from memkv.actors.payload import from_payload, to_payload
+from memkv.device import DeviceService
 from memkv.errors import BlockLostError, CapacityError
 from memkv.protocol.enums import Priority, SessionState
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.layout import block_token_count
+from memkv.protocol.members import Holder
+from memkv.router.block_index import BlockIndex
+from memkv.router.sessions import SessionRecord, SessionTable
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
-from memkv.storage.device import DeviceService
 from memkv.storage.layout import KVLayout
-from memkv.storage.pool_core import Holder
-from memkv.storage.router.block_index import BlockIndex
-from memkv.storage.sessions import SessionRecord, SessionTable
+from memkv.storage.payloads import from_payload, to_payload
 
 LAYOUT = KVLayout("machine", 1, 1, 4, dtype="float32", block_tokens=4)
 UNIT = 4096

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
+from memkv.device.headroom import HeadroomKeeper
 from memkv.protocol.enums import Tier
 from memkv.protocol.hashing import chain_hashes
+from memkv.router.sessions import SessionTable
 from memkv.storage.block_pool import BlockPool
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, EvictionConfig, StoreConfig
-from memkv.storage.device.headroom import HeadroomKeeper
 from memkv.storage.layout import KVLayout, split_kv
-from memkv.storage.sessions import SessionTable
 
 from .test_store import kv
 

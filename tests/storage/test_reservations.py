@@ -1,4 +1,4 @@
-"""Write reservations (memkv.storage.device.reservations): a writer on the device's node
+"""Write reservations (memkv.device.reservations): a writer on the device's node
 fills slots of its shared memory, the append names them, the device adopts the bytes
 where they are (no copy), and slots nobody named go back."""
 
@@ -12,15 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from memkv.actors.payload import StagedBlock, from_payload
+from memkv.device import DeviceService
 from memkv.errors import InvalidInputError, LeaseExpiredError
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.layout import block_token_count
 from memkv.protocol.members import SlotGrant
+from memkv.protocol.payload import StagedBlock
+from memkv.router.sessions import SessionTable
 from memkv.storage.config import AllocatorConfig, ArchiveConfig, StoreConfig
-from memkv.storage.device import DeviceService
 from memkv.storage.layout import KVLayout
-from memkv.storage.sessions import SessionTable
+from memkv.storage.payloads import from_payload
 
 LAYOUT = KVLayout("reserve", 2, 2, 8, dtype="float32", block_tokens=4)
 BLOCK = LAYOUT.block_nbytes()

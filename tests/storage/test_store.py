@@ -17,6 +17,7 @@ from memkv.errors import (
 )
 from memkv.protocol.enums import Priority, SessionState, Tier
 from memkv.protocol.hashing import HASH_BYTES
+from memkv.router.suspended import SuspendedSessions
 from memkv.storage.config import (
     AllocatorConfig,
     ArchiveConfig,
@@ -27,8 +28,7 @@ from memkv.storage.config import (
 )
 from memkv.storage.layout import KVLayout, join_blocks, split_kv
 from memkv.storage.segments import SegmentStore
-from memkv.storage.store import TieredStore
-from memkv.storage.suspended import SuspendedSessions
+from memkv.store import TieredStore
 
 from ..kvdata import random_kv
 

@@ -7,7 +7,7 @@ import torch
 
 from memkv.errors import InvariantViolationError, UnknownBlockError
 from memkv.protocol.enums import Tier
-from memkv.same_node import SegmentMaps
+from memkv.shm.same_node import SegmentMaps
 from memkv.storage.codecs import peek_header
 from memkv.storage.config import PrecisionConfig
 from memkv.storage.layout import KVLayout, split_kv

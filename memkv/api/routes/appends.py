@@ -15,10 +15,8 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from memkv.actors.handles import Pending
-from memkv.actors.payload import BlockPayload, StagedBlock
 from memkv.api.answers import AppendOut, ReservationOut
 from memkv.api.auth import Principal
-from memkv.api.blocks import FRAMES_MEDIA_TYPE
 from memkv.api.body_budget import BodyHold
 from memkv.api.context import (
     Caller,
@@ -29,6 +27,7 @@ from memkv.api.context import (
     scoped,
 )
 from memkv.api.errors import BodyTimeout, PayloadTooLarge
+from memkv.api.frame_responses import FRAMES_MEDIA_TYPE
 from memkv.api.models import ReserveIn, SessionIdPath
 from memkv.errors import (
     ConflictError,
@@ -40,6 +39,7 @@ from memkv.errors import (
 from memkv.protocol.dtypes import non_finite_count
 from memkv.protocol.hashing import chain_hashes, token_array
 from memkv.protocol.layout import KVLayout
+from memkv.protocol.payload import BlockPayload, StagedBlock
 from memkv.protocol.services import (
     AppendAnswer,
     AppendTurn,
@@ -54,10 +54,11 @@ from memkv.protocol.wire import (
     FrameReader,
     WireError,
     block_payload,
+    frame_checksum,
     staged_ref,
     staged_reservation,
 )
-from memkv.staging import StagingSlot
+from memkv.shm.staging import StagingSlot
 
 __all__ = ["receive_append", "router"]
 
@@ -222,8 +223,7 @@ async def _append(
                 f"was created finite_only"
             )
         payloads.append(BlockPayload(key, dtype, array))
-        crc = frame.header.get("crc32")
-        checksums.append(None if crc is None else int(crc))  # None: staged without one
+        checksums.append(frame_checksum(frame))  # None: staged without one
         gw.metrics.payload_bytes.labels("in").inc(array.nbytes)
 
     request = AppendTurn(

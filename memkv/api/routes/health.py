@@ -38,7 +38,7 @@ async def healthz(request: Request) -> HealthOut:
 async def readyz(gw: GatewayState) -> JSONResponse:
     """The router answers (the cluster can serve; no token needed)."""
     try:
-        await asyncio.gather(*(r.ping.remote() for r in gw.routers))
+        await asyncio.gather(*(shard.ping() for shard in gw.routers.services))
     except RayError as e:
         return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
     return JSONResponse({"status": "ready"})

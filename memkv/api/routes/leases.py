@@ -28,11 +28,11 @@ async def host_segments(gw: GatewayState, who: Caller) -> SegmentsOut:
     who.require("read")
     segments: list[SegmentOut] = []
     if gw.this_node:
-        gw.devices_by_id.update(await gw.routers.first.devices.remote())
+        await gw.refresh_devices()
         for device_id, device in sorted(gw.devices_by_id.items()):
             if await gw.node_of_device(device_id) != gw.this_node:
                 continue
-            incarnation, found = await device.shared_segments.remote()
+            incarnation, found = await device.shared_segments()
             segments.extend(SegmentOut(device_id=device_id, incarnation=incarnation,
                                        segment=name, segment_bytes=size, reservable=reservable)
                             for name, size, reservable in found)
@@ -44,7 +44,7 @@ async def lease_blocks(body: BlockLeaseIn, gw: GatewayState, who: Caller) -> Lea
     """Where blocks sit in this host's shared memory, pinned under leases (same host only).
 
     For a client on the gateway's host (its ``host`` equals the client's
-    :func:`memkv.same_node.shm_identity`): it maps each block's segment,
+    :func:`memkv.shm.same_node.shm_identity`): it maps each block's segment,
     copies ``nbytes`` from ``offset``, checks ``crc32``, and gives each
     lease back with ``DELETE /v1/blocks/lease/{id}`` (or lets it run out at
     ``expires_at``, on the host's monotonic clock). A block answered
@@ -66,15 +66,15 @@ async def lease_blocks(body: BlockLeaseIn, gw: GatewayState, who: Caller) -> Lea
     planned: dict[bytes, LeasedBlockOut] = {}
     leases: list[LeaseOut] = []
     for device_id, device, group in groups if gw.same_node_reads and gw.this_node else []:
-        plan = await device.read_plan.remote(list(group), None, body.ttl_s, (), who.tenant)
+        plan = await device.read_plan(list(group), None, body.ttl_s, (), who.tenant)
         nbytes = sum(e.nbytes for e in plan.entries if e is not None)
         if not plan.same_node or plan.node_id != gw.this_node or not plan.lease_id:
             if plan.lease_id:
-                device.release_lease.remote(plan.lease_id, who.tenant)
+                device.release_lease(plan.lease_id, who.tenant)
             continue
         if nbytes > gw.client_leases.room():
             gw.client_leases.refused_over_budget += 1
-            device.release_lease.remote(plan.lease_id, who.tenant)
+            device.release_lease(plan.lease_id, who.tenant)
             continue
         public_id = gw.client_leases.add(who.tenant, device, plan, body.ttl_s)
         for entry in plan.entries:
@@ -96,8 +96,6 @@ async def release_block_lease(
     if device is None and parsed is not None:
         # Granted by another worker (or replica): the id names the device.
         device = await gw.device_named(parsed[1])
-    if parsed is None or device is None or not await device.release_lease.remote(
-        parsed[0], who.tenant
-    ):
+    if parsed is None or device is None or not await device.release_lease(parsed[0], who.tenant):
         raise UnknownBlockError(f"no live lease {lease_id!r} of this caller")
     return Response(status_code=204)

@@ -18,12 +18,16 @@ from fastapi.responses import StreamingResponse
 from ray.exceptions import RayError
 
 from memkv.actors.handles import ACTOR_GONE_ERRORS
-from memkv.actors.payload import BlockPayload
 from memkv.actors.router_shards import merge_located
 from memkv.api.auth import Principal
-from memkv.api.blocks import FRAMES_MEDIA_TYPE, BlockFramesResponse, KeyedFramesResponse
 from memkv.api.context import Caller, Gateway, GatewayState, scoped
 from memkv.api.errors import PayloadTooLarge
+from memkv.api.frame_responses import (
+    FRAMES_MEDIA_TYPE,
+    BlockFramesResponse,
+    FetchedBytes,
+    KeyedFramesResponse,
+)
 from memkv.api.models import BINARY, BlocksByKeyIn, SessionIdPath
 from memkv.errors import (
     InvalidInputError,
@@ -31,8 +35,8 @@ from memkv.errors import (
     NotFoundError,
     UnknownBlockError,
 )
-from memkv.protocol.layout import KVLayout
 from memkv.protocol.messages import ReadRoute
+from memkv.protocol.payload import BlockPayload
 from memkv.protocol.wire import block_frame_prefix, end_frame
 
 __all__ = ["read_blocks_by_key", "router", "session_blocks"]
@@ -76,6 +80,12 @@ async def read_blocks(
     return await session_blocks(gw, who, session_id, start, end, turn)
 
 
+async def _no_blocks() -> AsyncIterator[FetchedBytes]:
+    """The blocks of a session that holds none yet (its route names no device)."""
+    return
+    yield
+
+
 async def session_blocks(
     gw: Gateway, who: Principal, session_id: str, start: int, end: int | None, turn: int | None
 ) -> BlockFramesResponse:
@@ -84,7 +94,7 @@ async def session_blocks(
     async def opened(whole: ReadRoute) -> BlockFramesResponse:
         route = whole.sliced(start, end)
         response = BlockFramesResponse(
-            KVLayout.from_dict(route.layout),
+            route.layout,
             route.keys,
             route.tokens,
             route.first_index,
@@ -96,7 +106,7 @@ async def session_blocks(
                 route.keys,
                 sid,
                 whole.keys[start + len(route.keys) :],
-            ),
+            ) if route.device is not None else _no_blocks(),
             on_block=gw.metrics.payload_bytes.labels("out").inc,
             stall_s=gw.read_stall_s,
         )
@@ -112,8 +122,8 @@ async def session_blocks(
         else:
             gw.touches.add(sid)  # hotness, told to the router in batches
             return response
-    owner = gw.routers.of(sid)
-    whole = await owner.read_route.remote(sid, 0, None)
+    owner = gw.routers.service(sid)
+    whole = await owner.read_route(sid, 0, None)
     try:
         response = await opened(whole)
     except (NotFoundError, *ACTOR_GONE_ERRORS) as e:
@@ -122,8 +132,8 @@ async def session_blocks(
         # Blocks of the route missing on its device, or the device gone: it may
         # have restarted since the router last looked, or its node died (the
         # router then moves its sessions). Have it check, then ask again.
-        await owner.device_failed.remote(whole.device_id)
-        whole = await owner.read_route.remote(sid, 0, None)
+        await owner.device_failed(whole.device_id)
+        whole = await owner.read_route(sid, 0, None)
         response = await opened(whole)
     gw.routes.put(sid, whole)
     return response
@@ -163,7 +173,7 @@ async def read_blocks_by_key(body: BlocksByKeyIn, gw: GatewayState, who: Caller)
     found: dict[bytes, BlockPayload] = {}
     total = 0
     for _, device, group in groups:
-        for payload in await device.get_blocks.remote(group):
+        for payload in await device.get_blocks(group):
             found[payload.key] = payload
             total += payload.nbytes
         if total > gw.max_body_bytes:

@@ -69,4 +69,4 @@ async def input_end(session_id: SessionIdPath, gw: GatewayState, who: Caller) ->
     Needs the ``write`` role: the prefetch moves blocks between tiers and may
     evict other sessions' blocks to make room (a read-only token only reads)."""
     sid = scoped(who, session_id, "write")
-    return PrefetchOut(prefetched=int(await gw.routers.of(sid).notify_input_end.remote(sid)))
+    return PrefetchOut(prefetched=await gw.routers.service(sid).notify_input_end(sid))

@@ -42,7 +42,7 @@ from memkv.gpu_kernels import cpu_paged
 from memkv.gpu_kernels import ops as kernels
 from memkv.protocol.checksum import crc32
 from memkv.protocol.messages import PlanEntry, ReadPlan
-from memkv.same_node import LEASE_MARGIN_S, SegmentMaps
+from memkv.shm.same_node import LEASE_MARGIN_S, SegmentMaps
 
 __all__ = ["DirectLoad", "PinnedStaging", "cache_words"]
 

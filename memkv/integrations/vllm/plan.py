@@ -20,7 +20,7 @@ from memkv.gpu_kernels import ops as kernels
 from memkv.integrations.vllm.direct_load import DirectLoad
 from memkv.integrations.vllm.pending_saves import DEFAULT_SAVE_WAIT_S
 from memkv.protocol.layout import KVLayout
-from memkv.staging import StagingSlot
+from memkv.shm.staging import StagingSlot
 
 __all__ = [
     "FAILURES",

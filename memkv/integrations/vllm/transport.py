@@ -41,8 +41,8 @@ from memkv.protocol.layout import KVLayout
 if TYPE_CHECKING:
     from memkv.client.reserved import SlotReservation
     from memkv.cluster import MemkvCluster
-    from memkv.same_node import HostLease, SegmentMaps
-    from memkv.staging import PutStaging, StagingSlot
+    from memkv.shm.same_node import HostLease, SegmentMaps
+    from memkv.shm.staging import PutStaging, StagingSlot
 
 __all__ = [
     "ClusterTransport", "GatewayTransport", "KVTransport", "Leased", "transport_from_config",
@@ -422,7 +422,7 @@ class ClusterTransport:
     def read(self, keys: Sequence[bytes], out: Sequence[Any] | None = None
              ) -> list[torch.Tensor]:
         # Zero-copy views of Ray objects (or shared memory): nothing to read into.
-        from memkv.actors.payload import from_payload
+        from memkv.storage.payloads import from_payload
 
         payloads = self._cluster.blocks_by_key(keys, self._namespace, same_node=self._same_node)
         _check_keys([p.key for p in payloads], keys)
@@ -466,10 +466,12 @@ class ClusterTransport:
             return None
         if not root._save_staging_checked:
             root._save_staging_checked = True
-            from memkv.staging import staging_for
+            from memkv.actors.handles import MemberHandle
+            from memkv.shm.staging import staging_for
 
-            root._save_staging = staging_for(root._cluster.devices.values(),
-                                             root._save_staging_bytes, role="client-stage")
+            devices = [MemberHandle(d) for d in root._cluster.devices.values()]
+            root._save_staging = staging_for(devices, root._save_staging_bytes,
+                                             role="client-stage")
             if root._save_staging is not None:
                 root._save_staging.prefault()
         return root._save_staging.lease(nbytes) if root._save_staging is not None else None

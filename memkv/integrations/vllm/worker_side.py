@@ -52,7 +52,7 @@ from memkv.integrations.vllm.saver import Saver
 from memkv.integrations.vllm.stats_file import write_part
 from memkv.integrations.vllm.transport import KVTransport
 from memkv.protocol.layout import KVLayout
-from memkv.same_node import SegmentMaps
+from memkv.shm.same_node import SegmentMaps
 
 __all__ = ["WorkerSide"]
 
