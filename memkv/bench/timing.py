@@ -27,9 +27,9 @@ import httpx
 from memkv.api.auth import Authenticator, TokenEntry, hash_token
 from memkv.bench.context import BenchContext
 from memkv.bench.engine_cores import engine_env
+from memkv.bench.fleet import FULL_MODEL as PROBE_MODEL
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult
 from memkv.bench.timing_probe import TARGET_AUC, ProbeResult, front_door_probe, gateway_probe
-from memkv.bench.fleet import FULL_MODEL as PROBE_MODEL
 from memkv.bench.vllm import BLOCK_SIZE, VLLM_PYTHON, _model
 from memkv.protocol.layout import KVLayout
 
