@@ -293,7 +293,7 @@ def _run_turns(
                 ms = (time.perf_counter() - t0) * MS
                 print(
                     f"  resume {sid}: answered in {ms:.1f} ms with {len(view.blocks)} blocks, "
-                    f"h/w/c {_tier_counts([t for _, t, _ in view.blocks])} then; the row below "
+                    f"h/w/c {_tier_counts([b.tier for b in view.blocks])} then; the row below "
                     f"says where each was when read (prefetch may promote them meanwhile)"
                 )
                 suspended = None

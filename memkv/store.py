@@ -38,9 +38,9 @@ from memkv.device.service import DeviceService
 from memkv.errors import BlockLostError, CorruptDataError, MemkvError, UnknownSessionError
 from memkv.protocol.enums import Priority, SessionState, Tier
 from memkv.protocol.hashing import BlockHash, token_array
-from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec
+from memkv.protocol.services import AppendTurn, CreateSession, LayoutSpec, SessionView
 from memkv.router.service import SessionRouter
-from memkv.router.sessions import SessionInfo, parse_priority
+from memkv.router.sessions import parse_priority
 from memkv.router.suspended import SESSIONS_DIR, SuspendedSessions
 from memkv.storage.block_pool import (
     BlockLocation,
@@ -60,7 +60,7 @@ __all__ = [
     "PrefixMatch",
     "PutResult",
     "ResumeHandle",
-    "SessionInfo",
+    "SessionView",
     "SessionState",
     "StoreStats",
     "TierStats",
@@ -254,7 +254,7 @@ class TieredStore:
         tokens: int,
         turn: int,
         chain: Sequence[BlockHash],
-    ) -> SessionInfo:
+    ) -> SessionView:
         """Register an archived session whose blocks are all in the cold tier.
 
         Raises:
@@ -276,7 +276,7 @@ class TieredStore:
         namespace: str = "default",
         priority: Priority | str = Priority.NORMAL,
         exact_only: bool = False,
-    ) -> SessionInfo:
+    ) -> SessionView:
         """Register a new, empty session.
 
         Args:
@@ -291,10 +291,10 @@ class TieredStore:
         self._call(self.service.create_session(request))
         return self.session(session_id)
 
-    def session(self, session_id: str) -> SessionInfo:
+    def session(self, session_id: str) -> SessionView:
         self.pool.ensure_open()
         try:
-            return SessionInfo.of(self.service.state.get(session_id))
+            return self.service.state.get(session_id).view()
         except UnknownSessionError:
             if isinstance(session_id, str) and session_id in self.lost_sessions:
                 raise BlockLostError(
@@ -305,7 +305,7 @@ class TieredStore:
     def sessions(self) -> list[str]:
         return [r.session_id for r in self.service.state.sessions if not r.lost]
 
-    def set_priority(self, session_id: str, priority: Priority | str) -> SessionInfo:
+    def set_priority(self, session_id: str, priority: Priority | str) -> SessionView:
         """Change a session's class; its blocks move to that class's eviction queue."""
         self._call(self.service.set_priority(session_id, parse_priority(priority)))
         return self.session(session_id)
@@ -329,7 +329,7 @@ class TieredStore:
         Blocks that are already stored (this session's earlier turns, or a
         prefix shared with another session) are not written again.
         """
-        blocks = split_kv(self.session(session_id).layout, keys, values)
+        blocks = split_kv(self.session(session_id).layout.layout(), keys, values)
         return self.put_blocks(session_id, token_ids, blocks)
 
     def put_blocks(
@@ -448,7 +448,7 @@ class TieredStore:
 
     # ------------------------------------------------------------------ suspend / resume
 
-    def suspend(self, session_id: str, *, offline: bool = False) -> SessionInfo:
+    def suspend(self, session_id: str, *, offline: bool = False) -> SessionView:
         """Write the session's blocks to the cold tier and free what no active session needs.
 
         Args:

@@ -19,6 +19,9 @@ if there is any.
   actor's event loop; Ray warns at run time, this refuses it at review time).
 * Wire headers are decoded once, in ``protocol``, into typed structs: no
   ``header.get(`` anywhere else.
+* Each noun that crosses a process is declared once, in ``protocol``: no class
+  named like a session view or an append/resume answer anywhere else
+  (:data:`ONE_DECLARATION`).
 * A ceiling that only goes down: ``dict[str, Any]`` at the process edges
   (actors, gateway, cluster client). Lower it when a change lowers the count.
 """
@@ -39,6 +42,12 @@ LONG_MODULES_ALLOWED = {"memkv/storage/segments.py"}
 MAX_API_REMOTE = 4
 #: A count still being brought down (see the module docstring).
 PROCESS_EDGE_DICT_ANY_CEILING = 18
+
+#: Class names that would declare a session view or an append/resume answer a second
+#: time (the gateway and the client serve and decode protocol.services' structs).
+ONE_DECLARATION = re.compile(r"^(Session(View|Out|Info)|Append(Answer|Out)|TurnResult|"
+                             r"Resume(Answer|Out|View))$")
+SERVICES = "memkv/protocol/services.py"
 
 LEAVES = {"errors", "gpu_kernels", "native", "periodic"}
 #: What each floor may import from memkv (its own package always).
@@ -123,6 +132,15 @@ def check_blocking_gets(rel: str, tree: ast.AST) -> Iterator[str]:
                        "actor's event loop (await the reference)")
 
 
+def check_one_declaration(rel: str, tree: ast.AST) -> Iterator[str]:
+    if rel == SERVICES:
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and ONE_DECLARATION.match(node.name):
+            yield (f"{rel}:{node.lineno}: class {node.name} declares again what "
+                   f"{SERVICES} declares (serve or decode that struct)")
+
+
 def main() -> int:
     problems: list[str] = []
     api_remote = 0
@@ -135,6 +153,7 @@ def main() -> int:
         problems += check_sizes(rel, text)
         problems += check_floors(rel, tree)
         problems += check_blocking_gets(rel, tree)
+        problems += check_one_declaration(rel, tree)
         code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
         if rel.startswith("memkv/api/"):
             api_remote += sum(len(remote.findall(line)) for line in code)

@@ -1,27 +1,27 @@
-"""What the gateway's JSON routes answer, as response models.
+"""What the gateway's JSON routes answer.
 
-Each route returns one of these instead of a hand-built dict: the OpenAPI
-document describes every answer (clients can be generated from it), a field
-renamed here is renamed for mypy at every route that fills it, and FastAPI
-checks each answer against its model before it leaves. The routes build them
-from the session service's messages (:mod:`memkv.protocol.services`); keys
-travel as hex, as everywhere in the HTTP API.
+The session lifecycle's answers are the session service's own messages
+(:mod:`memkv.protocol.services`: :class:`SessionView`, :class:`AppendAnswer`,
+:class:`ResumeAnswer`), served in their HTTP form (:mod:`memkv.protocol.http_form`:
+keys as hex) and described in the OpenAPI document from that same declaration; the
+client decodes into the same structs. The gateway's own answers (leases, segments,
+health) are response models here: FastAPI checks each against its model before it
+leaves, and the OpenAPI document describes it.
 """
 
 from __future__ import annotations
 
 import msgspec
+from fastapi import Response
 from pydantic import BaseModel
 
-from memkv.protocol.enums import AckMode, Priority, SessionState, Tier
+from memkv.protocol import http_form
 from memkv.protocol.messages import PlanEntry
 from memkv.protocol.services import AppendAnswer, ResumeAnswer, SessionView
 
 __all__ = [
-    "AppendOut",
-    "BlockTierOut",
+    "MESSAGE_ANSWERS",
     "HealthOut",
-    "LayoutOut",
     "LeaseOut",
     "LeasedBlockOut",
     "LeasesOut",
@@ -30,89 +30,30 @@ __all__ = [
     "SegmentsOut",
     "MatchOut",
     "PrefetchOut",
-    "ResumeOut",
-    "SessionOut",
+    "message_answer",
+    "documented",
 ]
 
-
-def _fields(message: SessionView | AppendAnswer, **given: object) -> dict[str, object]:
-    """A message's fields by name as JSON values, its chain's keys as hex (the HTTP
-    API's form of a key), with ``given`` in place of the message's own."""
-    fields: dict[str, object] = msgspec.to_builtins(message, builtin_types=(bytes,))
-    return {**fields, "chain": [bytes(k).hex() for k in message.chain], **given}
+#: The session service's messages the routes answer with, whose schemas the OpenAPI
+#: document takes from their declarations (:func:`memkv.api.errors.openapi_with_errors`).
+MESSAGE_ANSWERS: tuple[type[msgspec.Struct], ...] = (SessionView, AppendAnswer, ResumeAnswer)
 
 
-class LayoutOut(BaseModel):
-    model_id: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_tokens: int
+def message_answer(message: msgspec.Struct, status_code: int = 200, **given: object) -> Response:
+    """``message`` in its HTTP form (with ``given`` in place of its own fields: a tenant
+    sees its own session id, not the router's scoped one)."""
+    return Response(http_form.json_bytes(message, **given), status_code=status_code,
+                    media_type="application/json")
 
 
-class SessionOut(BaseModel):
-    """A session as its tenant sees it (its own id, not the router's scoped one)."""
-
-    session_id: str
-    namespace: str
-    layout: LayoutOut
-    priority: Priority
-    device_id: str | None
-    chain: list[str]
-    tokens: int
-    turn: int
-    state: SessionState
-    ack: AckMode
-    exact_only: bool
-    finite_only: bool
-    archived: bool
-    hotness: float
-    lost_reason: str | None = None
-    lost_tokens: int = 0
-    partial_reason: str | None = None
-
-    @classmethod
-    def of(cls, view: SessionView, session_id: str) -> SessionOut:
-        return cls.model_validate(_fields(view, session_id=session_id))
+#: A ``responses=`` entry: a description and a schema by media type.
+ResponseDoc = dict[str, str | dict[str, dict[str, dict[str, str]]]]
 
 
-class AppendOut(BaseModel):
-    """A stored turn: the session's whole chain and what this append added."""
-
-    chain: list[str]
-    turn: int
-    new_blocks: int
-    deduplicated_blocks: int
-    released_blocks: int
-    replayed: bool = False
-
-    @classmethod
-    def of(cls, answer: AppendAnswer) -> AppendOut:
-        return cls.model_validate(_fields(answer))
-
-
-class BlockTierOut(BaseModel):
-    key: str
-    tier: Tier
-    tokens: int
-
-
-class ResumeOut(BaseModel):
-    """A resumed session's chain and the tier each block is in; blocks follow lazily."""
-
-    session_id: str
-    device_id: str
-    tokens: int
-    blocks: list[BlockTierOut]
-
-    @classmethod
-    def of(cls, answer: ResumeAnswer, session_id: str) -> ResumeOut:
-        return cls(
-            session_id=session_id, device_id=answer.device_id, tokens=answer.tokens,
-            blocks=[BlockTierOut(key=b.key.hex(), tier=b.tier, tokens=b.tokens)
-                    for b in answer.blocks],
-        )
+def documented(kind: type[msgspec.Struct], description: str) -> ResponseDoc:
+    """A ``responses=`` entry naming ``kind``'s schema."""
+    return {"description": description, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{kind.__name__}"}}}}
 
 
 class PrefetchOut(BaseModel):

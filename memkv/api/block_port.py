@@ -39,7 +39,6 @@ from pydantic import ValidationError
 from starlette.responses import Response
 from starlette.types import Message
 
-from memkv.api.answers import AppendOut
 from memkv.api.auth import Principal
 from memkv.api.body_budget import BodyHold
 from memkv.api.errors import BodyTimeout, PayloadTooLarge, any_error_document
@@ -47,6 +46,7 @@ from memkv.api.guarded_send import TRANSPORT_EXTENSION, UNBUFFERED_EXTENSION
 from memkv.api.models import BlocksByKeyIn
 from memkv.api.port_inbox import ConnectionGone, Inbox
 from memkv.errors import InvalidInputError, MemkvError, UnauthorizedError
+from memkv.protocol import http_form
 from memkv.protocol.port import (
     BLOCK_PORT_VERSION,
     AppendRequest,
@@ -373,7 +373,7 @@ class BlockPortServer:
                 await self._reply_error(inbox, rid, e)
                 return
             await inbox.write(port_frame(Reply(id=rid, status=200,
-                                               result=AppendOut.of(result).model_dump())))
+                                               result=http_form.to_builtins(result))))
 
         return _Answer(write, settle=functools.partial(asyncio.wait, [store]))
 

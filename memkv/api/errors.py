@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from memkv.actors.handles import ACTOR_GONE_ERRORS
+from memkv.api.answers import MESSAGE_ANSWERS
 from memkv.errors import (
     BlockLostError,
     CapacityError,
@@ -32,6 +33,7 @@ from memkv.errors import (
     UnauthorizedError,
     plain_message,
 )
+from memkv.protocol import http_form
 
 __all__ = [
     "BodyTimeout",
@@ -213,7 +215,12 @@ def openapi_with_errors(app: FastAPI) -> dict[str, Any]:  # FastAPI's own type f
     schema = get_openapi(
         title=app.title, version=app.version, description=app.description, routes=app.routes
     )
-    schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = _ERROR_SCHEMA
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["Error"] = _ERROR_SCHEMA
+    # The session service's messages, described from their one declaration; a name the
+    # request models already declared (an enum) keeps FastAPI's description.
+    for name, message_schema in http_form.schema_components(MESSAGE_ANSWERS).items():
+        components.setdefault(name, message_schema)
     error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     for path, operations in schema["paths"].items():
         if not path.startswith("/v1/"):

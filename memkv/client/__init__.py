@@ -27,17 +27,18 @@ from memkv.client.aio import AsyncClient
 from memkv.client.frames import FRAMES_MEDIA_TYPE
 from memkv.client.sync import Client
 from memkv.client.transport import DEFAULT_URL, TOKEN_ENV
-from memkv.client.views import Block, Match, ResumeView, SessionView, TurnResult
+from memkv.client.views import Block, Match
+from memkv.protocol.services import AppendAnswer, ResumeAnswer, SessionView
 
 __all__ = [
     "DEFAULT_URL",
+    "AppendAnswer",
     "FRAMES_MEDIA_TYPE",
     "TOKEN_ENV",
     "AsyncClient",
     "Block",
     "Client",
     "Match",
-    "ResumeView",
+    "ResumeAnswer",
     "SessionView",
-    "TurnResult",
 ]

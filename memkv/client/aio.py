@@ -25,9 +25,6 @@ from memkv.client.transport import (
 from memkv.client.views import (
     Block,
     Match,
-    ResumeView,
-    SessionView,
-    TurnResult,
     create_body,
     match_body,
     parse_match,
@@ -38,6 +35,7 @@ from memkv.client.views import (
 from memkv.port_connection import AsyncPortConnection, PortError
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.port import AppendRequest, PortRequest, ReadRequest, Reply
+from memkv.protocol.services import AppendAnswer, ResumeAnswer, SessionView
 from memkv.protocol.wire import (
     WireError,
 )
@@ -204,7 +202,7 @@ class AsyncClient:
         )
         return parse_session(r.json())
 
-    async def resume(self, session_id: str) -> ResumeView:
+    async def resume(self, session_id: str) -> ResumeAnswer:
         r = await self._request("POST", f"/v1/sessions/{session_id}/resume", idempotent=True)
         return parse_resume(r.json())
 
@@ -224,7 +222,7 @@ class AsyncClient:
         turn: int | None = None,
         reserved: SlotReservation | None = None,
         layout: KVLayout | None = None,
-    ) -> TurnResult:
+    ) -> AppendAnswer:
         """Append a turn (as :meth:`Client.append_turn`: only blocks not yet stored are
         sent, a view gone stale is refreshed once, blocks in ``reserved``'s slots are
         named, and a session of another ``layout`` refuses the blocks)."""
@@ -270,7 +268,7 @@ class AsyncClient:
         start_block: int | None,
         turn: int | None,
         reserved: SlotReservation | None = None,
-    ) -> TurnResult:
+    ) -> AppendAnswer:
         staging = self._staging.active
         if staging is not None or reserved is not None:
             try:
@@ -293,7 +291,7 @@ class AsyncClient:
         turn: int | None,
         staging: PutStaging | None,
         reserved: SlotReservation | None = None,
-    ) -> TurnResult:
+    ) -> AppendAnswer:
         body, _ = append_body(session, token_ids, blocks, keys, values, start_block, turn,
                               staging, reserved=reserved)
         sent = await self._over_port(AppendRequest(id=0, session_id=session.session_id), body)

@@ -14,12 +14,14 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
-from memkv.client.views import SessionView, TurnResult, after_append
+from memkv.client.views import after_append
 from memkv.errors import ConflictError, PrefixNotStoredError
 from memkv.protocol.hashing import token_array
 from memkv.protocol.layout import KVLayout
+from memkv.protocol.services import AppendAnswer, SessionView
 
 if TYPE_CHECKING:
     from memkv.shm.staging import PutStaging
@@ -33,10 +35,11 @@ def layout_conflict(session: SessionView, layout: KVLayout | None) -> ConflictEr
     """The error an append of blocks computed in ``layout`` meets when ``session`` holds
     another layout's KV (None: no layout given, or the same): refused rather than
     stored under the session's model's hashes."""
-    if layout is None or session.layout == layout:
+    if layout is None or session.layout.layout() == layout:
         return None
-    return ConflictError(f"session {session.session_id!r} holds KV of layout "
-                         f"{session.layout.to_dict()}; these blocks are of {layout.to_dict()}")
+    stored = msgspec.structs.asdict(session.layout)
+    return ConflictError(f"session {session.session_id!r} holds KV of layout {stored}; "
+                         f"these blocks are of {layout.to_dict()}")
 
 
 class AppendStaging:
@@ -92,7 +95,7 @@ class KnownSessions:
         self._views.pop(session_id, None)
 
     def appended(
-        self, session: SessionView, result: TurnResult, token_ids: Sequence[int] | np.ndarray
+        self, session: SessionView, result: AppendAnswer, token_ids: Sequence[int] | np.ndarray
     ) -> None:
         """The view after an append this client made."""
         self.remember(after_append(session, result, int(token_array(token_ids).size)))

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memkv import errors
-from memkv.client.views import Block, SessionView
+from memkv.client.views import Block
 from memkv.protocol.checksum import crc32
 from memkv.protocol.dtypes import numpy_view_dtype
 from memkv.protocol.frame_headers import (
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from memkv.client.reserved import SlotReservation
     from memkv.shm.staging import PutStaging
 
+from memkv.protocol.services import SessionView
 from memkv.protocol.wire import (
     MAGIC,
     MAX_HEADER_BYTES,
@@ -98,7 +99,7 @@ def append_body(
     that lie in its slots are named with the reservation (the device adopts them).
     """
     tokens = token_array(token_ids)
-    layout = session.layout
+    layout = session.layout.layout()
     chain = chain_hashes(tokens, layout, session.namespace)
     if blocks is None:
         if keys is None or values is None:

@@ -28,9 +28,6 @@ from memkv.client.transport import (
 from memkv.client.views import (
     Block,
     Match,
-    ResumeView,
-    SessionView,
-    TurnResult,
     create_body,
     match_body,
     parse_match,
@@ -41,6 +38,7 @@ from memkv.client.views import (
 from memkv.port_connection import PortConnection, PortError, ReplyBody
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.port import AppendRequest, PortRequest, ReadKeysRequest, ReadRequest, Reply
+from memkv.protocol.services import AppendAnswer, ResumeAnswer, SessionView
 from memkv.protocol.wire import (
     WireError,
 )
@@ -254,7 +252,7 @@ class Client:
         )
         return parse_session(r.json())
 
-    def resume(self, session_id: str) -> ResumeView:
+    def resume(self, session_id: str) -> ResumeAnswer:
         r = self._request("POST", f"/v1/sessions/{session_id}/resume", idempotent=True)
         return parse_resume(r.json())
 
@@ -281,7 +279,7 @@ class Client:
         turn: int | None = None,
         reserved: SlotReservation | None = None,
         layout: KVLayout | None = None,
-    ) -> TurnResult:
+    ) -> AppendAnswer:
         """Append a turn: the session's tokens so far and their KV.
 
         Pass per-layer ``keys``/``values`` tensors for every token (only blocks
@@ -378,7 +376,7 @@ class Client:
         start_block: int | None,
         turn: int | None,
         reserved: SlotReservation | None = None,
-    ) -> TurnResult:
+    ) -> AppendAnswer:
         staging = self._staging.active
         if staging is not None or reserved is not None:
             try:
@@ -401,7 +399,7 @@ class Client:
         turn: int | None,
         staging: PutStaging | None,
         reserved: SlotReservation | None = None,
-    ) -> TurnResult:
+    ) -> AppendAnswer:
         body, _ = append_body(session, token_ids, blocks, keys, values, start_block, turn,
                               staging, reserved=reserved)
         path = f"/v1/sessions/{session.session_id}/turns"

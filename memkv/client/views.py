@@ -1,50 +1,29 @@
-"""What the gateway answers, as the client returns it (frozen dataclasses), and the
-JSON it is parsed from and the bodies it is asked with."""
+"""What the gateway answers, as the client returns it, and the JSON it is parsed from
+and the bodies it is asked with.
+
+A session, an append's answer and a resume's answer are the session service's own
+messages (:mod:`memkv.protocol.services`), decoded from their HTTP form
+(:mod:`memkv.protocol.http_form`); a session's ``layout`` is a ``LayoutSpec``
+(``session.layout.layout()`` is its :class:`KVLayout`). What only a client makes
+(a block as read, a match) is declared here."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
+from memkv.protocol import http_form
 from memkv.protocol.exactness import LOSSY_STEPS
 from memkv.protocol.hashing import token_array
 from memkv.protocol.layout import KVLayout
+from memkv.protocol.services import AppendAnswer, ResumeAnswer, SessionView
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass(frozen=True, slots=True)
-class SessionView:
-    session_id: str
-    namespace: str
-    layout: KVLayout
-    priority: str
-    state: str
-    tokens: int
-    turn: int
-    chain: list[bytes]
-    device_id: str | None
-    ack: str = "memory"  # when appends are answered: in memory, or fsynced in the archive
-    finite_only: bool = False  # appends holding NaN or inf are refused
-    # Tokens whose blocks were lost (a device restarted before they were archived):
-    # the session serves its first ``tokens``, an engine recomputes the rest, and
-    # the next append sends the blocks after them again. ``partial_reason`` says why.
-    lost_tokens: int = 0
-    partial_reason: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class TurnResult:
-    chain: list[bytes]
-    new_blocks: int
-    deduplicated_blocks: int
-    released_blocks: int
-    turn: int
-    replayed: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,32 +69,11 @@ class Block:
         return t.view(torch.bfloat16) if self.dtype == "bfloat16" else t
 
 
-@dataclass(frozen=True, slots=True)
-class ResumeView:
-    session_id: str
-    tokens: int
-    blocks: list[tuple[bytes, str, int]]  # (key, tier, tokens)
-
-
 # -- shared request building and response parsing (sync and async alike) --------------------
 
 
-def parse_session(data: dict[str, Any]) -> SessionView:
-    return SessionView(
-        session_id=data["session_id"],
-        namespace=data["namespace"],
-        layout=KVLayout.from_dict(data["layout"]),
-        priority=data["priority"],
-        state=data["state"],
-        tokens=int(data["tokens"]),
-        turn=int(data["turn"]),
-        chain=[bytes.fromhex(k) for k in data["chain"]],
-        device_id=data.get("device_id"),
-        ack=data.get("ack", "memory"),
-        finite_only=bool(data.get("finite_only", False)),
-        lost_tokens=int(data.get("lost_tokens", 0)),
-        partial_reason=data.get("partial_reason"),
-    )
+def parse_session(data: object) -> SessionView:
+    return http_form.from_builtins(data, SessionView)
 
 
 def create_body(
@@ -145,27 +103,16 @@ def create_body(
     return body
 
 
-def parse_turn(data: dict[str, Any]) -> TurnResult:
-    return TurnResult(
-        chain=[bytes.fromhex(k) for k in data["chain"]],
-        new_blocks=int(data["new_blocks"]),
-        deduplicated_blocks=int(data["deduplicated_blocks"]),
-        released_blocks=int(data["released_blocks"]),
-        turn=int(data["turn"]),
-        replayed=bool(data.get("replayed", False)),
-    )
+def parse_turn(data: object) -> AppendAnswer:
+    return http_form.from_builtins(data, AppendAnswer)
 
 
-def parse_resume(data: dict[str, Any]) -> ResumeView:
-    return ResumeView(
-        data["session_id"],
-        int(data["tokens"]),
-        [(bytes.fromhex(b["key"]), b["tier"], int(b["tokens"])) for b in data["blocks"]],
-    )
+def parse_resume(data: object) -> ResumeAnswer:
+    return http_form.from_builtins(data, ResumeAnswer)
 
 
-def after_append(session: SessionView, result: TurnResult, tokens: int) -> SessionView:
-    return replace(session, chain=list(result.chain), turn=result.turn, tokens=tokens)
+def after_append(session: SessionView, result: AppendAnswer, tokens: int) -> SessionView:
+    return msgspec.structs.replace(session, chain=result.chain, turn=result.turn, tokens=tokens)
 
 
 def match_body(

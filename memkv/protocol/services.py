@@ -15,6 +15,7 @@ which hides Ray (no ``.remote``, no method names as strings).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -70,7 +71,14 @@ class LayoutSpec(_Message, frozen=True, kw_only=True):
 
     def layout(self) -> KVLayout:
         """The layout, validated (:class:`InvalidInputError` naming what is wrong)."""
-        return KVLayout.from_dict(msgspec.structs.asdict(self))
+        return _kv_layout(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _kv_layout(spec: LayoutSpec) -> KVLayout:
+    # A client asks for its session's layout on every append: validated and
+    # fingerprinted once per distinct spec (a few models per process).
+    return KVLayout.from_dict(msgspec.structs.asdict(spec))
 
 
 class Quota(_Message, frozen=True, kw_only=True):
@@ -205,8 +213,9 @@ class AppendAnswer(_Message, frozen=True, kw_only=True):
     replayed: bool = False
 
 
-class BlockTier(msgspec.Struct, frozen=True, array_like=True):
-    """One block of a resumed session and where it is (array-like: thousands per answer)."""
+class BlockTier(msgspec.Struct, frozen=True):
+    """One block of a resumed session and where it is (a map, not an array, so that the
+    HTTP form names its fields; ~60 bytes a block)."""
 
     key: bytes
     tier: Tier

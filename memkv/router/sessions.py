@@ -32,7 +32,7 @@ from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.messages import ChainUpdate
 from memkv.protocol.services import LayoutSpec, SessionView
 
-__all__ = ["SessionInfo", "SessionRecord", "SessionTable", "parse_priority"]
+__all__ = ["SessionRecord", "SessionTable", "parse_priority"]
 
 
 @dataclass(slots=True)
@@ -110,37 +110,6 @@ class SessionRecord:
             "durable": self.durable,
             "exact_only": self.exact_only,
         }
-
-
-@dataclass(frozen=True, slots=True)
-class SessionInfo:
-    """A snapshot of a session."""
-
-    session_id: str
-    namespace: str
-    layout: KVLayout
-    priority: Priority
-    state: SessionState
-    tokens: int
-    turn: int
-    chain: tuple[BlockHash, ...]
-    created_at: float
-    last_access: float
-
-    @classmethod
-    def of(cls, r: SessionRecord) -> SessionInfo:
-        return cls(
-            r.session_id,
-            r.namespace,
-            r.layout,
-            r.priority,
-            r.state,
-            r.tokens,
-            r.turn,
-            tuple(r.chain),
-            r.created_at,
-            r.last_access,
-        )
 
 
 class SessionTable:

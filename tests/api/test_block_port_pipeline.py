@@ -22,6 +22,7 @@ from memkv.api.block_port import MAX_PIPELINED, BlockPortServer
 from memkv.api.body_budget import BodyBudget, BodyHold
 from memkv.errors import ConflictError
 from memkv.port_connection import PortConnection, PortError
+from memkv.protocol.services import AppendAnswer
 from memkv.protocol.wire import encode_frame
 
 
@@ -51,7 +52,9 @@ class _Appends:
         self.events.append(f"stored {name}")
         if name in self.fail:
             raise ConflictError(f"{name} conflicts")
-        return SimpleNamespace(name=name)
+        # Named by its chain, so a test can tell which append an answer is for.
+        return AppendAnswer(chain=(name.encode(),), turn=1, new_blocks=1,
+                            deduplicated_blocks=0, released_blocks=0)
 
 
 @pytest.fixture
@@ -105,15 +108,9 @@ def _wait_for(appends: _Appends, event: str) -> None:
     raise AssertionError(f"never saw {event!r}: {appends.events}")
 
 
-@pytest.fixture(autouse=True)
-def _answers(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The stub's answer is no AppendAnswer: answer with its name.
-    from memkv.api import block_port
-
-    def of(r):
-        return SimpleNamespace(model_dump=lambda: {"name": r.name})
-
-    monkeypatch.setattr(block_port.AppendOut, "of", staticmethod(of))
+def _named(result: dict) -> dict:
+    """Which append an answer is for (the stub names each by its chain)."""
+    return {"name": bytes.fromhex(result["chain"][0]).decode()}
 
 
 def test_the_next_body_is_read_while_an_append_is_stored(port):
@@ -129,8 +126,8 @@ def test_the_next_body_is_read_while_an_append_is_stored(port):
         _wait_for(appends, "stored b1")
         assert "stored a1" not in appends.events
         _let(loop, appends, "a1")
-        assert conn.reply(first)[0].result == {"name": "a1"}
-        assert conn.reply(second)[0].result == {"name": "b1"}
+        assert _named(conn.reply(first)[0].result) == {"name": "a1"}
+        assert _named(conn.reply(second)[0].result) == {"name": "b1"}
     finally:
         conn.close()
 
@@ -147,7 +144,8 @@ def test_one_sessions_appends_are_stored_in_request_order(port):
         threading.Event().wait(0.2)
         assert [e for e in appends.events if e.startswith("stored")] == []
         _let(loop, appends, "s0")
-        assert [conn.reply(i)[0].result for i in ids] == [{"name": f"s{i}"} for i in range(3)]
+        answers = [_named(conn.reply(i)[0].result) for i in ids]
+        assert answers == [{"name": f"s{i}"} for i in range(3)]
         assert [e for e in appends.events if e.startswith("stored")] == [
             "stored s0", "stored s1", "stored s2"]
     finally:
@@ -162,11 +160,11 @@ def test_a_failed_append_is_answered_in_its_place_and_the_connection_goes_on(por
     conn = PortConnection("127.0.0.1", number, token=None, timeout=10)
     try:
         ids = [conn.send({"op": "append", "session_id": n}, _body(n)) for n in ("ok1", "f", "ok2")]
-        assert conn.reply(ids[0])[0].result == {"name": "ok1"}
+        assert _named(conn.reply(ids[0])[0].result) == {"name": "ok1"}
         with pytest.raises(PortError) as failed:
             conn.reply(ids[1])
         assert failed.value.status == 409 and not conn.broken
-        assert conn.reply(ids[2])[0].result == {"name": "ok2"}
+        assert _named(conn.reply(ids[2])[0].result) == {"name": "ok2"}
         assert conn.reply(conn.send({"op": "ping"}))[0].status == 200
     finally:
         conn.close()
@@ -185,7 +183,7 @@ def test_reading_stops_while_a_connection_has_its_fill_of_appends_in_flight(port
         assert f"body p{MAX_PIPELINED}#0" not in appends.events
         for n in names:
             _let(loop, appends, n)
-        assert [conn.reply(i)[0].result for i in ids] == [{"name": n} for n in names]
+        assert [_named(conn.reply(i)[0].result) for i in ids] == [{"name": n} for n in names]
     finally:
         conn.close()
 

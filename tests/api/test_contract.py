@@ -66,3 +66,31 @@ def test_the_schema_documents_what_the_routes_answer(app):
     token = paths["/v1/match"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     resolved = app.openapi()["components"]["schemas"][token["$ref"].rsplit("/", 1)[1]]
     assert resolved["properties"]["token_ids"]["items"]["minimum"] == 0
+
+
+def test_the_session_answers_are_described_from_their_one_declaration(app):
+    schema = app.openapi()
+    paths, components = schema["paths"], schema["components"]["schemas"]
+    answers = {
+        ("post", "/v1/sessions", "201"): "SessionView",
+        ("get", "/v1/sessions/{session_id}", "200"): "SessionView",
+        ("post", "/v1/sessions/{session_id}/suspend", "200"): "SessionView",
+        ("post", "/v1/sessions/{session_id}/resume", "200"): "ResumeAnswer",
+        ("post", "/v1/sessions/{session_id}/turns", "200"): "AppendAnswer",
+    }
+    for (method, path, status), name in answers.items():
+        content = paths[path][method]["responses"][status]["content"]["application/json"]
+        assert content["schema"]["$ref"] == f"#/components/schemas/{name}", (method, path)
+        assert name in components
+    assert components["SessionView"]["properties"]["chain"]["items"]["pattern"]
+
+
+def test_a_session_is_answered_as_the_schema_says(app):
+    from memkv.protocol import http_form
+    from memkv.protocol.services import SessionView
+
+    created = _call(app, "POST", "/v1/sessions", json={"session_id": "contract-s",
+                                                       "layout": LAYOUT})
+    assert created.status_code == 201, created.text
+    view = http_form.from_builtins(created.json(), SessionView)
+    assert view.session_id == "contract-s" and view.chain == () and view.state == "active"

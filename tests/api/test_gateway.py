@@ -49,7 +49,7 @@ def same(blocks, expected):
 def test_session_lifecycle_end_to_end(client):
     sid = new_id()
     created = client.create_session(sid, LAYOUT, namespace="t-life", priority="normal")
-    assert created.state == "active" and created.turn == 0 and created.chain == []
+    assert created.state == "active" and created.turn == 0 and created.chain == ()
     keys, values = kv(30, seed=1)  # turn 1: 14 tokens, turn 2: 30 tokens
     tokens = list(range(1000, 1030))
     r1 = client.append_turn(
@@ -75,7 +75,7 @@ def test_session_lifecycle_end_to_end(client):
     suspended = client.suspend(sid)  # gives back the read plans the gateway held
     assert suspended.state == "archived"
     resumed = client.resume(sid)
-    assert resumed.tokens == 30 and {t for _, t, _ in resumed.blocks} == {"cold"}
+    assert resumed.tokens == 30 and {b.tier for b in resumed.blocks} == {"cold"}
     streamed = list(client.read_blocks(sid))
     assert same([b.tensor for b in streamed], expected)
     assert all(b.tier in ("hot", "warm", "cold") for b in streamed)
@@ -310,7 +310,7 @@ def test_resume_over_http_is_lazy(client):
     client.append_turn(sid, list(range(64)), keys, values)
     client.suspend(sid)
     resumed = client.resume(sid)
-    assert [t for _, t, _ in resumed.blocks] == ["cold"] * 16  # answered before any promotion
+    assert [b.tier for b in resumed.blocks] == ["cold"] * 16  # answered before any promotion
     stream = client.read_blocks(sid)
     first = next(stream)
     assert first.index == 0

@@ -25,6 +25,7 @@ from memkv.integrations.transformers import (
     save_turn,
 )
 from memkv.protocol.hashing import chain_hashes
+from memkv.protocol.services import LayoutSpec
 from memkv.storage.layout import KVLayout, block_token_count, split_kv
 
 BLOCK = 4
@@ -69,7 +70,7 @@ def cache_of(keys, values):
 class View:
     session_id: str
     namespace: str
-    layout: KVLayout
+    layout: LayoutSpec  # as the client's SessionView holds it
     tokens: int = 0
     chain: list = field(default_factory=list)
 
@@ -97,7 +98,7 @@ class FakeClient:
         self.calls = []
 
     def create_session(self, session_id, layout, *, namespace="default"):
-        self.sessions[session_id] = View(session_id, namespace, layout)
+        self.sessions[session_id] = View(session_id, namespace, LayoutSpec.of(layout))
 
     def session(self, session_id):
         self.calls.append("session")
@@ -105,8 +106,8 @@ class FakeClient:
 
     def append_turn(self, session_id, token_ids, keys, values, *, turn=None):
         view = self.sessions[session_id]
-        chain = chain_hashes(token_ids, view.layout, view.namespace)
-        blocks = split_kv(view.layout, keys, values)
+        chain = chain_hashes(token_ids, view.layout.layout(), view.namespace)
+        blocks = split_kv(view.layout.layout(), keys, values)
         new = [k for k in chain if k not in self.blocks]
         self.blocks.update(zip(chain, blocks, strict=True))
         view.tokens, view.chain = len(token_ids), list(chain)

@@ -12,10 +12,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from memkv.actors.handles import Pending
-from memkv.api.answers import AppendOut, ReservationOut
+from memkv.api.answers import ReservationOut, documented, message_answer
 from memkv.api.auth import Principal
 from memkv.api.body_budget import BodyHold
 from memkv.api.context import (
@@ -68,6 +68,7 @@ router = APIRouter()
 @router.post(
     "/v1/sessions/{session_id}/turns",
     tags=["kv"],
+    responses={200: documented(AppendAnswer, "The session's chain after the turn.")},
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -77,7 +78,7 @@ router = APIRouter()
 )
 async def append_turn(
     session_id: SessionIdPath, request: Request, gw: GatewayState, who: Caller
-) -> AppendOut:
+) -> Response:
     """Append a turn: a ``turn`` frame then its ``block`` frames (docs/wire-format.md).
 
     Idempotent by the turn index: a retry of the last turn with the same
@@ -90,7 +91,7 @@ async def append_turn(
         return _read_frames(request, gw.max_body_bytes, gw.body_timeout_s, allocate=allocate,
                             hold=hold)
 
-    return AppendOut.of(await receive_append(
+    return message_answer(await receive_append(
         gw, who, session_id, int(declared) if declared and declared.isdigit() else None, read
     ))
 

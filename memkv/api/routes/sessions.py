@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from memkv.api.answers import PrefetchOut, ResumeOut, SessionOut
+from memkv.api.answers import PrefetchOut, documented, message_answer
 from memkv.api.context import Caller, GatewayState, scoped
 from memkv.api.models import SessionCreate, SessionIdPath, SuspendIn
 from memkv.protocol.enums import parse_ack, parse_priority
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.services import CreateSession, LayoutSpec, Quota
+from memkv.protocol.services import CreateSession, LayoutSpec, Quota, ResumeAnswer, SessionView
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 
-@router.post("", status_code=201)
-async def create_session(body: SessionCreate, gw: GatewayState, who: Caller) -> SessionOut:
+_SESSION = documented(SessionView, "The session.")
+
+
+@router.post("", status_code=201, responses={201: documented(SessionView, "Created.")})
+async def create_session(body: SessionCreate, gw: GatewayState, who: Caller) -> Response:
     sid = scoped(who, body.session_id, "write")
     namespace = who.write_namespace(body.namespace)
     layout = KVLayout.from_dict(body.layout.model_dump())
@@ -27,13 +30,14 @@ async def create_session(body: SessionCreate, gw: GatewayState, who: Caller) -> 
         quota=Quota.of(who.quota), exact_only=body.exact_only, finite_only=body.finite_only,
         near_node=gw.this_node if body.near == "gateway" else body.near,
     )
-    return SessionOut.of(await gw.routers.service(sid).create_session(request), body.session_id)
+    view = await gw.routers.service(sid).create_session(request)
+    return message_answer(view, 201, session_id=body.session_id)
 
 
-@router.get("/{session_id}")
-async def get_session(session_id: SessionIdPath, gw: GatewayState, who: Caller) -> SessionOut:
+@router.get("/{session_id}", responses={200: _SESSION})
+async def get_session(session_id: SessionIdPath, gw: GatewayState, who: Caller) -> Response:
     sid = scoped(who, session_id, "read")
-    return SessionOut.of(await gw.routers.service(sid).session(sid), session_id)
+    return message_answer(await gw.routers.service(sid).session(sid), session_id=session_id)
 
 
 @router.delete("/{session_id}", status_code=204)
@@ -46,20 +50,23 @@ async def delete_session(session_id: SessionIdPath, gw: GatewayState, who: Calle
     return Response(status_code=204)
 
 
-@router.post("/{session_id}/suspend")
+@router.post("/{session_id}/suspend", responses={200: _SESSION})
 async def suspend(
     session_id: SessionIdPath, gw: GatewayState, who: Caller, body: SuspendIn | None = None
-) -> SessionOut:
+) -> Response:
     sid = scoped(who, session_id, "write")
     offline = body.offline if body is not None else False
     await gw.let_go_of(sid)
-    return SessionOut.of(await gw.routers.service(sid).suspend(sid, offline), session_id)
+    view = await gw.routers.service(sid).suspend(sid, offline)
+    return message_answer(view, session_id=session_id)
 
 
-@router.post("/{session_id}/resume")
-async def resume(session_id: SessionIdPath, gw: GatewayState, who: Caller) -> ResumeOut:
+@router.post("/{session_id}/resume",
+             responses={200: documented(ResumeAnswer, "Where each block is.")})
+async def resume(session_id: SessionIdPath, gw: GatewayState, who: Caller) -> Response:
     sid = scoped(who, session_id, "write")
-    return ResumeOut.of(await gw.routers.service(sid).resume(sid), session_id)
+    answer = await gw.routers.service(sid).resume(sid)
+    return message_answer(answer, session_id=session_id)
 
 
 @router.post("/{session_id}/input-end")

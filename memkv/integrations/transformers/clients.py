@@ -9,6 +9,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from memkv.protocol.services import LayoutSpec
 from memkv.storage.layout import KVLayout
 
 __all__ = ["BlockLike", "KVClient", "MatchLike", "SessionLike"]
@@ -24,7 +25,7 @@ class SessionLike(Protocol):
     def namespace(self) -> str: ...
 
     @property
-    def layout(self) -> KVLayout: ...
+    def layout(self) -> LayoutSpec: ...
 
     @property
     def tokens(self) -> int: ...

@@ -204,10 +204,10 @@ def _token_list(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> list[in
 
 
 def _check_session(view: SessionLike, session_id: str, layout: KVLayout, namespace: str) -> None:
-    if view.layout != layout:
+    stored = view.layout.layout()
+    if stored != layout:
         raise LayoutMismatchError(
-            f"session {session_id!r} stores layout {view.layout}, but the caller's model has "
-            f"{layout}"
+            f"session {session_id!r} stores layout {stored}, but the caller's model has {layout}"
         )
     if public_namespace_of(view.namespace) != namespace:
         raise InvalidInputError(
