@@ -25,10 +25,14 @@ read, and the movement between tiers:
 All public methods are thread-safe (one re-entrant lock, :attr:`BlockPool.lock`,
 which the owner may take around several calls).
 
-The pool is layered, one idea per module: :mod:`memkv.storage.pool_core` (records
-and shared state), :mod:`~memkv.storage.pool_ladder` (the tiers),
-:mod:`~memkv.storage.pool_refs` (references), :mod:`~memkv.storage.pool_reads`
-(reads and prefetch); this module puts them together.
+The pool is composed, as vLLM's block pool composes its free queue and hash map,
+one idea per part: the block table (:mod:`memkv.storage.block_table`: records,
+references per owner, events), the tier ladder over a list of memory tiers and
+the cold tier (:mod:`~memkv.storage.pool_ladder`), references
+(:mod:`~memkv.storage.pool_refs`: appends, holders, invariants) and reads
+(:mod:`~memkv.storage.pool_reads`: fetches, pins, plans, prefetch). Each part is
+handed what it uses; none reaches into another's attributes. This module owns
+them, the arenas and the figures, and answers for all of them.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +53,9 @@ from memkv.errors import (
     InvalidInputError,
 )
 from memkv.protocol.enums import Tier
-from memkv.protocol.hashing import BlockHash
 from memkv.protocol.members import StoredBlocks
 from memkv.storage.arena import Allocation
-from memkv.storage.block_events import BlockEventLog
-from memkv.storage.codecs import CodecPolicy
+from memkv.storage.block_table import BlockTable, PoolGuard
 from memkv.storage.cold_writer import ColdWriter, WriterStats
 from memkv.storage.config import StoreConfig
 from memkv.storage.device_arena import DeviceArena
@@ -63,14 +65,12 @@ from memkv.storage.pool_core import (
     FetchedBlock,
     PoolStats,
     TierStats,
-    _Block,
     _whole_units,
     hot_segment_name,
 )
+from memkv.storage.pool_ladder import TierLadder
 from memkv.storage.pool_reads import Reads
-from memkv.storage.precision import (
-    PrecisionPolicy,
-)
+from memkv.storage.pool_refs import References
 from memkv.storage.prefetch import MarkovPrefetcher
 from memkv.storage.shm_arena import SharedHostArena
 from memkv.storage.tiers import ColdBackend, ColdTier, MemoryTier
@@ -85,10 +85,6 @@ __all__ = [
     "TierStats",
 ]
 
-#: Puts whose size the headroom remembers (it keeps room for the largest of them).
-RECENT_PUTS = 16
-
-
 @dataclass(frozen=True, slots=True)
 class ReservedSlots:
     """Slots :meth:`BlockPool.reserve_slots` set aside: where a writer maps them
@@ -100,7 +96,7 @@ class ReservedSlots:
     slots: tuple[Allocation, ...]
 
 
-class BlockPool(Reads):
+class BlockPool:
     """Hot → warm → cold block store: dedup, pins, demotion; no sessions.
 
     Args:
@@ -132,10 +128,7 @@ class BlockPool(Reads):
             archive = config.archive
         self.config = config
         self._clock = clock
-        self._lock = threading.RLock()
-        self._cold_read_ahead = {}
-        self._recent_put_bytes = deque(maxlen=RECENT_PUTS)
-        self._events = BlockEventLog(uuid.uuid4().hex)
+        self._guard = PoolGuard()
         unit = config.allocator.min_unit_bytes
         hot_bytes = _whole_units(config.hot_capacity_bytes, unit, "hot")
         # A CPU "device" keeps its hot tier in shared memory too, so that a
@@ -147,7 +140,7 @@ class BlockPool(Reads):
                 hot_bytes, unit, device=config.device, unified_memory=config.unified_memory
             )
         )
-        self._hot = MemoryTier(Tier.HOT, hot_arena, config.eviction)
+        hot = MemoryTier(Tier.HOT, hot_arena, config.eviction)
         pin_warm = config.device.startswith("cuda")
         try:
             warm_arena = SharedHostArena(
@@ -161,7 +154,7 @@ class BlockPool(Reads):
                     8 if config.precision.compact_idle_seconds is not None else None
                 ),
             )
-            self._warm = MemoryTier(Tier.WARM, warm_arena, config.eviction)
+            warm = MemoryTier(Tier.WARM, warm_arena, config.eviction)
             backend: ColdBackend = (
                 cold
                 if cold is not None
@@ -179,23 +172,33 @@ class BlockPool(Reads):
                 else backend
             )
         except BaseException:
-            self._hot.close()
+            hot.close()
             with contextlib.suppress(NameError):
                 warm_arena.close()
             raise
-        self._precision: dict[str, PrecisionPolicy] = {}
-        self._codec_policy = CodecPolicy(config.codecs)
-        self._prefetcher: MarkovPrefetcher[BlockHash] = MarkovPrefetcher(config.prefetch)
-        self._blocks: dict[BlockHash, _Block] = {}
-        # Each owner's share of the references: owner -> block -> [refs, active refs].
-        # One owner unless the session table is sharded (memkv.protocol.shards):
-        # then every router shard holds its own sessions' references, and a
-        # restarted shard resets only its own (:meth:`resync`).
-        self._owner_refs: dict[str, dict[BlockHash, list[int]]] = {}
+        self._hot, self._warm = hot, warm
         self._hits: Counter[Tier] = Counter()
         self._counters: Counter[str] = Counter()
-        self._closed = False
-        self._check = config.debug_refcounts
+        self.table = BlockTable(uuid.uuid4().hex)
+        self.ladder = TierLadder(config, self.table, [hot, warm], self._cold, self._counters)
+        self.references = References(self._guard, self.table, self.ladder, clock,
+                                     self._counters, check=config.debug_refcounts)
+        self.reads = Reads(config, self._guard, self.table, self.ladder, clock, self._counters,
+                           self._hits, MarkovPrefetcher(config.prefetch))
+        # What the pool answers, by the part that answers it.
+        references, reads = self.references, self.reads
+        self.put, self.adopt, self.resync = references.put, references.adopt, references.resync
+        self.release, self.deactivate = references.release, references.deactivate
+        self.activate, self.set_priority = references.activate, references.set_priority
+        self.stored_prefix, self.tokens_of = references.stored_prefix, references.tokens_of
+        self.cold_orphans, self.block_events = references.cold_orphans, references.block_events
+        self.refcounts, self.check_invariants = references.refcounts, references.check_invariants
+        self.contains, self.locate, self.held = reads.contains, reads.locate, reads.held
+        self.get, self.fetch, self.fetch_many = reads.get, reads.fetch, reads.fetch_many
+        self.pinned_reads, self.pin_blocks = reads.pinned_reads, reads.pin_blocks
+        self.plan_reads, self.unpin_blocks = reads.plan_reads, reads.unpin_blocks
+        self.prefetch, self.prefetch_predicted = reads.prefetch, reads.prefetch_predicted
+        self.hot_locations = reads.hot_locations
         self.prefault_done = threading.Event()
         # Tiers memkv sized itself ('auto') stay lazy: committing a guess at start is
         # what made a default device actor hold 6 GB before its first block.
@@ -218,12 +221,30 @@ class BlockPool(Reads):
         finally:
             self.prefault_done.set()
 
+    @property
+    def closed(self) -> bool:
+        return self._guard.closed
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The pool's lock: an owner takes it to make several calls one step."""
+        return self._guard.lock
+
+    @property
+    def cold(self) -> ColdBackend:
+        """The cold tier (a single-process owner keeps its manifests there)."""
+        return self._cold
+
+    def ensure_open(self) -> None:
+        """Raise ClosedError once the pool is closed."""
+        self._guard.ensure_open()
+
     def close(self) -> None:
         """Flush the cold tier and release the arenas. Idempotent."""
-        with self._lock:
-            if self._closed:
+        with self.lock:
+            if self._guard.closed:
                 return
-            self._closed = True
+            self._guard.closed = True
             self._cold.close()
             self._warm.close()
             self._hot.close()
@@ -237,7 +258,7 @@ class BlockPool(Reads):
     def release_free_memory(self, min_bytes: int = RELEASE_MIN_BYTES) -> int:
         """Give the kernel back the pages of the tiers' free extents of at least
         ``min_bytes`` (memkv.storage.free_memory); the bytes given back."""
-        with self._lock:
+        with self.lock:
             self.ensure_open()
             return release_idle_extents([self._hot.arena, self._warm.arena], min_bytes)
 
@@ -246,7 +267,7 @@ class BlockPool(Reads):
         return getattr(self._hot.arena, "_managed", None)
 
     def stats(self) -> PoolStats:
-        with self._lock:
+        with self.lock:
             self.ensure_open()
             tiers: dict[Tier, TierStats] = {}
             for tier in (self._hot, self._warm):
@@ -271,11 +292,11 @@ class BlockPool(Reads):
                 0,
                 cold.dead_bytes / max(1, cold.live_bytes + cold.dead_bytes),
             )
-            unique = sum(b.layout.block_nbytes(b.tokens) for b in self._blocks.values())
+            unique = sum(b.layout.block_nbytes(b.tokens) for b in self.table.values())
             c = self._counters
             return PoolStats(
                 tiers=tiers,
-                blocks=len(self._blocks),
+                blocks=len(self.table),
                 unique_bytes=unique,
                 dedup_hits=c["dedup_hits"],
                 dedup_bytes_saved=c["dedup_bytes_saved"],
@@ -297,9 +318,9 @@ class BlockPool(Reads):
 
     def short_of_headroom(self) -> bool:
         """Whether a memory tier has less free than its headroom (see :meth:`demote_ahead`)."""
-        with self._lock:
-            return not self._closed and any(self._headroom_short(t) for t in (self._hot,
-                                                                              self._warm))
+        with self.lock:
+            return not self._guard.closed and any(self.ladder.headroom_short(t)
+                                                   for t in self.ladder.memory)
 
     def demote_ahead(self, max_blocks: int) -> int:
         """Demote up to ``max_blocks`` blocks so that each memory tier has its headroom
@@ -316,16 +337,17 @@ class BlockPool(Reads):
             CapacityError: the cold tier is full (nothing was lost: the victim stays).
         """
         moved = 0
-        with self._lock:
+        with self.lock:
             self.ensure_open()
             now = self._clock()
-            for tier in (self._hot, self._warm):
-                while moved < max_blocks and self._headroom_short(tier):
-                    if not self._evict_one(tier, now):
+            for tier in self.ladder.memory:
+                while moved < max_blocks and self.ladder.headroom_short(tier):
+                    if not self.ladder.evict_one(tier, now):
                         break  # all pinned (being read): the next call tries again
                     moved += 1
             self._counters["demotions_ahead"] += moved
-            self._debug_check()
+            if self.config.debug_refcounts:
+                self.check_invariants()
         return moved
 
     @property
@@ -354,9 +376,9 @@ class BlockPool(Reads):
     def slot_view(self, slot: Allocation, shape: tuple[int, ...], dtype: torch.dtype
                   ) -> torch.Tensor:
         """A reserved slot's first bytes as a tensor (what a writer put there)."""
-        with self._lock:
+        with self.lock:
             self.ensure_open()
-            tier = next(t for t in (self._hot, self._warm) if t.arena.owns(slot))
+            tier = self._owner_of(slot)
             return tier.arena.view(slot, shape, dtype, prefix=True)
 
     def reserve_slots(self, count: int, nbytes: int) -> ReservedSlots | None:
@@ -371,7 +393,7 @@ class BlockPool(Reads):
         if count <= 0 or nbytes <= 0:
             raise InvalidInputError(f"reserve a positive count of positive sizes, got "
                                     f"{count} x {nbytes}")
-        with self._lock:
+        with self.lock:
             self.ensure_open()
             shared = self.shared_tier()
             if shared is None or nbytes > shared[0].arena.max_alloc_bytes:
@@ -383,7 +405,7 @@ class BlockPool(Reads):
                 slot = tier.arena.allocate(nbytes)
                 if slot is not None:
                     slots.append(slot)
-                elif not self._evict_one(tier, now):
+                elif not self.ladder.evict_one(tier, now):
                     for taken in slots:
                         tier.arena.free(taken)
                     return None
@@ -391,12 +413,18 @@ class BlockPool(Reads):
 
     def free_slots(self, slots: Sequence[Allocation]) -> None:
         """Give back reserved slots no put adopted (see :meth:`reserve_slots`)."""
-        with self._lock:
-            if self._closed:
+        with self.lock:
+            if self._guard.closed:
                 return  # the arenas went with the pool
             for slot in slots:
-                tier = next(t for t in (self._hot, self._warm) if t.arena.owns(slot))
+                tier = self._owner_of(slot)
                 tier.arena.free(slot)
+
+    def _owner_of(self, slot: Allocation) -> MemoryTier:
+        tier = self.ladder.owner_of(slot)
+        if tier is None:
+            raise InvalidInputError("a slot of no memory tier of this pool")
+        return tier
 
     def flush_cold(self) -> None:
         """Wait until every demotion queued so far has reached the cold tier."""
@@ -414,10 +442,10 @@ class BlockPool(Reads):
         left)``: blocks copied by this call and held blocks still without one.
         """
         self.flush_cold()  # demotions queued behind count as copied once they land
-        with self._lock:
+        with self.lock:
             self.ensure_open()
-            pending = [e for e in self._blocks.values() if e.refcount > 0 and not e.in_cold]
+            pending = [e for e in self.table.values() if e.refcount > 0 and not e.in_cold]
             batch = pending[:limit]
             if batch:
-                self._ensure_cold_many(batch, offline=False, durable=True)
+                self.ladder.ensure_cold_many(batch, offline=False, durable=True)
             return len(batch), len(pending) - len(batch)

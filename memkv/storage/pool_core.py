@@ -1,36 +1,29 @@
-"""The block pool's records (one per block), its figures, and the state every part of
-the pool shares (:class:`PoolCore`); the parts are layered on it: the tier ladder
-(:mod:`memkv.storage.pool_ladder`), references (:mod:`memkv.storage.pool_refs`),
-reads (:mod:`memkv.storage.pool_reads`)."""
+"""The block pool's records (one per block), its figures, and the small helpers its
+parts share: the block table (:mod:`memkv.storage.block_table`), the tier ladder
+(:mod:`memkv.storage.pool_ladder`), references (:mod:`memkv.storage.pool_refs`) and
+reads (:mod:`memkv.storage.pool_reads`), which :class:`~memkv.storage.block_pool.BlockPool`
+composes."""
 
 from __future__ import annotations
 
-import threading
-from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from memkv.errors import (
-    ClosedError,
     ConfigError,
 )
 from memkv.protocol.checksum import crc32
 from memkv.protocol.enums import Priority, Tier
 from memkv.protocol.hashing import BlockHash
-from memkv.storage.block_events import BlockEventLog
-from memkv.storage.codecs import CODECS, CodecPolicy
-from memkv.storage.config import StoreConfig
+from memkv.storage.codecs import CODECS
 from memkv.storage.layout import KVLayout
 from memkv.storage.precision import (
     EncodedBlock,
-    PrecisionPolicy,
     QuantizedBlock,
 )
-from memkv.storage.prefetch import MarkovPrefetcher
-from memkv.storage.tiers import ColdBackend, MemoryTier, StoredBlock
+from memkv.storage.tiers import StoredBlock
 
 
 @dataclass(slots=True)
@@ -189,60 +182,3 @@ def _whole_units(capacity: int, unit: int, tier: str) -> int:
             f"{tier}_capacity_bytes ({capacity}) must be at least one allocator unit ({unit})"
         )
     return capacity // unit * unit
-
-
-class PoolCore:
-    """The state the parts of a :class:`~memkv.storage.block_pool.BlockPool` share
-    (set by its ``__init__``), and the small questions every part asks of it."""
-
-    config: StoreConfig
-    prefault_done: threading.Event
-    _clock: Callable[[], float]
-    _lock: threading.RLock
-    _hot: MemoryTier
-    _warm: MemoryTier
-    _cold: ColdBackend
-    _precision: dict[str, PrecisionPolicy]
-    _codec_policy: CodecPolicy
-    _prefetcher: MarkovPrefetcher[BlockHash]
-    _blocks: dict[BlockHash, _Block]
-    # Every change of _blocks, numbered: readers follow the table by it.
-    _events: BlockEventLog
-    # Cold copies read ahead of taking the lock, for the reads now holding it.
-    _cold_read_ahead: dict[BlockHash, torch.Tensor]
-    # Bytes of the latest puts' new blocks: the headroom is at least the largest.
-    _recent_put_bytes: deque[int]
-    # Each owner's share of the references: owner -> block -> [refs, active refs].
-    _owner_refs: dict[str, dict[BlockHash, list[int]]]
-    _hits: Counter[Tier]
-    _counters: Counter[str]
-    _closed: bool
-    _check: bool
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def lock(self) -> threading.RLock:
-        """The pool's lock: an owner takes it to make several calls one step."""
-        return self._lock
-
-    @property
-    def cold(self) -> ColdBackend:
-        """The cold tier (a single-process owner keeps its manifests there)."""
-        return self._cold
-
-    def ensure_open(self) -> None:
-        """Raise ClosedError once the pool is closed."""
-        if self._closed:
-            raise ClosedError("the block pool is closed")
-
-    def _tier(self, tier: Tier) -> MemoryTier:
-        return self._hot if tier is Tier.HOT else self._warm
-
-    def _precision_for(self, layout: KVLayout) -> PrecisionPolicy:
-        policy = self._precision.get(layout.dtype)
-        if policy is None:
-            policy = PrecisionPolicy(self.config.precision, layout.dtype)
-            self._precision[layout.dtype] = policy
-        return policy

@@ -1,10 +1,13 @@
-"""The tier ladder: admitting a block to memory, demoting under pressure (hot to
-warm through the precision policy, warm to cold through the codec policy, a block
-leaving memory only once a copy is safe on disk), promoting it back."""
+"""The tier ladder: admitting a block to memory, demoting under pressure (down the
+list of memory tiers, through the precision policy below the first, then to the cold
+tier through the codec policy: a block leaves memory only once a copy is safe on
+disk), promoting it back, and freeing a block's copies."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections import Counter, deque
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import torch
@@ -17,10 +20,12 @@ from memkv.protocol.enums import Tier
 from memkv.protocol.exactness import worse
 from memkv.protocol.hashing import BlockHash
 from memkv.storage.arena import Allocation
-from memkv.storage.codecs import decode_frame, encode_stored
+from memkv.storage.block_table import BlockTable
+from memkv.storage.codecs import CodecPolicy, decode_frame, encode_stored
+from memkv.storage.config import StoreConfig
+from memkv.storage.layout import KVLayout
 from memkv.storage.pool_core import (
     _TORCH_DTYPES,
-    PoolCore,
     _Block,
     _codec_step,
     _copy_crc32,
@@ -29,35 +34,94 @@ from memkv.storage.pool_core import (
 )
 from memkv.storage.precision import (
     EncodedBlock,
+    PrecisionPolicy,
     QuantizedBlock,
     convert,
     quantize_int8,
 )
-from memkv.storage.tiers import MemoryTier, StoredBlock, stored_data
+from memkv.storage.tiers import ColdBackend, MemoryTier, StoredBlock, stored_data
+
+__all__ = ["RECENT_PUTS", "TierLadder"]
+
+#: Puts whose size the headroom remembers (it keeps room for the largest of them).
+RECENT_PUTS = 16
 
 
-class TierLadder(PoolCore):
-    """Where a block's copies live, and how they move between the tiers."""
+class TierLadder:
+    """Where a block's copies live, and how they move between the tiers.
 
-    def _admit(self, entry: _Block, block: torch.Tensor, now: float) -> None:
-        """Place a new block: hot if room can be made, else warm, else cold."""
-        if self._put_memory(self._hot, entry, block, now):
-            entry.tier = Tier.HOT
-            return
-        warm = self._to_warm_precision(entry, block, now)
-        if self._put_memory(self._warm, entry, warm, now):
-            entry.tier = Tier.WARM
-            self._note_demoted(entry, lossy=_precision_step(warm, block))
-            return
-        self._ensure_cold(entry, block)
+    Args:
+        config: the pool's settings (eviction headroom, precision, codecs).
+        table: the block table (a victim's record is found there; a freed block
+            leaves it).
+        memory: the memory tiers, fastest first (hot, then warm); new blocks land in
+            the first, a victim moves to the next one down, the last one's to cold.
+        cold: the cold tier.
+        counters: the pool's event counters (demotions, promotions, ...).
+    """
+
+    def __init__(self, config: StoreConfig, table: BlockTable, memory: Sequence[MemoryTier],
+                 cold: ColdBackend, counters: Counter[str]) -> None:
+        if not memory:
+            raise ValueError("a tier ladder needs at least one memory tier")
+        self.config = config
+        self.table = table
+        self.memory = tuple(memory)
+        self.cold = cold
+        self.counters = counters
+        self._by_tier: dict[Tier, MemoryTier] = {t.tier: t for t in self.memory}
+        self._precision: dict[str, PrecisionPolicy] = {}
+        self._codec_policy = CodecPolicy(config.codecs)
+        # Bytes of the latest puts' new blocks: the headroom is at least the largest.
+        self._recent_put_bytes: deque[int] = deque(maxlen=RECENT_PUTS)
+        # Cold copies read ahead of taking the lock, for the reads now holding it.
+        self._cold_read_ahead: dict[BlockHash, torch.Tensor] = {}
+
+    @property
+    def top(self) -> MemoryTier:
+        """The fastest memory tier: where blocks are admitted and promoted to."""
+        return self.memory[0]
+
+    def tier(self, tier: Tier) -> MemoryTier:
+        return self._by_tier[tier]
+
+    def note_put(self, nbytes: int) -> None:
+        """A put stored ``nbytes`` of new blocks (the headroom keeps room for the largest)."""
+        self._recent_put_bytes.append(nbytes)
+
+    @contextlib.contextmanager
+    def reading_ahead(self, blocks: dict[BlockHash, torch.Tensor]) -> Iterator[None]:
+        """Serve these cold copies (read ahead of the lock) instead of reading them again,
+        while the ``with`` block runs (under the pool's lock)."""
+        outer, self._cold_read_ahead = self._cold_read_ahead, blocks
+        try:
+            yield
+        finally:
+            self._cold_read_ahead = outer
+
+    def admit(self, entry: _Block, block: torch.Tensor, now: float) -> None:
+        """Place a new block: in the first memory tier room can be made in (below the
+        first, through the precision policy), else in the cold tier."""
+        below: StoredBlock | None = None
+        for depth, tier in enumerate(self.memory):
+            stored: StoredBlock = block
+            if depth:
+                below = self._below_top(entry, block, now) if below is None else below
+                stored = below
+            if self.put_memory(tier, entry, stored, now):
+                entry.tier = tier.tier
+                if depth:
+                    self.note_demoted(entry, lossy=_precision_step(stored, block))
+                return
+        self.ensure_cold(entry, block)
         entry.tier = None
-        self._note_demoted(entry, lossy=_codec_step(entry.cold_codec))
+        self.note_demoted(entry, lossy=_codec_step(entry.cold_codec))
 
-    def _adopt_placed(self, entry: _Block, block: torch.Tensor, slot: Allocation,
+    def adopt_placed(self, entry: _Block, block: torch.Tensor, slot: Allocation,
                       now: float) -> bool:
         """Make a reserved slot holding ``block``'s bytes its copy in that tier (the
         writer filled it: no copy); False when no memory tier owns the slot."""
-        tier = next((t for t in (self._hot, self._warm) if t.arena.owns(slot)), None)
+        tier = self.owner_of(slot)
         if tier is None:
             return False
         # Checksummed where the writer left the bytes: the CRC every read checks.
@@ -68,7 +132,7 @@ class TierLadder(PoolCore):
         entry.tier = tier.tier
         return True
 
-    def _put_memory(
+    def put_memory(
         self, tier: MemoryTier, entry: _Block, block: StoredBlock, now: float, evict: bool = True
     ) -> bool:
         # A partial block reserves a full block's slot (see Arena.view); a frame
@@ -100,10 +164,10 @@ class TierLadder(PoolCore):
                 write=write,
             ):
                 return True
-            if not evict or not self._evict_one(tier, now):
+            if not evict or not self.evict_one(tier, now):
                 return False
 
-    def _headroom_bytes(self, tier: MemoryTier) -> int:
+    def headroom_bytes(self, tier: MemoryTier) -> int:
         """Free space ``tier`` keeps for arriving blocks: its share, or as much as the
         largest recent put (so that the next one lands without evicting), within half
         the tier."""
@@ -113,41 +177,52 @@ class TierLadder(PoolCore):
         wanted = max(int(share * tier.capacity_bytes), max(self._recent_put_bytes, default=0))
         return min(wanted, tier.capacity_bytes // 2)
 
-    def _headroom_short(self, tier: MemoryTier) -> bool:
+    def headroom_short(self, tier: MemoryTier) -> bool:
         """Less of ``tier`` free than its headroom, and something there to demote."""
         return (len(tier) > 0
-                and tier.capacity_bytes - tier.used_bytes < self._headroom_bytes(tier))
+                and tier.capacity_bytes - tier.used_bytes < self.headroom_bytes(tier))
 
-    def _evict_one(self, tier: MemoryTier, now: float) -> bool:
+    def evict_one(self, tier: MemoryTier, now: float) -> bool:
         """Move the tier's victim one tier down. False when nothing can be evicted."""
         victim = tier.pop_victim(now)
         if victim is None:
             return False
         key = BlockHash(cast(bytes, victim))
-        entry = self._blocks[key]
+        entry = self.table[key]
         stored = tier.load(key)
+        depth = self.memory.index(tier)
         try:
-            if tier is self._hot:
-                warm = self._to_warm_precision(entry, stored, now)
-                if self._put_memory(self._warm, entry, warm, now):
-                    entry.tier = Tier.WARM
-                    self._note_demoted(entry, lossy=_precision_step(warm, stored))
-                else:
-                    self._ensure_cold(entry, stored)
-                    entry.tier = None
+            lower = self.memory[depth + 1] if depth + 1 < len(self.memory) else None
+            # The first step down goes through the precision policy; further ones
+            # move the copy as it is.
+            moved = self._below_top(entry, stored, now) if depth == 0 else stored
+            if lower is not None and self.put_memory(lower, entry, moved, now):
+                entry.tier = lower.tier
+                self.note_demoted(entry, lossy=_precision_step(moved, stored))
             else:
-                self._ensure_cold(entry, stored)
+                self.ensure_cold(entry, stored)
                 entry.tier = None
-            if entry.tier is None:
-                self._note_demoted(entry, lossy=_codec_step(entry.cold_codec))
+                self.note_demoted(entry, lossy=_codec_step(entry.cold_codec))
         except CapacityError:
             tier.restore(key, now)
             raise
         tier.discard(key)
-        self._counters["demotions"] += 1
+        self.counters["demotions"] += 1
         return True
 
-    def _to_warm_precision(self, entry: _Block, block: StoredBlock, now: float) -> StoredBlock:
+    def owner_of(self, slot: Allocation) -> MemoryTier | None:
+        """The memory tier whose arena ``slot`` is in."""
+        return next((t for t in self.memory if t.arena.owns(slot)), None)
+
+    def _precision_for(self, layout: KVLayout) -> PrecisionPolicy:
+        policy = self._precision.get(layout.dtype)
+        if policy is None:
+            policy = PrecisionPolicy(self.config.precision, layout.dtype)
+            self._precision[layout.dtype] = policy
+        return policy
+
+    def _below_top(self, entry: _Block, block: StoredBlock, now: float) -> StoredBlock:
+        """``block`` as the tiers below the first keep it (the precision policy's choice)."""
         if not isinstance(block, torch.Tensor) or entry.exact_only:
             return block  # already int8 or a frame (nothing more to lose), or no lossy step
         choice = self._precision_for(entry.layout).choose(
@@ -168,17 +243,17 @@ class TierLadder(PoolCore):
             return convert(block, choice)
         except PrecisionOverflowError:
             # Values outside fp16's range: keep the model dtype rather than corrupt them.
-            self._counters["precision_fallbacks"] += 1
+            self.counters["precision_fallbacks"] += 1
             return block
 
-    def _ensure_cold(self, entry: _Block, stored: StoredBlock, offline: bool = False) -> None:
+    def ensure_cold(self, entry: _Block, stored: StoredBlock, offline: bool = False) -> None:
         if entry.in_cold:
             return
         codec = self._cold_codec(entry, offline, stored)
-        self._cold.put(entry.key, stored, fingerprint=entry.layout.fingerprint, codec=codec)
+        self.cold.put(entry.key, stored, fingerprint=entry.layout.fingerprint, codec=codec)
         self._mark_cold(entry, stored, codec)
 
-    def _ensure_cold_many(
+    def ensure_cold_many(
         self, entries: Sequence[_Block], *, offline: bool, durable: bool = False
     ) -> None:
         """Cold copies of ``entries`` in one batch of the cold backend.
@@ -189,13 +264,13 @@ class TierLadder(PoolCore):
         for entry in entries:
             if entry.in_cold:
                 continue
-            stored = self._load_stored(entry)
+            stored = self.load_stored(entry)
             items.append((entry, stored, self._cold_codec(entry, offline, stored)))
         if not items:
             if durable:
-                self._cold.sync()  # earlier cold copies may not be forced to disk yet
+                self.cold.sync()  # earlier cold copies may not be forced to disk yet
             return
-        self._cold.put_many(
+        self.cold.put_many(
             [(e.key, stored, e.layout.fingerprint, codec) for e, stored, codec in items],
             durable=durable,
         )
@@ -220,7 +295,7 @@ class TierLadder(PoolCore):
         ):
             # NaN or inf have no lossy code: such a block stays exact (stored as
             # sent; sessions that want them refused say so at create).
-            self._counters["precision_fallbacks"] += 1
+            self.counters["precision_fallbacks"] += 1
             return self._cold_codec(entry, offline=False)
         return codec
 
@@ -236,33 +311,33 @@ class TierLadder(PoolCore):
         else:
             entry.cold_codec = codec
 
-    def _promote(self, entry: _Block, block: torch.Tensor, now: float, evict: bool = True) -> bool:
+    def promote(self, entry: _Block, block: torch.Tensor, now: float, evict: bool = True) -> bool:
         """Move a block to the hot tier (``block`` is its materialised copy)."""
         source = entry.tier
-        if source is Tier.HOT:
+        if source is self.top.tier:
             return True
         # Pin the source copy so the evictions we may trigger cannot pick it.
         if source is not None:
-            self._tier(source).pin(entry.key)
+            self.tier(source).pin(entry.key)
         try:
-            placed = self._put_memory(self._hot, entry, block, now, evict=evict)
+            placed = self.put_memory(self.top, entry, block, now, evict=evict)
         finally:
             if source is not None:
-                self._tier(source).unpin(entry.key)
+                self.tier(source).unpin(entry.key)
         if not placed:
             return False
         if source is not None:
-            self._tier(source).remove(entry.key)
-        entry.tier = Tier.HOT
-        self._counters["promotions"] += 1
+            self.tier(source).remove(entry.key)
+        entry.tier = self.top.tier
+        self.counters["promotions"] += 1
         return True
 
-    def _load_stored(self, entry: _Block) -> StoredBlock:
+    def load_stored(self, entry: _Block) -> StoredBlock:
         if entry.tier is not None:
-            return self._tier(entry.tier).load(entry.key)
+            return self.tier(entry.tier).load(entry.key)
         block = self._cold_read_ahead.pop(entry.key, None)
         if block is None:
-            block = self._cold.load(entry.key)
+            block = self.cold.load(entry.key)
         if block.dtype == torch.float16 and entry.layout.torch_dtype != torch.float16:
             # An fp16 copy of a wider block (the warm tier's precision step): known
             # already unless the entry was made from the archive after a restart.
@@ -270,9 +345,9 @@ class TierLadder(PoolCore):
             entry.crc32 = None
         return block
 
-    def _materialize(self, entry: _Block) -> torch.Tensor:
+    def materialize(self, entry: _Block) -> torch.Tensor:
         """An owned copy of the block in its layout's dtype, on the CPU."""
-        stored = self._load_stored(entry)
+        stored = self.load_stored(entry)
         dtype = entry.layout.torch_dtype
         if isinstance(stored, EncodedBlock):
             decoded = decode_frame(stored.frame.numpy().data)
@@ -285,13 +360,22 @@ class TierLadder(PoolCore):
             return stored.to("cpu", copy=True)
         return stored.to(device="cpu", dtype=dtype)
 
-    def _note_demoted(self, entry: _Block, *, lossy: str | None) -> None:
+    def free(self, entry: _Block) -> None:
+        """Drop every copy of a block no holder references and no reader pins, and its
+        record."""
+        if entry.tier is not None:
+            self.tier(entry.tier).remove(entry.key)
+        if entry.in_cold:
+            self.cold.remove(entry.key)
+        self.table.drop(entry.key)
+
+    def note_demoted(self, entry: _Block, *, lossy: str | None) -> None:
         """The copy that remains went through ``lossy`` (a step's name; None: none):
         reads are no longer exact, and say which step."""
         if lossy:
             entry.lossy = worse(entry.lossy, lossy)
             entry.crc32 = None
-            self._counters["lossy_conversions"] += 1
+            self.counters["lossy_conversions"] += 1
 
 
 def _checksummable(entry: _Block, block: StoredBlock) -> bool:

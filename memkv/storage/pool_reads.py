@@ -4,7 +4,8 @@ in place, read plans for readers on the node, and prefetch."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -12,21 +13,47 @@ from memkv.errors import MemkvError, UnknownBlockError
 from memkv.protocol.enums import Tier
 from memkv.protocol.hashing import BlockHash
 from memkv.protocol.messages import PlanEntry
+from memkv.storage.block_table import BlockTable, PoolGuard
+from memkv.storage.config import StoreConfig
 from memkv.storage.pool_core import FetchedBlock, _Block, _crc32, raise_invariant
-from memkv.storage.pool_refs import References
+from memkv.storage.pool_ladder import TierLadder
+from memkv.storage.prefetch import MarkovPrefetcher
 
 
-class Reads(References):
-    """Reading blocks, pinned or promoted, and prefetching them."""
+class Reads:
+    """Reading blocks, pinned or promoted, and prefetching them.
+
+    Args:
+        config: the pool's settings (whether the Markov prefetcher predicts).
+        guard: the pool's lock and open state.
+        table: the block table blocks are looked up in.
+        ladder: the tiers blocks are read from and promoted through.
+        clock: seconds, monotonic.
+        counters: the pool's event counters (misses, prefetches).
+        hits: reads by the tier they found their block in.
+        prefetcher: the Markov model of which block follows which.
+    """
+
+    def __init__(self, config: StoreConfig, guard: PoolGuard, table: BlockTable,
+                 ladder: TierLadder, clock: Callable[[], float], counters: Counter[str],
+                 hits: Counter[Tier], prefetcher: MarkovPrefetcher[BlockHash]) -> None:
+        self.config = config
+        self.guard = guard
+        self.table = table
+        self.ladder = ladder
+        self.clock = clock
+        self.counters = counters
+        self.hits = hits
+        self.prefetcher = prefetcher
 
     def contains(self, key: BlockHash) -> bool:
-        with self._lock:
-            return key in self._blocks
+        with self.guard.lock:
+            return key in self.table
 
     def locate(self, key: BlockHash) -> Tier | None:
         """Fastest tier holding ``key``, or None when it is not stored."""
-        with self._lock:
-            entry = self._blocks.get(key)
+        with self.guard.lock:
+            entry = self.table.get(key)
             if entry is None:
                 return None
             return entry.tier if entry.tier is not None else Tier.COLD
@@ -65,30 +92,26 @@ class Reads(References):
         that went meanwhile (deleted, or promoted by another reader) is simply
         not used, and one the batch could not read is read under the lock as before.
         """
-        with self._lock:
+        with self.guard.lock:
             cold = [k for k in dict.fromkeys(keys)
-                    if (e := self._blocks.get(k)) is not None and e.tier is None]
+                    if (e := self.table.get(k)) is not None and e.tier is None]
         ahead: dict[BlockHash, torch.Tensor] = {}
         if cold:
             try:
-                ahead = dict(zip(cold, self._cold.load_many(cold), strict=True))
+                ahead = dict(zip(cold, self.ladder.cold.load_many(cold), strict=True))
             except MemkvError:  # read them one by one under the lock: that one raises
                 ahead = {}
-        with self._lock:
-            outer, self._cold_read_ahead = self._cold_read_ahead, ahead
-            try:
-                yield
-            finally:
-                self._cold_read_ahead = outer
+        with self.guard.lock, self.ladder.reading_ahead(ahead):
+            yield
 
     def _fetch_one(self, key: BlockHash, stream: str | None) -> FetchedBlock:
         entry, found, now = self._count_read(key)
-        block = self._materialize(entry)
-        if found is Tier.HOT:
-            self._hot.access(key, now)
-        elif entry.pins == 0 and self._promote(entry, block, now):
+        block = self.ladder.materialize(entry)
+        if found is self.ladder.top.tier:
+            self.ladder.top.access(key, now)
+        elif entry.pins == 0 and self.ladder.promote(entry, block, now):
             self._note_materialized(entry, block)
-        self._prefetcher.observe(key, stream)
+        self.prefetcher.observe(key, stream)
         return FetchedBlock(key, block, found, entry.exact, entry.lossy)
 
     @contextlib.contextmanager
@@ -107,7 +130,7 @@ class Reads(References):
             with self._reading_cold(keys):
                 for key in keys:
                     found = self._access(key, stream)
-                    entry = self._blocks[key]
+                    entry = self.table[key]
                     self._pin(entry)
                     taken.append(entry)
                     out.append(
@@ -115,7 +138,7 @@ class Reads(References):
                     )
             yield out
         finally:
-            with self._lock:
+            with self.guard.lock:
                 for entry in taken:
                     self._unpin(entry)
 
@@ -131,23 +154,23 @@ class Reads(References):
         Raises:
             UnknownBlockError: a key is not stored here (nothing is pinned).
         """
-        with self._lock:
-            self.ensure_open()
+        with self.guard.lock:
+            self.guard.ensure_open()
             unique = list(dict.fromkeys(BlockHash(bytes(k)) for k in keys))
-            missing = [k for k in unique if k not in self._blocks]
+            missing = [k for k in unique if k not in self.table]
             if missing:
                 raise UnknownBlockError(
                     f"{len(missing)} of {len(unique)} blocks are not stored here "
                     f"(first {bytes(missing[0]).hex()})"
                 )
             for key in unique:
-                self._pin(self._blocks[key])
+                self._pin(self.table[key])
             return unique
 
     def held(self, keys: Sequence[bytes]) -> list[bytes]:
         """Those of ``keys`` this pool still keeps (held, or pinned by a reader)."""
-        with self._lock:
-            return [bytes(k) for k in keys if BlockHash(bytes(k)) in self._blocks]
+        with self.guard.lock:
+            return [bytes(k) for k in keys if BlockHash(bytes(k)) in self.table]
 
     def plan_reads(
         self,
@@ -179,14 +202,14 @@ class Reads(References):
             try:
                 for key in keys:
                     found = self._access(key, stream)
-                    entry = self._blocks[key]
+                    entry = self.table[key]
                     plan = self._plan(entry, found)
                     if plan is not None:
                         self._pin(entry)
                         pinned.append(entry)
                     planned.append(plan)
                 for key in ahead:
-                    held = self._blocks.get(key)
+                    held = self.table.get(key)
                     plan = None
                     if held is not None and held.tier is not None:
                         plan = self._plan(held, held.tier)
@@ -202,9 +225,9 @@ class Reads(References):
 
     def unpin_blocks(self, keys: Sequence[BlockHash]) -> None:
         """Release the pins :meth:`plan_reads` took (once per planned key)."""
-        with self._lock:
+        with self.guard.lock:
             for key in keys:
-                entry = self._blocks.get(key)
+                entry = self.table.get(key)
                 if entry is None or entry.pins == 0:
                     raise_invariant(f"unpin of block {key.hex()} that holds no pin")
                     return
@@ -213,13 +236,13 @@ class Reads(References):
     def _access(self, key: BlockHash, stream: str | None) -> Tier:
         """Count a read of ``key`` and bring it to the hot tier where room can be made."""
         entry, found, now = self._count_read(key)
-        if found is Tier.HOT:
-            self._hot.access(key, now)
+        if found is self.ladder.top.tier:
+            self.ladder.top.access(key, now)
         elif entry.pins == 0:
-            block = self._materialize(entry)
-            if self._promote(entry, block, now):
+            block = self.ladder.materialize(entry)
+            if self.ladder.promote(entry, block, now):
                 self._note_materialized(entry, block)
-        self._prefetcher.observe(key, stream)
+        self.prefetcher.observe(key, stream)
         return found
 
     def _count_read(self, key: BlockHash) -> tuple[_Block, Tier, float]:
@@ -228,24 +251,24 @@ class Reads(References):
         Raises:
             UnknownBlockError: not stored (counted as a miss).
         """
-        self.ensure_open()
-        entry = self._blocks.get(key)
+        self.guard.ensure_open()
+        entry = self.table.get(key)
         if entry is None:
-            self._counters["misses"] += 1
+            self.counters["misses"] += 1
             raise UnknownBlockError(f"no block {key.hex()} in this store")
-        now = self._clock()
+        now = self.clock()
         found = entry.tier if entry.tier is not None else Tier.COLD
-        self._hits[found] += 1
+        self.hits[found] += 1
         if entry.prefetched:
             entry.prefetched = False
-            self._counters["prefetch_used"] += 1
+            self.counters["prefetch_used"] += 1
         entry.last_access = now
         return entry, found, now
 
     def _plan(self, entry: _Block, found: Tier) -> PlanEntry | None:
         if entry.tier is None:
             return None
-        tier = self._tier(entry.tier)
+        tier = self.ladder.tier(entry.tier)
         segment = getattr(tier.arena, "name", None)
         where = tier.location(entry.key)
         if segment is None or where is None:
@@ -276,56 +299,56 @@ class Reads(References):
     def prefetch(self, keys: Sequence[BlockHash]) -> int:
         """Bring blocks into free hot-tier space (never evicting for it). Returns how many."""
         moved = 0
-        with self._lock:
-            if self._closed:
+        with self.guard.lock:
+            if self.guard.closed:
                 return 0
-            now = self._clock()
-            headroom = self._headroom_bytes(self._hot)
+            now = self.clock()
+            headroom = self.ladder.headroom_bytes(self.ladder.top)
             for key in keys:
-                entry = self._blocks.get(key)
-                if entry is None or entry.tier is Tier.HOT or entry.pins:
+                entry = self.table.get(key)
+                if entry is None or entry.tier is self.ladder.top.tier or entry.pins:
                     continue
                 # Not into the headroom kept for puts: the headroom keeper would only
                 # demote something else to make it again.
                 need = entry.layout.block_nbytes() + headroom
-                if self._hot.capacity_bytes - self._hot.used_bytes < need:
+                if self.ladder.top.capacity_bytes - self.ladder.top.used_bytes < need:
                     break
-                block = self._materialize(entry)
-                if self._promote(entry, block, now, evict=False):
+                block = self.ladder.materialize(entry)
+                if self.ladder.promote(entry, block, now, evict=False):
                     self._note_materialized(entry, block)
                     entry.prefetched = True
                     moved += 1
-            self._counters["prefetched"] += moved
+            self.counters["prefetched"] += moved
         return moved
 
     def prefetch_predicted(self, key: BlockHash) -> int:
         """Prefetch what the Markov model expects to follow ``key`` (when ``prefetch.markov``)."""
         if not self.config.prefetch.markov:
             return 0
-        with self._lock:
-            predicted = [k for k, _ in self._prefetcher.predict(key)]
+        with self.guard.lock:
+            predicted = [k for k, _ in self.prefetcher.predict(key)]
         return self.prefetch(predicted)
 
     def _pin(self, entry: _Block) -> None:
         entry.pins += 1
         if entry.pins == 1 and entry.tier is not None:
-            self._tier(entry.tier).pin(entry.key)
+            self.ladder.tier(entry.tier).pin(entry.key)
 
     def _unpin(self, entry: _Block) -> None:
         entry.pins -= 1
         if entry.pins == 0:
             if entry.tier is not None:
-                self._tier(entry.tier).unpin(entry.key)
+                self.ladder.tier(entry.tier).unpin(entry.key)
             if entry.refcount == 0:
-                self._free(entry)
+                self.ladder.free(entry)
 
     def _view(self, entry: _Block) -> torch.Tensor:
         if entry.tier is None:
             # Not in memory (no room even after eviction): a decoded copy.
-            return self._materialize(entry)
-        stored = self._tier(entry.tier).load(entry.key)
+            return self.ladder.materialize(entry)
+        stored = self.ladder.tier(entry.tier).load(entry.key)
         if not isinstance(stored, torch.Tensor) or stored.dtype != entry.layout.torch_dtype:
-            return self._materialize(entry)
+            return self.ladder.materialize(entry)
         return stored
 
     def hot_locations(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
@@ -333,12 +356,12 @@ class Reads(References):
         (blocks elsewhere, or kept as int8, are left out): for attaching a session's
         blocks to its CUDA stream (memkv.gpu_kernels.unified)."""
         out: list[tuple[int, int]] = []
-        with self._lock:
+        with self.guard.lock:
             for key in dict.fromkeys(BlockHash(bytes(k)) for k in keys):
-                entry = self._blocks.get(key)
-                if entry is None or entry.tier is not Tier.HOT:
+                entry = self.table.get(key)
+                if entry is None or entry.tier is not self.ladder.top.tier:
                     continue
-                where = self._hot.location(key)
+                where = self.ladder.top.location(key)
                 if where is not None:
                     out.append((where[0], entry.layout.block_nbytes(entry.tokens)))
         return out

@@ -5,7 +5,8 @@ reader pins is freed from every tier."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,6 +23,7 @@ from memkv.protocol.hashing import BlockHash
 from memkv.protocol.members import Holder, StoredBlocks
 from memkv.protocol.messages import ChainUpdate
 from memkv.storage.arena import Allocation
+from memkv.storage.block_table import BlockTable, PoolGuard
 from memkv.storage.diagnostics import check_refcounts
 from memkv.storage.layout import KVLayout
 from memkv.storage.pool_core import (
@@ -33,8 +35,26 @@ from memkv.storage.pool_core import (
 from memkv.storage.pool_ladder import TierLadder
 
 
-class References(TierLadder):
-    """The references the pool's owner tells it of, per owner, and their invariants."""
+class References:
+    """The references the pool's owner tells it of, per owner, and their invariants.
+
+    Args:
+        guard: the pool's lock and open state.
+        table: the block table the references are counted in.
+        ladder: the tiers a new block is admitted to and a freed one leaves.
+        clock: seconds, monotonic.
+        counters: the pool's event counters (dedup hits, bytes saved, demotions).
+        check: check every invariant after each change (tests; slow).
+    """
+
+    def __init__(self, guard: PoolGuard, table: BlockTable, ladder: TierLadder,
+                 clock: Callable[[], float], counters: Counter[str], check: bool) -> None:
+        self.guard = guard
+        self.table = table
+        self.ladder = ladder
+        self.clock = clock
+        self.counters = counters
+        self._check = check
 
     def put(
         self,
@@ -71,8 +91,8 @@ class References(TierLadder):
                 before ``start_block`` that is not stored. Nothing is changed.
             CapacityError: no tier can take a new block (nothing is changed).
         """
-        with self._lock:
-            self.ensure_open()
+        with self.guard.lock:
+            self.guard.ensure_open()
             layout, counts, start = update.layout, update.tokens, update.start_block
             if len(blocks) != len(counts) - start:
                 raise InvalidInputError(
@@ -89,39 +109,39 @@ class References(TierLadder):
                     raise LayoutMismatchError(f"block {i} must hold {counts[i]} tokens, got {n}")
             chain = [BlockHash(k) for k in update.chain]
             for i in range(start):
-                if chain[i] not in self._blocks:
+                if chain[i] not in self.table:
                     raise PrefixNotStoredError(
                         f"block {i} was not sent and is not stored; send blocks from index {i}",
                         i)
             # Validation is over: from here on the pool changes.
-            now = self._clock()
+            now = self.clock()
             created = self._admit_new_blocks(update, chain, blocks, now, checksums, placed)
-            self._recent_put_bytes.append(len(created) * layout.block_nbytes())
+            self.ladder.note_put(len(created) * layout.block_nbytes())
             held = set(update.hold)
             dedup = 0
             for key in dict.fromkeys(chain[start:]):
                 if key in held and key not in created:
                     dedup += 1
-                    self._counters["dedup_bytes_saved"] += layout.block_nbytes(
-                        self._blocks[key].tokens
+                    self.counters["dedup_bytes_saved"] += layout.block_nbytes(
+                        self.table[key].tokens
                     )
             for held_key in update.hold:
-                entry = self._blocks[BlockHash(held_key)]
+                entry = self.table[BlockHash(held_key)]
                 self._hold(entry, update.priority, update.was_active, now, update.exact_only,
                            owner)
             for kept_key in update.kept:
-                self._blocks[BlockHash(kept_key)].rounds += 1
+                self.table[BlockHash(kept_key)].rounds += 1
             for dropped_key in update.drop:
                 self._release(BlockHash(dropped_key), active=update.was_active, owner=owner)
             if counts and counts[-1] < layout.block_tokens:
-                tail = self._blocks[chain[-1]]
+                tail = self.table[chain[-1]]
                 tail.rewrites = max(tail.rewrites, update.tail_rewrites)
             if not update.was_active:
                 self._activate(chain, owner)
             if durable:
-                entries = [self._blocks[k] for k in dict.fromkeys(chain)]
-                self._ensure_cold_many(entries, offline=False, durable=True)
-            self._counters["dedup_hits"] += dedup
+                entries = [self.table[k] for k in dict.fromkeys(chain)]
+                self.ladder.ensure_cold_many(entries, offline=False, durable=True)
+            self.counters["dedup_hits"] += dedup
             self._debug_check()
             return StoredBlocks(len(created), dedup, len(update.drop))
 
@@ -154,10 +174,10 @@ class References(TierLadder):
             BlockLostError: some block is in no tier (without ``keep_prefix``),
                 or the first one is (nothing is held).
         """
-        with self._lock:
-            self.ensure_open()
+        with self.guard.lock:
+            self.guard.ensure_open()
             keys = [BlockHash(bytes(k)) for k in chain]
-            missing = set(self._cold.missing([k for k in keys if k not in self._blocks]))
+            missing = set(self.ladder.cold.missing([k for k in keys if k not in self.table]))
             if missing:
                 first = next(i for i, k in enumerate(keys) if k in missing)
                 if not keep_prefix or first == 0:
@@ -166,8 +186,8 @@ class References(TierLadder):
                         f"(first missing: block {first}, {bytes(keys[first]).hex()})"
                     )
                 keys, tokens = keys[:first], list(tokens)[:first]
-            self._hold_chain(
-                layout, keys, tokens, priority, False, exact_only, self._clock(), owner
+            self.hold_chain(
+                layout, keys, tokens, priority, False, exact_only, self.clock(), owner
             )
             self._debug_check()
             return len(keys)
@@ -189,24 +209,24 @@ class References(TierLadder):
         Returns:
             Indices of holders with a block in no tier (those hold nothing).
         """
-        with self._lock:
-            self.ensure_open()
+        with self.guard.lock:
+            self.guard.ensure_open()
             wanted = [[BlockHash(bytes(k)) for k in h.chain] for h in holders]
             unknown = list(
-                dict.fromkeys(k for chain in wanted for k in chain if k not in self._blocks)
+                dict.fromkeys(k for chain in wanted for k in chain if k not in self.table)
             )
-            missing = set(self._cold.missing(unknown)) if unknown else set()
+            missing = set(self.ladder.cold.missing(unknown)) if unknown else set()
             # The new references are taken before the old ones go, so a block
             # both hold is never freed in between.
-            previous = self._owner_refs.pop(owner, {})
-            now = self._clock()
+            previous = self.table.take_shares(owner)
+            now = self.clock()
             lost: list[int] = []
             try:
                 for i, (chain, holder) in enumerate(zip(wanted, holders, strict=True)):
                     if any(k in missing for k in chain):
                         lost.append(i)
                         continue
-                    self._hold_chain(
+                    self.hold_chain(
                         holder.layout,
                         chain,
                         holder.tokens,
@@ -220,11 +240,11 @@ class References(TierLadder):
                 self._undo_holds(owner, previous, created=unknown)
                 raise
             for key, (refs, active) in previous.items():
-                entry = self._blocks[key]
+                entry = self.table[key]
                 entry.refcount -= refs
                 entry.active_refs -= active
-            for key in [k for k, e in self._blocks.items() if e.refcount == 0 and e.pins == 0]:
-                self._free(self._blocks[key])
+            for key in [k for k, e in self.table.items() if e.refcount == 0 and e.pins == 0]:
+                self.ladder.free(self.table[key])
             self._debug_check()
             return lost
 
@@ -234,13 +254,13 @@ class References(TierLadder):
         Returns how many blocks were freed (unpinned ones at once, pinned ones
         when their last reader lets go).
         """
-        with self._lock:
-            self.ensure_open()
-            before = len(self._blocks)
+        with self.guard.lock:
+            self.guard.ensure_open()
+            before = len(self.table)
             for key in dict.fromkeys(BlockHash(bytes(k)) for k in keys):
                 self._release(key, active=active, owner=owner)
             self._debug_check()
-            return before - len(self._blocks)
+            return before - len(self.table)
 
     def deactivate(
         self,
@@ -266,48 +286,48 @@ class References(TierLadder):
             Whether some of the blocks are still in memory (held by an active
             holder, or pinned by a reader).
         """
-        with self._lock:
-            self.ensure_open()
+        with self.guard.lock:
+            self.guard.ensure_open()
             unique = list(dict.fromkeys(BlockHash(bytes(k)) for k in keys))
             if was_active:
                 for key in unique:
-                    self._blocks[key].active_refs -= 1
-                    self._count(owner, key, 0, -1)
-            self._ensure_cold_many(
-                [self._blocks[k] for k in unique if not self._blocks[k].in_cold], offline=offline
+                    self.table[key].active_refs -= 1
+                    self.table.count(owner, key, 0, -1)
+            self.ladder.ensure_cold_many(
+                [self.table[k] for k in unique if not self.table[k].in_cold], offline=offline
             )
             for key in unique:
-                entry = self._blocks[key]
+                entry = self.table[key]
                 if entry.active_refs == 0 and entry.pins == 0 and entry.tier is not None:
-                    self._tier(entry.tier).remove(key)
+                    self.ladder.tier(entry.tier).remove(key)
                     entry.tier = None
-                    self._counters["demotions"] += 1
+                    self.counters["demotions"] += 1
                     # The cold copy is the one left: a lossy codec makes reads inexact.
-                    self._note_demoted(entry, lossy=_codec_step(entry.cold_codec))
+                    self.ladder.note_demoted(entry, lossy=_codec_step(entry.cold_codec))
             self._debug_check()
-            return any(self._blocks[k].tier is not None for k in unique)
+            return any(self.table[k].tier is not None for k in unique)
 
     def activate(self, keys: Sequence[bytes], owner: str = "") -> None:
         """An idle holder of ``keys`` is active again (a session resumed)."""
-        with self._lock:
-            self.ensure_open()
+        with self.guard.lock:
+            self.guard.ensure_open()
             self._activate([BlockHash(bytes(k)) for k in keys], owner)
             self._debug_check()
 
     def set_priority(self, keys: Sequence[bytes], priority: Priority) -> None:
         """Move blocks to ``priority``'s eviction queue (a session changed its class)."""
-        with self._lock:
-            now = self._clock()
+        with self.guard.lock:
+            now = self.clock()
             for key in dict.fromkeys(BlockHash(bytes(k)) for k in keys):
-                self._raise_priority(self._blocks[key], priority, now, force=True)
+                self._raise_priority(self.table[key], priority, now, force=True)
 
     def stored_prefix(self, keys: Sequence[BlockHash]) -> tuple[int, list[BlockHash]]:
         """Tokens and keys of the leading run of ``keys`` that is stored."""
-        with self._lock:
+        with self.guard.lock:
             matched: list[BlockHash] = []
             tokens = 0
             for key in keys:
-                entry = self._blocks.get(key)
+                entry = self.table.get(key)
                 if entry is None:
                     break
                 matched.append(key)
@@ -320,16 +340,16 @@ class References(TierLadder):
         Raises:
             UnknownBlockError: not stored.
         """
-        with self._lock:
-            entry = self._blocks.get(key)
+        with self.guard.lock:
+            entry = self.table.get(key)
             if entry is None:
                 raise UnknownBlockError(f"no block {key.hex()} in this store")
             return entry.tokens
 
     def cold_orphans(self) -> list[bytes]:
         """Keys in the cold tier that no block entry knows (left by a crash)."""
-        with self._lock:
-            return [k for k in self._cold.block_keys() if BlockHash(k) not in self._blocks]
+        with self.guard.lock:
+            return [k for k in self.ladder.cold.block_keys() if BlockHash(k) not in self.table]
 
     def _admit_new_blocks(
         self,
@@ -346,7 +366,7 @@ class References(TierLadder):
         try:
             for i in range(start_block, len(chain)):
                 key = chain[i]
-                if key in self._blocks:
+                if key in self.table:
                     continue
                 entry = _Block(
                     key=key,
@@ -359,29 +379,29 @@ class References(TierLadder):
                     crc32=checksums[i - start_block] if checksums is not None else None,
                     turn_created=update.turn,
                 )
-                self._add_block(entry)
+                self.table.add(entry)
                 created.append(key)
                 block = blocks[i - start_block]
                 if placed and (slot := placed.get(i - start_block)) is not None \
-                        and self._adopt_placed(entry, block, slot, now):
+                        and self.ladder.adopt_placed(entry, block, slot, now):
                     del placed[i - start_block]  # the block's own now: freed with it
                     continue
-                self._admit(entry, block, now)
+                self.ladder.admit(entry, block, now)
                 if entry.crc32 is None and entry.exact:  # went to the cold tier as it is
                     entry.crc32 = _writer_crc32(block)
         except BaseException:
             # e.g. CapacityError from a full cold tier: undo this put's new blocks
             # so nothing half-stored stays behind (older blocks were not touched).
             for key in reversed(created):
-                entry = self._blocks[key]
+                entry = self.table[key]
                 if entry.tier is not None or entry.in_cold:
-                    self._free(entry)
+                    self.ladder.free(entry)
                 else:
-                    self._drop_block(key)
+                    self.table.drop(key)
             raise
         return set(created)
 
-    def _hold_chain(
+    def hold_chain(
         self,
         layout: KVLayout,
         chain: Sequence[BlockHash],
@@ -399,14 +419,14 @@ class References(TierLadder):
         copies went with the process that wrote it, and a block archived by
         the lossy offline codec, or as int8, must not be served as exact.
         """
-        fresh = list(dict.fromkeys(k for k in chain if k not in self._blocks))
-        codecs = dict(zip(fresh, self._cold.codecs(fresh), strict=True)) if fresh else {}
+        fresh = list(dict.fromkeys(k for k in chain if k not in self.table))
+        codecs = dict(zip(fresh, self.ladder.cold.codecs(fresh), strict=True)) if fresh else {}
         seen: set[BlockHash] = set()
         for i, key in enumerate(chain):
             if key in seen:
                 continue
             seen.add(key)
-            entry = self._blocks.get(key)
+            entry = self.table.get(key)
             if entry is None:
                 codec = codecs[key]
                 entry = _Block(
@@ -420,7 +440,7 @@ class References(TierLadder):
                     cold_codec=codec,
                     lossy=("int8" if codec == "int8" else _codec_step(codec)) or "",
                 )
-                self._add_block(entry)
+                self.table.add(entry)
             self._hold(entry, priority, active, now, exact_only, owner)
 
     def _hold(
@@ -432,40 +452,27 @@ class References(TierLadder):
         exact_only: bool = False,
         owner: str = "",
     ) -> None:
-        entry.refcount += 1
-        entry.exact_only = entry.exact_only or exact_only
-        if active:
-            entry.active_refs += 1
-        self._count(owner, entry.key, 1, int(active))
+        self.table.hold(entry, active, exact_only, owner)
         self._raise_priority(entry, priority, now)
 
     def _activate(self, keys: Sequence[BlockHash], owner: str = "") -> None:
         for key in dict.fromkeys(keys):
-            self._blocks[key].active_refs += 1
-            self._count(owner, key, 0, 1)
+            self.table[key].active_refs += 1
+            self.table.count(owner, key, 0, 1)
 
     def _undo_holds(
         self, owner: str, previous: dict[BlockHash, list[int]], created: Sequence[BlockHash]
     ) -> None:
         """Take back the holds a failed :meth:`resync` made; ``owner``'s old ones stand."""
-        for key, (refs, active) in self._owner_refs.pop(owner, {}).items():
-            entry = self._blocks[key]
+        for key, (refs, active) in self.table.take_shares(owner).items():
+            entry = self.table[key]
             entry.refcount -= refs
             entry.active_refs -= active
-        self._owner_refs[owner] = previous
+        self.table.put_shares(owner, previous)
         for key in created:  # cold-only entries it made: the cold copy stays
-            made = self._blocks.get(key)
+            made = self.table.get(key)
             if made is not None and made.refcount == 0 and made.pins == 0:
-                self._drop_block(key)
-
-    def _count(self, owner: str, key: BlockHash, refs: int, active: int) -> None:
-        """Move ``owner``'s share of ``key``'s references (kept beside the totals)."""
-        shares = self._owner_refs.setdefault(owner, {})
-        share = shares.setdefault(key, [0, 0])
-        share[0] += refs
-        share[1] += active
-        if share == [0, 0]:
-            del shares[key]
+                self.table.drop(key)
 
     def _raise_priority(
         self, entry: _Block, priority: Priority, now: float, force: bool = False
@@ -475,48 +482,27 @@ class References(TierLadder):
             return
         entry.priority = priority
         if entry.tier is not None and entry.pins == 0:
-            self._tier(entry.tier).reclassify(entry.key, priority, now)
+            self.ladder.tier(entry.tier).reclassify(entry.key, priority, now)
 
     def _release(self, key: BlockHash, *, active: bool, owner: str = "") -> None:
-        entry = self._blocks[key]
+        entry = self.table[key]
         entry.refcount -= 1
         if active:
             entry.active_refs -= 1
-        self._count(owner, key, -1, -int(active))
+        self.table.count(owner, key, -1, -int(active))
         if entry.refcount == 0 and entry.pins == 0:
-            self._free(entry)
-
-    def _free(self, entry: _Block) -> None:
-        if entry.tier is not None:
-            self._tier(entry.tier).remove(entry.key)
-        if entry.in_cold:
-            self._cold.remove(entry.key)
-        self._drop_block(entry.key)
-        # No references are left, but an owner's active count may be: a release
-        # that said "active" for a holder the pool had as idle (its suspend failed
-        # after the pool applied it). The entry took that miscount with it; its
-        # shares go too, or a block stored again under the key would inherit it.
-        for shares in self._owner_refs.values():
-            shares.pop(entry.key, None)
-
-    def _add_block(self, entry: _Block) -> None:
-        self._blocks[entry.key] = entry
-        self._events.stored(entry.key)
-
-    def _drop_block(self, key: BlockHash) -> None:
-        del self._blocks[key]
-        self._events.removed(key)
+            self.ladder.free(entry)
 
     def block_events(self, cursor: int = 0, epoch: str = "") -> BlockEvents:
         """The blocks stored into and removed from this pool's table after ``cursor``
         (of ``epoch``; another epoch, or one too far back: a snapshot of the table)."""
-        with self._lock:
-            return self._events.since(cursor, epoch, self._blocks.keys)
+        with self.guard.lock:
+            return self.table.events_since(cursor, epoch)
 
     def refcounts(self) -> dict[BlockHash, tuple[int, int]]:
         """(refcount, pins) per block, for an owner's invariant and leak checks."""
-        with self._lock:
-            return {k: (b.refcount, b.pins) for k, b in self._blocks.items()}
+        with self.guard.lock:
+            return self.table.refcounts()
 
     def check_invariants(self, chains: dict[str, list[BlockHash]] | None = None) -> None:
         """Raise :class:`~memkv.errors.InvariantViolationError` if the bookkeeping is broken.
@@ -526,38 +512,25 @@ class References(TierLadder):
                 Without them only what the pool knows alone is checked (tiers,
                 pins, no unheld block left behind).
         """
-        with self._lock:
+        with self.guard.lock:
             blocks = self.refcounts()
             if chains is not None:
                 check_refcounts(blocks, chains)
             for key, (refcount, pins) in blocks.items():
                 if pins < 0 or refcount < 0 or (refcount == 0 and pins == 0):
                     raise_invariant(f"block {key.hex()} has refcount {refcount} and {pins} pins")
-            for key, entry in self._blocks.items():
+            for key, entry in self.table.items():
                 if entry.active_refs < 0 or entry.active_refs > entry.refcount:
                     raise_invariant(
                         f"block {key.hex()} has {entry.active_refs} active of "
                         f"{entry.refcount} references"
                     )
-                present = entry.tier is not None and key in self._tier(entry.tier)
+                present = entry.tier is not None and key in self.ladder.tier(entry.tier)
                 if entry.tier is not None and not present:
                     raise_invariant(f"block {key.hex()} thinks it is {entry.tier} but is not")
                 if entry.tier is None and not entry.in_cold:
                     raise_invariant(f"block {key.hex()} is in no tier")
-            shared: dict[BlockHash, list[int]] = {}
-            for shares in self._owner_refs.values():
-                for key, (refs, active) in shares.items():
-                    total = shared.setdefault(key, [0, 0])
-                    total[0] += refs
-                    total[1] += active
-            for key, entry in self._blocks.items():
-                if shared.pop(key, [0, 0]) != [entry.refcount, entry.active_refs]:
-                    raise_invariant(
-                        f"block {key.hex()}: the owners' shares do not add up to its "
-                        f"{entry.refcount} references ({entry.active_refs} active)"
-                    )
-            if shared:
-                raise_invariant(f"{len(shared)} freed blocks still have owners' references")
+            self.table.check_shares(raise_invariant)
 
     def _debug_check(self) -> None:
         if self._check:

@@ -190,7 +190,7 @@ def test_a_resync_that_fails_halfway_changes_nothing(tmp_path, monkeypatch):
         Holder(LAYOUT, chain_a, block_token_count(LAYOUT, 8), True, Priority.NORMAL),
         Holder(LAYOUT, chain_b, block_token_count(LAYOUT, 12), True, Priority.NORMAL),
     ]
-    real, calls = pool._hold_chain, []
+    real, calls = pool.references.hold_chain, []
 
     def fails_on_the_second(*args, **kwargs):
         if calls:
@@ -198,7 +198,7 @@ def test_a_resync_that_fails_halfway_changes_nothing(tmp_path, monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pool, "_hold_chain", fails_on_the_second)
+    monkeypatch.setattr(pool.references, "hold_chain", fails_on_the_second)
     with pytest.raises(RuntimeError):
         pool.resync(holders)
     assert pool.refcounts() == before
@@ -242,7 +242,7 @@ def test_a_block_stored_without_a_checksum_gets_the_crc32_of_its_bytes_as_it_is_
     pool.put(owner.plan_append("s", 16, chain), blocks)
     for key, block in zip(chain, blocks, strict=True):
         assert pool.locate(key) is tier
-        assert pool._blocks[BlockHash(key)].crc32 == _crc_of(block)
+        assert pool.table[BlockHash(key)].crc32 == _crc_of(block)
         assert torch.equal(pool.get(key), block)
     assert separate == []
     pool.close()
@@ -274,6 +274,6 @@ def test_a_block_copied_into_gpu_memory_without_a_checksum_gets_the_crc32_of_its
     pool.put(owner.plan_append("s", 16, chain), blocks)
     for key, block in zip(chain, blocks, strict=True):
         assert pool.locate(key) is Tier.HOT
-        assert pool._blocks[BlockHash(key)].crc32 == _crc_of(block)
+        assert pool.table[BlockHash(key)].crc32 == _crc_of(block)
         assert torch.equal(pool.get(key).cpu(), block)
     pool.close()

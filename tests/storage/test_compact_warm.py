@@ -36,7 +36,7 @@ def test_an_idle_block_leaving_hot_is_kept_warm_as_a_frame_and_read_back_close(t
     chain = list(s.session("s").chain)
     assert all(s.locate(k) is Tier.WARM for k in chain)
     for key, original in zip(chain, originals, strict=True):
-        stored = s.pool._warm.load(key)
+        stored = s.pool.warm_tier.load(key)
         assert isinstance(stored, EncodedBlock) and stored.codec == "delta_rl"
         # Gaussian test data: ~3 bits of entropy a value at the default step, plus the
         # frame's scales (memkv bench codecs measures model KV: ~2.5 bits).
@@ -54,7 +54,7 @@ def test_an_idle_block_leaving_hot_is_kept_warm_as_a_frame_and_read_back_close(t
 def test_a_compact_warm_block_goes_cold_as_its_own_frame(tmp_path):
     s, _ = _idle_compact_store(tmp_path, FakeClock())
     chain = list(s.session("s").chain)
-    warm = {k: s.pool._warm.load(k).frame.clone() for k in chain}
+    warm = {k: s.pool.warm_tier.load(k).frame.clone() for k in chain}
     served = {k: decode_frame(warm[k].numpy().data) for k in chain}
     s.suspend("s")
     for key in chain:
@@ -80,7 +80,7 @@ def test_a_compact_block_is_planned_from_a_decoded_hot_copy(tmp_path):
 def test_an_exact_only_session_is_never_compacted(tmp_path):
     s, originals = _idle_compact_store(tmp_path, FakeClock(), exact_only=True)
     chain = list(s.session("s").chain)
-    assert {s.pool._warm.stored_dtype(k) for k in chain} == {torch.float16}
+    assert {s.pool.warm_tier.stored_dtype(k) for k in chain} == {torch.float16}
     for got, original in zip(s.iter_session("s"), originals, strict=True):
         assert got.exact and torch.equal(got.block, original)
     s.close()

@@ -98,13 +98,13 @@ def test_named_slots_are_adopted_where_they_lie_and_read_back_exactly(device):
     update, chain, blocks = _turn(table, "s", list(range(10)))  # 2 full blocks and a tail
     grant = device.reserve_slots(len(blocks), BLOCK)
     assert grant is not None and len(set(grant.offsets)) == 3
-    assert grant.segment == device.pool._hot.arena.name  # a CPU device's hot tier
+    assert grant.segment == device.pool.hot_tier.arena.name  # a CPU device's hot tier
     _write(grant, blocks)
     stored = device.put(update, _named(grant, chain, blocks))
     assert stored.new_blocks == 3
     # Adopted: each block lives at the offset it was written to (no copy was made).
     for key, offset in zip(chain, grant.offsets, strict=True):
-        assert device.pool._hot.location(key)[0] == offset
+        assert device.pool.hot_tier.location(key)[0] == offset
     for key, block in zip(chain, blocks, strict=True):
         got = from_payload(device.get_blocks([key])[0])
         assert torch.equal(got, block)
@@ -120,28 +120,28 @@ def test_duplicates_and_unnamed_slots_go_back(device):
     update, chain, blocks = _turn(table, "a", list(range(8)))
     device.put(update, [b for b in blocks])  # stored by value first
     table.commit_append("a", update)
-    used = device.pool._hot.arena.stats().used_bytes
+    used = device.pool.hot_tier.arena.stats().used_bytes
     update_b, chain_b, blocks_b = _turn(table, "b", list(range(8)))  # the same blocks
     grant = device.reserve_slots(4, BLOCK)  # two more than the append names
     assert grant is not None
     _write(grant, blocks_b)
     stored = device.put(update_b, _named(grant, chain_b, blocks_b))
     assert stored.new_blocks == 0 and stored.deduplicated_blocks == 2
-    assert device.pool._hot.arena.stats().used_bytes == used  # every slot went back
+    assert device.pool.hot_tier.arena.stats().used_bytes == used  # every slot went back
     assert len(device.reservations) == 0
 
 
 def test_a_reservation_that_runs_out_goes_back_and_cannot_be_named(device, clock):
     table = SessionTable()
     update, chain, blocks = _turn(table, "s", list(range(8)))
-    before = device.pool._hot.arena.stats().used_bytes
+    before = device.pool.hot_tier.arena.stats().used_bytes
     grant = device.reserve_slots(2, BLOCK, ttl_s=5)
     assert grant is not None
-    assert device.pool._hot.arena.stats().used_bytes == before + 2 * BLOCK
+    assert device.pool.hot_tier.arena.stats().used_bytes == before + 2 * BLOCK
     clock.now += 6
     with pytest.raises(LeaseExpiredError, match="not held here"):
         device.put(update, _named(grant, chain, blocks))
-    assert device.pool._hot.arena.stats().used_bytes == before
+    assert device.pool.hot_tier.arena.stats().used_bytes == before
     assert device.reservations.expired == 1
     assert device.pool.stats().blocks == 0  # nothing half-stored
 
@@ -149,14 +149,14 @@ def test_a_reservation_that_runs_out_goes_back_and_cannot_be_named(device, clock
 def test_a_block_naming_a_slot_it_was_not_given_is_refused_and_frees_the_rest(device):
     table = SessionTable()
     update, chain, blocks = _turn(table, "s", list(range(8)))
-    before = device.pool._hot.arena.stats().used_bytes
+    before = device.pool.hot_tier.arena.stats().used_bytes
     grant = device.reserve_slots(2, BLOCK)
     assert grant is not None
     wrong = _named(grant, chain, blocks)
     wrong[1] = _named(grant, chain[1:], blocks[1:], offset=grant.offsets[0] + 64)[0]
     with pytest.raises(InvalidInputError, match="not an open slot"):
         device.put(update, wrong)
-    assert device.pool._hot.arena.stats().used_bytes == before
+    assert device.pool.hot_tier.arena.stats().used_bytes == before
     assert device.pool.stats().blocks == 0
 
 

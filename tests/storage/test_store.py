@@ -212,7 +212,7 @@ def test_precision_policy_fp16_after_first_round_and_int8_when_idle(tmp_path):
     s.put_kv("other", list(range(16)), *kv(16, layout, seed=5))  # pushes s's blocks to warm
     chain = s.session("s").chain
     assert all(s.locate(k) is Tier.WARM for k in chain)
-    assert {s.pool._warm.stored_dtype(k) for k in chain} == {torch.int8}
+    assert {s.pool.warm_tier.stored_dtype(k) for k in chain} == {torch.int8}
     got = torch.cat([s.get(k) for k in chain], dim=3)
     ref = torch.cat(split_kv(layout, keys, values), dim=3)
     assert got.dtype == torch.float32
@@ -547,7 +547,7 @@ def test_often_rewritten_partial_tail_is_archived_uncompressed(tmp_path):
     for n in (5, 6, 7, 9, 10):  # every turn replaces the partial tail (blocks of 4 tokens)
         s.put_kv("s", list(range(n)), [k[:, :n] for k in keys], [v[:, :n] for v in values])
     chain = s.suspend("s").chain
-    codecs = [s.pool._blocks[k].cold_codec for k in chain]
+    codecs = [s.pool.table[k].cold_codec for k in chain]
     assert codecs[:-1] == ["zstd", "zstd"] and codecs[-1] == "none"
     got = torch.cat(read_all(s, "s"), dim=3)
     assert torch.equal(

@@ -115,12 +115,12 @@ def _idle_int8_store(tmp_path, clock):
 def test_lossy_blocks_are_reported_inexact_with_a_checksum_of_what_is_served(tmp_path):
     s, layout = _idle_int8_store(tmp_path, FakeClock())
     chain = list(s.session("s").chain)
-    assert {s.pool._warm.stored_dtype(k) for k in chain} == {torch.int8}
+    assert {s.pool.warm_tier.stored_dtype(k) for k in chain} == {torch.int8}
     plans = s.plan_reads(chain)
     for plan in plans:
         assert plan is not None and plan.found is Tier.WARM and not plan.exact
         assert plan.lossy == "int8"
-        block = s.pool._hot.load(plan.key)
+        block = s.pool.hot_tier.load(plan.key)
         assert plan.crc32 == zlib.crc32(_bytes_of(block))
     s.unpin_blocks(chain)
     s.close()
@@ -129,8 +129,8 @@ def test_lossy_blocks_are_reported_inexact_with_a_checksum_of_what_is_served(tmp
 def test_int8_warm_block_goes_cold_as_int8(tmp_path):
     s, layout = _idle_int8_store(tmp_path, FakeClock())
     chain = list(s.session("s").chain)
-    warm = {k: s.pool._warm.load(k).nbytes for k in chain}
-    expected = [dequantize_int8(s.pool._warm.load(k), torch.float32) for k in chain]
+    warm = {k: s.pool.warm_tier.load(k).nbytes for k in chain}
+    expected = [dequantize_int8(s.pool.warm_tier.load(k), torch.float32) for k in chain]
     s.suspend("s")
     for key in chain:
         frame = s.pool.cold.backend.segments.get(key)
@@ -163,8 +163,8 @@ def test_offline_suspend_with_a_lossy_codec_reads_back_as_inexact(tmp_path):
 def test_suspend_writes_the_session_cold_in_one_batch(tmp_path):
     s = make_store(tmp_path)
     calls = []
-    real = s.pool._cold.put_many
-    s.pool._cold.put_many = lambda items, **kw: calls.append(len(items)) or real(items, **kw)
+    real = s.pool.cold.put_many
+    s.pool.cold.put_many = lambda items, **kw: calls.append(len(items)) or real(items, **kw)
     s.create_session("s", LAYOUT)
     s.put_kv("s", list(range(16)), *kv(16, LAYOUT))
     s.suspend("s")
@@ -193,8 +193,8 @@ def test_an_exact_only_session_never_takes_a_lossy_step(tmp_path):
     s.create_session("push", layout, namespace="o")
     s.put_kv("push", list(range(16)), *kv(16, layout, seed=5))  # both go warm
     lossy, exact = list(s.session("lossy").chain), list(s.session("exact").chain)
-    assert {s.pool._warm.stored_dtype(k) for k in lossy} == {torch.int8}
-    assert {s.pool._warm.stored_dtype(k) for k in exact} == {torch.float32}
+    assert {s.pool.warm_tier.stored_dtype(k) for k in lossy} == {torch.int8}
+    assert {s.pool.warm_tier.stored_dtype(k) for k in exact} == {torch.float32}
     s.suspend("exact", offline=True)  # offline would pick the lossy cold codec
     expected = split_kv(layout, *kv(8, layout, seed=len("exact")))
     for fetched, block in zip(s.iter_session("exact"), expected, strict=True):
@@ -212,8 +212,8 @@ def test_first_round_blocks_keep_the_model_dtype_when_demoted_later(tmp_path):
     first, second = s.session("s").chain
     s.create_session("push", layout, namespace="o")
     s.put_kv("push", list(range(16)), *kv(16, layout, seed=5))  # both go warm
-    assert s.pool._warm.stored_dtype(first) == torch.float32  # turn 0: the model's dtype
-    assert s.pool._warm.stored_dtype(second) == torch.float16  # a later round: fp16
+    assert s.pool.warm_tier.stored_dtype(first) == torch.float32  # turn 0: the model's dtype
+    assert s.pool.warm_tier.stored_dtype(second) == torch.float16  # a later round: fp16
     blocks = split_kv(layout, keys, values)
     got = list(s.iter_session("s"))
     assert got[0].exact and torch.equal(got[0].block, blocks[0])
