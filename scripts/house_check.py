@@ -24,6 +24,11 @@ if there is any.
   (:data:`ONE_DECLARATION`).
 * A ceiling that only goes down: ``dict[str, Any]`` at the process edges
   (actors, gateway, cluster client). Lower it when a change lowers the count.
+  What is left is no message between memkv's processes (those are protocol
+  structs): documents open by design (OpenAI's bodies, ``/v1/stats``, an
+  operation's report), other libraries' own types (an ASGI message, FastAPI's
+  OpenAPI document) and the archive journal's file entries (msgpack maps on disk;
+  the records in them are typed, :mod:`memkv.router.records`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ MAX_MODULE_LINES = 600
 LONG_MODULES_ALLOWED = {"memkv/storage/segments.py"}
 MAX_API_REMOTE = 4
 #: A count still being brought down (see the module docstring).
-PROCESS_EDGE_DICT_ANY_CEILING = 18
+PROCESS_EDGE_DICT_ANY_CEILING = 14
 
 #: Class names that would declare a session view or an append/resume answer a second
 #: time (the gateway and the client serve and decode protocol.services' structs).

@@ -12,6 +12,7 @@ from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import ray
+from ray.actor import ActorHandle
 from ray.exceptions import ActorUnschedulableError, RayActorError
 
 from memkv.errors import MemberGoneError, MemberLostError
@@ -116,7 +117,7 @@ def _none(_: Any) -> None:
     return None
 
 
-def _readers(devices: dict[str, Any]) -> dict[str, DeviceReaderHandle]:
+def _readers(devices: dict[str, ActorHandle]) -> dict[str, DeviceReaderHandle]:
     return {device_id: DeviceReaderHandle(actor) for device_id, actor in devices.items()}
 
 
@@ -229,11 +230,11 @@ class RouterOpsHandle:
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
-    def device_actors(self) -> Pending[dict[str, Any]]:
+    def device_actors(self) -> Pending[dict[str, ActorHandle]]:
         """Every live device's actor handle, by id (a client that attached finds them)."""
         return Pending(self.actor.devices.remote(), dict)
 
-    def archive_actors(self) -> Pending[dict[str, Any]]:
+    def archive_actors(self) -> Pending[dict[str, ActorHandle]]:
         return Pending(self.actor.archives.remote(), dict)
 
     def drain_device(self, device_id: str) -> Pending[DrainReport]:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
 from memkv.actors.archive_journal import ArchiveJournal, journal_name
 from memkv.actors.handles import ArchiveHandle, DeviceHandle, RayDirectory, named_actors
@@ -72,7 +73,7 @@ class SessionRouterShell(SessionRouter):
     async def register_archive(self, archive_id: str, archive: Any) -> None:
         await super().register_archive(archive_id, ArchiveHandle(archive))
 
-    async def archives(self) -> dict[str, Any]:
+    async def archives(self) -> dict[str, ActorHandle]:
         """Each live archive's actor handle (a client that attached finds them here)."""
         await self._ready()
         return {name: handle.actor for name, handle in self.collector.archives.items()
