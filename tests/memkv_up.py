@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from memkv.bench.lmcache_peer import stop_group
+from memkv.bench.process_groups import stop_group
 
 START_TIMEOUT_S = 120
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import tempfile
@@ -34,6 +33,7 @@ from typing import Any
 from memkv.bench import lmcache_peer
 from memkv.bench.context import BenchContext
 from memkv.bench.engine_cores import comparable, engine_cores, engine_env
+from memkv.bench.process_groups import stop_group
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult, percentile, track
 
 # The vLLM suite's quick model (cached once for both) and the CPU backend's block size.
@@ -76,6 +76,8 @@ TARGET_SPEEDUP, TARGET_FITS = 1.75, 1.0
 #: round-robin proxy, and over the best single engine (two engines: 1.7x).
 TARGET_ROUTED_VS_ROUND_ROBIN, TARGET_ROUTED_VS_ONE = 1.3, 1.7
 DRIVER_TIMEOUT_S = 1800
+#: How long a driver told to stop may take to stop its engines and LMCache's server.
+DRIVER_STOP_S = 120
 NOT_FITTING, FITTING = "KV space < fleet", "KV space > fleet"
 LMCACHE = "vLLM + LMCache (multiprocess mode)"
 #: vLLM + memkv's requests/s over every peer's that runs here, where the fleet does not fit.
@@ -108,9 +110,8 @@ def _drive(model: Path, out: Path, spec: dict[str, Any]) -> dict[str, Any]:
     try:
         _, stderr = proc.communicate(timeout=DRIVER_TIMEOUT_S)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        # SIGTERM first: the driver stops its engines (each up to 30 s), then goes.
+        stop_group(proc, timeout_s=DRIVER_STOP_S)
     if proc.returncode != 0:
         log = Path(str(out) + ".log")
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""

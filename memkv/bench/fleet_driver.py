@@ -48,8 +48,9 @@ from pathlib import Path
 
 from memkv.bench.cpu_roles import cpu_by_role, cpu_seconds
 from memkv.bench.engine_cores import cores_in_log
-from memkv.bench.lmcache_peer import kv_transfer_config, stop_group
+from memkv.bench.lmcache_peer import kv_transfer_config
 from memkv.bench.lmcache_peer import server as lmcache_server
+from memkv.bench.process_groups import die_with_parent, exit_on_sigterm, stop_group
 
 STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
@@ -78,7 +79,8 @@ def _serve(model: str, port: int, spec: dict, log_path: str) -> subprocess.Popen
     elif spec.get("lmcache_port") is not None:  # the peer (memkv.bench.lmcache_peer)
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec["lmcache_port"]))]
     log = open(log_path, "ab")  # noqa: SIM115 - the server holds it
-    return subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+    return subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True,
+                            preexec_fn=die_with_parent)
 
 
 def _wait_healthy(proc: subprocess.Popen, port: int) -> float:
@@ -208,7 +210,7 @@ def main(model: str, out_path: str, spec: dict) -> None:
             proxy_port = spec["proxy_port"]
             extra.append(subprocess.Popen(
                 [sys.executable, "-m", "memkv.bench.round_robin_proxy", str(proxy_port), *urls],
-                start_new_session=True))
+                start_new_session=True, preexec_fn=die_with_parent))
             _wait_healthy(extra[-1], proxy_port)  # (its /health is the first engine's)
             base_url = f"http://127.0.0.1:{proxy_port}/v1"
         else:
@@ -315,4 +317,5 @@ def _memkv_lines(log_path: str, keep: int = 40) -> list[str]:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # stopped by its runner: the engines it started stop too
     main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

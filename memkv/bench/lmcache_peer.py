@@ -14,7 +14,6 @@ vLLM venv.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -22,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from memkv.bench.process_groups import die_with_parent, stop_group
 
 __all__ = ["INSTALL_HINT", "kv_transfer_config", "missing", "server", "stop_group"]
 
@@ -59,26 +60,13 @@ def server(python: Path | str, l1_gb: float, log_path: Path | str) -> Iterator[i
             "--http-host", "127.0.0.1", "--http-port", str(http_port)]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True,
-                                env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+                                env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"},
+                                preexec_fn=die_with_parent)
     try:
         _wait_listening(proc, port)
         yield port
     finally:
         stop_group(proc)
-
-
-def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 30.0,
-               sig: int = signal.SIGTERM) -> None:
-    """``sig`` to a process started in a session of its own (its whole group), SIGKILL
-    if it has not exited within ``timeout_s``."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, sig)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:

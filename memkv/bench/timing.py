@@ -28,6 +28,7 @@ from memkv.api.auth import Authenticator, TokenEntry, hash_token
 from memkv.bench.context import BenchContext
 from memkv.bench.engine_cores import engine_env
 from memkv.bench.fleet import FULL_MODEL as PROBE_MODEL
+from memkv.bench.process_groups import die_with_parent
 from memkv.bench.report import PlotKind, PlotSpec, SuiteResult
 from memkv.bench.timing_probe import TARGET_AUC, ProbeResult, front_door_probe, gateway_probe
 from memkv.bench.vllm import BLOCK_SIZE, VLLM_PYTHON, _model
@@ -67,7 +68,8 @@ def _engine(url: str, token: str, log: Path) -> tuple[subprocess.Popen[bytes], s
                 "kv_connector_extra_config": connector})]
     with open(log, "ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=out, start_new_session=True,
-                                env=engine_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}))
+                                env=engine_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}),
+                                preexec_fn=die_with_parent)
     engine_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:

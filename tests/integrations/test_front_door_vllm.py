@@ -24,6 +24,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from memkv.bench.process_groups import die_with_parent
 from memkv.bench.vllm import BLOCK_SIZE, QUICK_MODEL, VLLM_PYTHON, _model
 
 pytestmark = [
@@ -59,7 +60,8 @@ def _serve(model_dir: str, port: int, connector: dict, log,
             "kv_role": "kv_both", "kv_connector_extra_config": connector}),
     ]
     return subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+                            preexec_fn=die_with_parent)
 
 
 def _wait_healthy(procs: dict[str, tuple[subprocess.Popen, int]]) -> None:
