@@ -99,7 +99,9 @@ def gateway_probe(url: str, *, victim: str, attacker: str, victim_namespace: str
         hits = 0
         # Interleaved, one of each kind after the other: both see the same moments.
         for pair in zip(mine, others, strict=True):
-            for kind, prompt in zip(("pos", "neg"), pair, strict=True):
+            drawn = list(zip(("pos", "neg"), pair, strict=True))
+            rng.shuffle(drawn)  # which goes first is drawn (no order effect)
+            for kind, prompt in drawn:
                 found = a.match(layout, None, prompt)
                 hits += int(kind == "pos" and found.tokens > 0)
 
@@ -147,8 +149,14 @@ def front_door_probe(url: str, model: str, *, victim: str, attacker: str,
     neg: list[float] = []
     for theirs, fresh in zip(mine, others, strict=True):  # interleaved: the same moments
         question = [rng.randrange(1, vocab) for _ in range(8)]
-        pos.append(complete(prober, theirs + question))
-        neg.append(complete(prober, fresh + question))
+        # Which of the two goes first is drawn: the second of two requests in a row
+        # runs on a warmer engine, an order effect that is no leak.
+        if rng.random() < 0.5:
+            pos.append(complete(prober, theirs + question))
+            neg.append(complete(prober, fresh + question))
+        else:
+            neg.append(complete(prober, fresh + question))
+            pos.append(complete(prober, theirs + question))
     path = "front door, the victim itself (control)" if same_tenant \
         else "front door, engine shared by tenants"
     fast = statistics.median(neg) * 0.5
