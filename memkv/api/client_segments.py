@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable
 
 from memkv.errors import WrongNodeError
@@ -38,6 +39,8 @@ from memkv.shm.staging import CLIENT_STAGE_PREFIX
 __all__ = ["ClientSegments"]
 
 _SHM_DIR = "/dev/shm"
+#: How often mappings of segments that went away are let go (on the next staged block).
+PRUNE_INTERVAL_S = 10.0
 #: Every segment a device (or a staging) of memkv makes is named under this.
 DEVICE_SEGMENT_PREFIX = warm_segment_name("")
 
@@ -45,8 +48,20 @@ DEVICE_SEGMENT_PREFIX = warm_segment_name("")
 class ClientSegments:
     """Read-only mappings of the client staging segments appends name."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._maps = SegmentMaps()
+        self._clock = clock
+        self._pruned_at = clock()
+
+    def __len__(self) -> int:
+        """Segments mapped now."""
+        return len(self._maps)
+
+    def prune(self) -> int:
+        """Let go of the mappings of segments whose client went (the file is gone, or was
+        made again): a mapping would keep a dead engine's 1 GiB of staging alive."""
+        self._pruned_at = self._clock()
+        return self._maps.prune(self._incarnation)
 
     def resolver(self, reservation: str) -> Callable[[str, int, int], memoryview]:
         """How a block staged under ``reservation`` ("": none) is found: in a client's
@@ -74,6 +89,8 @@ class ClientSegments:
         elif not segment.startswith(CLIENT_STAGE_PREFIX) or "/" in segment:
             raise WireError(f"a staged block must name a client staging segment "
                             f"({CLIENT_STAGE_PREFIX}*), got {segment!r:.120}")
+        if self._clock() - self._pruned_at >= PRUNE_INTERVAL_S:
+            self.prune()
         size, incarnation = self._describe(segment)
         if offset + nbytes > size:
             raise WireError(f"staged bytes {offset}+{nbytes} lie outside segment {segment!r} "
@@ -89,6 +106,13 @@ class ClientSegments:
         size, incarnation = self._describe(segment)
         return StagedBlock(key, dtype, shape, segment, size, incarnation, offset, nbytes,
                            node_id, reservation)
+
+    @staticmethod
+    def _incarnation(segment: str) -> str | None:
+        try:
+            return f"{os.stat(os.path.join(_SHM_DIR, segment)).st_ino}"
+        except FileNotFoundError:
+            return None
 
     def _describe(self, segment: str) -> tuple[int, str]:
         try:

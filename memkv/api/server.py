@@ -224,6 +224,8 @@ class GatewayServer:
         if self._staging is not None and not self._thread.is_alive():
             self._staging.close()
             self._staging = None
+        if self._app is not None:
+            self._app.state.gateway.client_segments.close()  # clients' staging, unmapped
 
     def __enter__(self) -> GatewayServer:
         return self
