@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 from memkv.errors import WrongNodeError
+from memkv.periodic import Periodic
 from memkv.protocol.payload import StagedBlock
 from memkv.protocol.wire import WireError
 from memkv.shm.ownership import warm_segment_name
@@ -52,6 +53,8 @@ class ClientSegments:
         self._maps = SegmentMaps()
         self._clock = clock
         self._pruned_at = clock()
+        # An idle gateway lets go too (the last engine's saves may be the last appends).
+        self._pruning = Periodic(self._prune_round, PRUNE_INTERVAL_S, "client segment pruning")
 
     def __len__(self) -> int:
         """Segments mapped now."""
@@ -62,6 +65,10 @@ class ClientSegments:
         made again): a mapping would keep a dead engine's 1 GiB of staging alive."""
         self._pruned_at = self._clock()
         return self._maps.prune(self._incarnation)
+
+    async def _prune_round(self) -> None:
+        if self._clock() - self._pruned_at >= PRUNE_INTERVAL_S:
+            self.prune()
 
     def resolver(self, reservation: str) -> Callable[[str, int, int], memoryview]:
         """How a block staged under ``reservation`` ("": none) is found: in a client's
@@ -96,7 +103,14 @@ class ClientSegments:
             raise WireError(f"staged bytes {offset}+{nbytes} lie outside segment {segment!r} "
                             f"of {size} bytes")
         view = self._maps.view(segment, size, incarnation)
+        self._start_pruning()
         return view[offset : offset + nbytes].data
+
+    def _start_pruning(self) -> None:
+        try:
+            self._pruning.ensure_running()
+        except RuntimeError:
+            pass  # no event loop in this thread: pruned on the next blocks instead
 
     def staged_block(self, key: bytes, dtype: str, shape: tuple[int, ...], segment: str,
                      offset: int, nbytes: int, node_id: str,
@@ -124,4 +138,5 @@ class ClientSegments:
         return stat.st_size, f"{stat.st_ino}"
 
     def close(self) -> None:
+        self._pruning.cancel()
         self._maps.close()

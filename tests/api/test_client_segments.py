@@ -31,3 +31,27 @@ def test_a_gone_clients_segment_is_let_go_of():
     finally:
         staying.close()
         segments.close()
+
+
+def test_an_idle_gateway_lets_go_too(monkeypatch):
+    """No block staged after the client went: the gateway's own rounds let go of it."""
+    import asyncio
+
+    from memkv.api import client_segments as module
+
+    async def scenario() -> int:
+        segments = ClientSegments()
+        staging = client_staging(1 << 20)
+        assert staging is not None
+        segments.resolve(staging.segment, 0, 16)  # starts the rounds (a loop runs here)
+        staging.close()
+        for _ in range(100):
+            if len(segments) == 0:
+                break
+            await asyncio.sleep(0.02)
+        left = len(segments)
+        segments.close()
+        return left
+
+    monkeypatch.setattr(module, "PRUNE_INTERVAL_S", 0.01)
+    assert asyncio.run(scenario()) == 0
