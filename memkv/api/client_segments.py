@@ -64,7 +64,7 @@ class ClientSegments:
         """Let go of the mappings of segments whose client went (the file is gone, or was
         made again): a mapping would keep a dead engine's 1 GiB of staging alive."""
         self._pruned_at = self._clock()
-        return self._maps.prune(self._incarnation)
+        return self._maps.prune(lambda name, incarnation: self._incarnation(name) == incarnation)
 
     async def _prune_round(self) -> None:
         if self._clock() - self._pruned_at >= PRUNE_INTERVAL_S:

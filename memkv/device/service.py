@@ -168,7 +168,7 @@ class DeviceService:
         # and, after a while without puts, the pages of free extents given back.
         self._last_put = clock()
         self._clock = clock
-        self.sweeper = OrphanSweeper(also=self._release_idle_memory).start()
+        self.sweeper = OrphanSweeper(also=self._after_sweep).start()
         self.node_id = node_id
         self._staging_maps = SegmentMaps()  # gateways' staging segments (memkv.shm.staging)
         self._streams: PriorityStreams | None = None  # unified memory only
@@ -555,6 +555,12 @@ class DeviceService:
             tier = self.pool.locate(BlockHash(bytes(k)))
             out.append(tier.value if tier is not None else None)
         return out
+
+    def _after_sweep(self) -> None:
+        # Staging segments whose writer went (unlinked by it or by a sweeper): a mapping
+        # kept here would keep their pages (an engine's 1 GiB) alive for the device's life.
+        self._staging_maps.prune_unlinked()
+        self._release_idle_memory()
 
     def _release_idle_memory(self) -> int:
         """Free extents' pages back to the kernel, once no put came for IDLE_RELEASE_S."""

@@ -112,18 +112,22 @@ class SegmentMaps:
             self._maps[segment] = (incarnation, mapped, array)
             return array
 
-    def prune(self, current: Callable[[str], str | None]) -> int:
-        """Let go of the mappings of segments that are gone or were made again:
-        ``current(segment)`` is the incarnation there now (None: none). A mapping keeps
-        its pages alive after the file is unlinked (a client's 1 GiB staging outliving
-        the engine that made it), so an owner that maps segments of other processes
-        calls this now and then. Returns how many it let go."""
+    def prune(self, keep: Callable[[str, str], bool]) -> int:
+        """Let go of the mappings ``keep(segment, incarnation)`` says are stale (the
+        segment was unlinked, or made again). A mapping keeps its pages alive after the
+        file is unlinked (a client's 1 GiB of staging outliving the engine that made
+        it), so an owner that maps other processes' segments calls this now and then.
+        Returns how many it let go."""
         with self._lock:
             stale = [name for name, (incarnation, _, _) in self._maps.items()
-                     if current(name) != incarnation]
+                     if not keep(name, incarnation)]
             for name in stale:
                 del self._maps[name]  # closed once no array views it
             return len(stale)
+
+    def prune_unlinked(self) -> int:
+        """:meth:`prune` of the segments no longer in ``/dev/shm``."""
+        return self.prune(lambda name, _: os.path.exists(os.path.join(_SHM_DIR, name)))
 
     def __len__(self) -> int:
         return len(self._maps)

@@ -66,3 +66,22 @@ def test_the_thread_sweeps_every_interval_and_stops():
 def test_a_bad_interval_is_refused():
     with pytest.raises(ValueError, match="interval_s"):
         OrphanSweeper(interval_s=0)
+
+
+def test_mappings_of_unlinked_segments_are_let_go_of():
+    """A process that maps others' staging (a device copying staged blocks) lets go of a
+    segment once it is unlinked: its mapping would keep the pages alive."""
+    from memkv.shm.same_node import SegmentMaps
+    from memkv.shm.staging import client_staging
+
+    maps = SegmentMaps()
+    gone, staying = client_staging(1 << 20), client_staging(1 << 20)
+    assert gone is not None and staying is not None
+    try:
+        for staging in (gone, staying):
+            maps.view(staging.segment, 1 << 20, "incarnation")
+        gone.close()
+        assert maps.prune_unlinked() == 1 and len(maps) == 1
+    finally:
+        staying.close()
+        maps.close()
