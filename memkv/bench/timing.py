@@ -39,7 +39,9 @@ __all__ = ["run"]
 #: Prompts long enough, on a model heavy enough (the fleet's: 8 layers, 32 KiB of KV per
 #: token), that a hit is far cheaper than computing: the control must see its hits (on
 #: the quick 2-layer model a 384-token prompt computed faster than it loaded).
-FULL = {"gateway_pairs": 100, "front_door_pairs": 32, "prompt_tokens": 768}
+#: 128 front-door pairs: with no leak the AUC's standard error is ~0.036 (0.07 at 32, too
+#: coarse to hold against a 0.55 goal).
+FULL = {"gateway_pairs": 100, "front_door_pairs": 128, "prompt_tokens": 768}
 QUICK = {"gateway_pairs": 10, "front_door_pairs": 8, "prompt_tokens": 512}
 LAYOUT = KVLayout("timing-probe", 2, 2, 8, block_tokens=4)
 PUBLIC = "shared-prompts"
