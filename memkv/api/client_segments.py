@@ -122,19 +122,22 @@ class ClientSegments:
                            node_id, reservation)
 
     @staticmethod
-    def _incarnation(segment: str) -> str | None:
+    def _stat(segment: str) -> os.stat_result | None:
         try:
-            return f"{os.stat(os.path.join(_SHM_DIR, segment)).st_ino}"
+            return os.stat(os.path.join(_SHM_DIR, segment))
         except FileNotFoundError:
             return None
 
-    def _describe(self, segment: str) -> tuple[int, str]:
-        try:
-            stat = os.stat(os.path.join(_SHM_DIR, segment))
-        except FileNotFoundError:
-            raise WrongNodeError(f"staging segment {segment!r} is not on this gateway's host: "
-                                 "send the blocks' bytes") from None
+    def _incarnation(self, segment: str) -> str | None:
         # The inode tells a segment created again under the same name from the one mapped.
+        stat = self._stat(segment)
+        return None if stat is None else f"{stat.st_ino}"
+
+    def _describe(self, segment: str) -> tuple[int, str]:
+        stat = self._stat(segment)
+        if stat is None:
+            raise WrongNodeError(f"staging segment {segment!r} is not on this gateway's host: "
+                                 "send the blocks' bytes")
         return stat.st_size, f"{stat.st_ino}"
 
     def close(self) -> None:
