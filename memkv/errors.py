@@ -21,6 +21,7 @@ Every error memkv raises on purpose is a :class:`MemkvError`. Expected outcomes
     │   └── UnknownSessionError             no session with that id
     ├── CorruptDataError                    checksum/magic/format check failed
     ├── CapacityError                       cannot make room (everything pinned, too big)
+    │   └── StorageFullError                a disk or its budget is full (an archive)
     ├── BlockLostError                      a block is gone from every tier
     ├── LeaseExpiredError                   a read plan's lease ran out before it was released
     ├── InvariantViolationError             debug mode found broken bookkeeping (a bug)
@@ -53,6 +54,7 @@ __all__ = [
     "NotFoundError",
     "PrecisionOverflowError",
     "PrefixNotStoredError",
+    "StorageFullError",
     "UnauthorizedError",
     "UnknownBlockError",
     "UnknownSessionError",
@@ -139,6 +141,14 @@ class CorruptDataError(MemkvError):
 
 class CapacityError(MemkvError):
     """No room can be made: the data is larger than the tier, or everything is pinned."""
+
+
+class StorageFullError(CapacityError):
+    """A disk, or the budget set for it, is full: an archive cannot take a write.
+
+    Another archive takes the copy where one can; a client sees it (HTTP 507)
+    only when none can. What was stored before stays stored.
+    """
 
 
 class BlockLostError(MemkvError):

@@ -24,6 +24,7 @@ from memkv.config import (
 )
 from memkv.errors import ConfigError
 from memkv.storage.config import MIB, UNIT_PROFILES, ArchiveConfig
+from memkv.storage.owned_dir import resolve_on_node
 from memkv.storage.precision import PrecisionPolicy, StoredPrecision
 from memkv.store import TieredStore
 
@@ -59,7 +60,7 @@ def test_defaults_load_and_equal_the_model_defaults() -> None:
     assert cfg.device.hot_capacity_bytes == cfg.device.warm_capacity_bytes == "auto"
     assert cfg.device.allocator.min_unit_bytes == 4 * MIB
     assert cfg.gateway.port == 8080
-    assert cfg.archive.directory == Path("~/.cache/memkv/archive")
+    assert cfg.archive.directory == Path("$MEMKV_DATA_DIR/archive")
 
 
 def test_root_config_is_the_packaged_config() -> None:
@@ -221,10 +222,17 @@ def test_env_beats_profile_and_overrides_beat_env() -> None:
     assert cfg.device.hot_capacity_bytes == 5 * GIB
 
 
-def test_data_dir_env(tmp_path: Path) -> None:
-    cfg = load_config(environ={"MEMKV_DATA_DIR": str(tmp_path)})
-    assert cfg.archive.directory == tmp_path / "archive"
-    # The specific variable wins over the general one.
+def test_data_dir_is_resolved_where_the_archive_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The loading process's $MEMKV_DATA_DIR is not baked into the config: every node's
+    # archive resolves it from its own environment (a head's path on every host put
+    # all archives under the head's disk).
+    cfg = load_config(environ={"MEMKV_DATA_DIR": "/head/only"})
+    assert cfg.archive.directory == Path("$MEMKV_DATA_DIR/archive")
+    monkeypatch.setenv("MEMKV_DATA_DIR", str(tmp_path))
+    assert resolve_on_node(cfg.archive.archive_config().directory) == tmp_path / "archive"
+    # An explicit directory is taken as written.
     env = {"MEMKV_DATA_DIR": str(tmp_path), "MEMKV_ARCHIVE__DIRECTORY": str(tmp_path / "x")}
     assert load_config(environ=env).archive.directory == tmp_path / "x"
 
@@ -398,7 +406,8 @@ def test_resolve_device() -> None:
         auto.resolve_device(-1)
 
 
-def test_store_config_wiring(tmp_path: Path) -> None:
+def test_store_config_wiring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEMKV_DATA_DIR", str(tmp_path))
     cfg = load_config(
         profile="edge",
         environ={"MEMKV_DATA_DIR": str(tmp_path), "MEMKV_ARCHIVE__CAPACITY_BYTES": str(GIB)},
@@ -409,7 +418,7 @@ def test_store_config_wiring(tmp_path: Path) -> None:
     assert store.allocator.min_unit_bytes == MIB
     assert store.cold_capacity_bytes == GIB
     assert store.prefetch == cfg.device.prefetch
-    assert store.archive.directory == tmp_path / "archive" / "device-0"
+    assert resolve_on_node(store.archive.directory) == tmp_path / "archive" / "device-0"
     assert store.archive.segment_max_bytes == cfg.archive.segment_max_bytes == 64 * MIB
     with pytest.raises(ConfigError, match="concrete device"):
         cfg.store_config(device="auto")
@@ -423,15 +432,17 @@ def test_archive_subdir_must_be_one_component(subdir: str) -> None:
 
 def test_archive_defaults_follow_the_storage_engine() -> None:
     built = ArchiveSettings().archive_config()
-    assert built.directory == Path("~/.cache/memkv/archive").expanduser()
+    assert built.directory == Path("$MEMKV_DATA_DIR/archive")
     reference = ArchiveConfig(directory=built.directory)
     assert built == reference
 
 
-def test_a_store_opens_from_a_loaded_config(tmp_path: Path) -> None:
+def test_a_store_opens_from_a_loaded_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MEMKV_DATA_DIR", str(tmp_path))  # the opening process's own
     cfg = load_config(
         profile="edge",
-        environ={"MEMKV_DATA_DIR": str(tmp_path)},
         overrides={"device": {"hot_capacity_bytes": 4 * MIB, "warm_capacity_bytes": 4 * MIB}},
     )
     with TieredStore(cfg.store_config(device="cpu", archive_subdir="dev0")) as store:

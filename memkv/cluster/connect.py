@@ -34,6 +34,7 @@ from memkv.cluster.memkv_cluster import MemkvCluster
 from memkv.config import MemkvConfig, load_config
 from memkv.errors import ConfigError
 from memkv.protocol.shards import shard_name
+from memkv.storage.owned_dir import resolve_on_node
 
 logger = logging.getLogger(__name__)
 
@@ -298,10 +299,11 @@ def check_archive_journals(archives: dict[str, ActorHandle], router_name: str,
 def router_journal_dir(cfg: MemkvConfig, shard: int = 0, shards: int = 1) -> Path:
     """Where a router shard keeps its journal: under ``router.journal_dir``, else beside
     the archive; one shard uses the directory itself, N shards ``shard-<i>-of-<N>``."""
+    # As written: the router resolves "~" and $VARS on its own node.
     base = (
-        cfg.router.journal_dir.expanduser()
+        cfg.router.journal_dir
         if cfg.router.journal_dir is not None
-        else cfg.archive.directory.expanduser() / "router"
+        else cfg.archive.directory / "router"
     )
     return base if shards == 1 else base / f"shard-{shard}-of-{shards}"
 
@@ -315,6 +317,10 @@ def check_journal_layout(base: Path, shards: int) -> None:
     Raises:
         ConfigError: naming the journals found and the count they were written with.
     """
+    try:
+        base = resolve_on_node(base)  # this node's view (where the router usually starts)
+    except ConfigError:
+        return  # a path only the router's node can resolve: its journal checks itself
     if not base.is_dir():
         return
     found = {1} if any(p.is_file() for p in base.iterdir()) else set()

@@ -16,12 +16,16 @@ Where values come from, lowest precedence first:
    are always available; a profile of the same name in your own file replaces
    the packaged one. The name comes from the ``profile`` argument, else
    ``$MEMKV_PROFILE``, else the file's ``profile:`` key, else ``default``;
-4. the environment: ``$MEMKV_DATA_DIR`` (root of local data; the archive goes
-   to ``$MEMKV_DATA_DIR/archive``), then ``MEMKV_<SECTION>__<FIELD>[__<FIELD>…]``
+4. the environment: ``MEMKV_<SECTION>__<FIELD>[__<FIELD>…]``
    variables, e.g. ``MEMKV_GATEWAY__PORT=9000`` or
    ``MEMKV_DEVICE__ALLOCATOR__MIN_UNIT_BYTES=8388608``; values are parsed as
    YAML scalars, as in the file (``null`` for None);
 5. the ``overrides`` argument (explicit arguments beat the environment).
+
+``$MEMKV_DATA_DIR`` (a node's root of local data, ``~/.cache/memkv`` where
+unset) is not read when loading: paths written with it (the default
+``archive.directory`` is ``$MEMKV_DATA_DIR/archive``) are resolved on the node
+that opens them, so each host's archive writes where its own host says.
 
 Unknown keys anywhere raise :class:`~memkv.errors.ConfigError` naming the key
 path, where it came from and the valid keys; so does every value pydantic

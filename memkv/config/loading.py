@@ -15,7 +15,6 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from memkv.config.schema import (
-    _ARCHIVE_SUBDIR,
     _PROFILE_NAME_RE,
     DEFAULT_DATA_DIR,
     DEFAULT_PROFILE,
@@ -23,13 +22,15 @@ from memkv.config.schema import (
     _format_errors,
 )
 from memkv.errors import ConfigError
+from memkv.storage import owned_dir
 
 #: Environment variables of the form MEMKV_<SECTION>__<FIELD> override fields.
 ENV_PREFIX: Final = "MEMKV_"
 # Double underscore separates nesting levels: field names themselves contain "_".
 _ENV_NESTING: Final = "__"
-#: Root of local data (the archive lives in its ``archive`` subdirectory).
-DATA_DIR_ENV: Final = "MEMKV_DATA_DIR"
+#: Root of a node's local data (the archive lives in its ``archive`` subdirectory),
+#: read on the node that uses it.
+DATA_DIR_ENV: Final = owned_dir.DATA_DIR_ENV
 #: Picks the profile when ``load_config`` gets none.
 PROFILE_ENV: Final = "MEMKV_PROFILE"
 
@@ -215,11 +216,8 @@ def _check_model_keys(value: Any, annotation: Any, where: str, source: str) -> N
 def _env_layers(env: Mapping[str, str]) -> list[tuple[dict[str, Any], str]]:
     """Overrides from the environment, as (partial config, source) in merge order."""
     layers: list[tuple[dict[str, Any], str]] = []
-    data_dir = env.get(DATA_DIR_ENV)
-    if data_dir:
-        layers.append(
-            ({"archive": {"directory": str(Path(data_dir) / _ARCHIVE_SUBDIR)}}, DATA_DIR_ENV)
-        )
+    # ($MEMKV_DATA_DIR is not read here: paths under it are resolved on the node that
+    # uses them, from that node's environment; see memkv.storage.owned_dir.)
     # Sorted so that the merge (and any error) does not depend on the environment's order.
     for var in sorted(env):
         if not var.startswith(ENV_PREFIX) or _ENV_NESTING not in var:

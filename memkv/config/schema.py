@@ -17,6 +17,7 @@ from memkv.config.gateway import (
     GatewaySettings,
 )
 from memkv.errors import ConfigError
+from memkv.storage import owned_dir
 from memkv.storage.codecs import CodecPolicy
 from memkv.storage.config import (
     MIB,
@@ -26,9 +27,13 @@ from memkv.storage.config import (
 )
 from memkv.storage.sizing import AutoCapacity, MemoryProbe, TierSizes, size_tiers
 
-#: Where local data goes by default; ``~`` is expanded when a path is used, not
-#: when the config is loaded, so one config serves every node's user.
-DEFAULT_DATA_DIR: Final = Path("~/.cache/memkv")
+#: Where local data goes where ``$MEMKV_DATA_DIR`` is not set; ``~`` is expanded
+#: when a path is used, not when the config is loaded, so one config serves every
+#: node's user.
+DEFAULT_DATA_DIR: Final = Path(owned_dir.DEFAULT_DATA_DIR)
+#: The archive's default directory, resolved on the node that opens it
+#: (:func:`memkv.storage.owned_dir.resolve_on_node`): each node's own data root.
+NODE_ARCHIVE_DIR: Final = Path(f"${owned_dir.DATA_DIR_ENV}") / "archive"
 
 # Ray refuses an object store smaller than this
 # (ray._private.ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES); not imported
@@ -225,9 +230,10 @@ class ArchiveSettings(Frozen):
     """
 
     directory: Path = Field(
-        default=DEFAULT_DATA_DIR / _ARCHIVE_SUBDIR,
-        description="Directory of the segment files, created if missing; '~' is expanded "
-        "on the node that uses it. $MEMKV_DATA_DIR/archive replaces it in load_config.",
+        default=NODE_ARCHIVE_DIR,
+        description="Directory of the segment files, created if missing. '~' and $VARS are "
+        "expanded on the node that opens it, from that node's environment; "
+        "$MEMKV_DATA_DIR is ~/.cache/memkv where a node does not set it.",
     )
     capacity_bytes: int | None = Field(
         default=None, gt=0, description="Cold tier bytes on disk; None = limited by the disk."
@@ -283,13 +289,14 @@ class ArchiveSettings(Frozen):
                 name, so two actors never share segment files), or None.
 
         Returns:
-            A validated, frozen ArchiveConfig with ``~`` expanded.
+            A validated, frozen ArchiveConfig; its directory is still as written
+            (``~`` and ``$VARS`` are expanded on the node that opens it).
 
         Raises:
             ConfigError: ``subdir`` is empty, absolute, or not a single plain
                 path component.
         """
-        directory = self.directory.expanduser()
+        directory = self.directory
         if subdir is not None:
             parts = PurePath(subdir).parts
             if len(parts) != 1 or parts[0] in (".", "..") or PurePath(subdir).is_absolute():

@@ -1,9 +1,12 @@
 """A directory one process owns on its node: resolved there, and locked while in use.
 
 Two things go wrong with a data directory on many nodes. A path written once in
-a config (``/mnt/nvme/$MEMKV_NODE/archive``) must be resolved where it is used,
-not where the config was read: :func:`resolve_on_node` expands ``~`` and
-``$VARS`` in the using process and refuses a variable it does not have. And two
+a config (``$MEMKV_DATA_DIR/archive``, ``/mnt/nvme/$MEMKV_NODE_ID/archive``) must be
+resolved where it is used, not where the config was read (a path resolved on
+the head put every node's archive under the head's data directory):
+:func:`resolve_on_node` expands ``~`` and ``$VARS`` in the using process and
+refuses a variable it does not have, except ``$MEMKV_DATA_DIR``, the node's
+data root, which is ``~/.cache/memkv`` where a node does not set it. And two
 processes must never write one directory (two archives on nodes that share a
 disk, a second deployment started over the first): :class:`DirectoryLock` holds
 an ``flock`` on ``<dir>/LOCK`` for the owner's life. The kernel drops it when
@@ -22,7 +25,12 @@ from pathlib import Path
 
 from memkv.errors import ConfigError, ConflictError
 
-__all__ = ["LOCK_NAME", "DirectoryLock", "resolve_on_node"]
+__all__ = ["DATA_DIR_ENV", "DEFAULT_DATA_DIR", "LOCK_NAME", "DirectoryLock", "resolve_on_node"]
+
+#: The root of a node's local data, read on the node that uses it.
+DATA_DIR_ENV = "MEMKV_DATA_DIR"
+#: ``$MEMKV_DATA_DIR`` where a node does not set it.
+DEFAULT_DATA_DIR = "~/.cache/memkv"
 
 LOCK_NAME = "LOCK"
 #: How long an owner waits for the lock: a predecessor Ray is replacing may take
@@ -30,16 +38,22 @@ LOCK_NAME = "LOCK"
 LOCK_WAIT_S = 10.0
 _LOCK_POLL_S = 0.1
 _UNRESOLVED_RE = re.compile(r"\$(\w+|\{[^}]*\})")
+_DATA_DIR_RE = re.compile(r"\$(?:\{MEMKV_DATA_DIR\}|MEMKV_DATA_DIR(?!\w))")
 
 
 def resolve_on_node(path: str | os.PathLike[str]) -> Path:
-    """``path`` with ``~`` and ``$VARS`` expanded from this process's environment.
+    """``path`` with ``~`` and ``$VARS`` expanded from this process's environment
+    (``$MEMKV_DATA_DIR`` is ``~/.cache/memkv`` where it is not set).
 
     Raises:
         ConfigError: a variable is not set here (naming it and this host), so a
             node without it does not write to a literal ``$VAR`` directory.
     """
-    text = os.path.expandvars(os.path.expanduser(os.fspath(path)))
+    text = os.fspath(path)
+    if not os.environ.get(DATA_DIR_ENV):
+        text = _DATA_DIR_RE.sub(lambda _: DEFAULT_DATA_DIR, text)
+    # Variables first, then "~": a variable's value may start with one.
+    text = os.path.expanduser(os.path.expandvars(os.path.expanduser(text)))
     missing = _UNRESOLVED_RE.search(text)
     if missing is not None:
         raise ConfigError(

@@ -29,6 +29,21 @@ def test_a_variable_this_node_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) 
         resolve_on_node("/data/$MEMKV_TEST_UNSET/archive")
 
 
+def test_the_data_root_is_this_nodes_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default archive directory names $MEMKV_DATA_DIR: each node's archive writes
+    # under its own host's value, or the per-user default where the host sets none.
+    monkeypatch.setenv("MEMKV_DATA_DIR", "/mnt/nvme0/memkv")
+    assert resolve_on_node("$MEMKV_DATA_DIR/archive") == Path("/mnt/nvme0/memkv/archive")
+    monkeypatch.setenv("MEMKV_DATA_DIR", "~/elsewhere")
+    assert resolve_on_node("${MEMKV_DATA_DIR}/archive") == Path.home() / "elsewhere/archive"
+    monkeypatch.delenv("MEMKV_DATA_DIR")
+    assert resolve_on_node("$MEMKV_DATA_DIR/archive") == Path.home() / ".cache/memkv/archive"
+    # Only that variable has a default: a longer name is still refused when unset.
+    monkeypatch.delenv("MEMKV_DATA_DIRS", raising=False)
+    with pytest.raises(ConfigError, match=r"\$MEMKV_DATA_DIRS"):
+        resolve_on_node("$MEMKV_DATA_DIRS/archive")
+
+
 def test_a_second_store_on_one_directory_is_refused_and_the_first_keeps_working(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
