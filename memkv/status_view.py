@@ -100,12 +100,18 @@ def _device_counters(devices: dict[str, DeviceStats]) -> Table:
 
 def _archives(archives: dict[str, ArchiveStats]) -> Table:
     table = Table(title="archives (cold tier)", title_justify="left")
-    for column in ("archive", "blocks", "live", "dead", "on disk", "corrupt"):
-        table.add_column(column, justify="left" if column == "archive" else "right")
+    for column in ("archive", "host", "blocks", "live", "dead", "on disk", "room", "refused",
+                   "corrupt"):
+        table.add_column(column, justify="left" if column in ("archive", "host") else "right")
     for name, a in sorted(archives.items()):
+        room = a.room_bytes
         table.add_row(
-            name, str(a.blocks), human_bytes(a.live_bytes), human_bytes(a.dead_bytes),
-            human_bytes(a.bytes_on_disk), str(a.corrupt_records),
+            name, a.host or "?", str(a.blocks), human_bytes(a.live_bytes),
+            human_bytes(a.dead_bytes), human_bytes(a.bytes_on_disk),
+            "?" if room is None else human_bytes(room),
+            # Refusals say the disk filled: the copies went elsewhere.
+            f"[red]{a.refused_writes}[/red]" if a.refused_writes else "0",
+            str(a.corrupt_records),
         )
     return table
 

@@ -47,6 +47,7 @@ class DeviceCache(DeviceService):
             preference order (:func:`replica_order`; ``archive`` first); empty:
             ``archive`` alone.
         archive_replicas: copies of each cold block, on that many archives.
+        replica_timeout_s: how long a cold write waits for each copy (None: for all).
         namespace: the deployment's Ray namespace (None: the caller's job's).
             Passed, not read from the runtime context: an actor runs in the
             namespace of the job that created it, which need not be the one
@@ -66,6 +67,7 @@ class DeviceCache(DeviceService):
         namespace: str | None = None,
         archives: Sequence[str] = (),
         archive_replicas: int = 1,
+        replica_timeout_s: float | None = None,
     ) -> None:
         if ray.is_initialized():
             export_node_id()  # warm-tier paths may name $MEMKV_NODE_ID
@@ -82,7 +84,8 @@ class DeviceCache(DeviceService):
             members = [("archive", archive)]
 
         def cold_tier(codecs: CodecConfig) -> ArchiveReplicas:
-            return ArchiveReplicas(members, codecs, replicas=archive_replicas)
+            return ArchiveReplicas(members, codecs, replicas=archive_replicas,
+                                   replica_timeout_s=replica_timeout_s)
 
         sizes = None
         if isinstance(store_config, DeviceSettings):

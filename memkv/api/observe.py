@@ -244,6 +244,14 @@ class _Snapshot:
             "dead_bytes": "Bytes of dead records awaiting compaction.",
             "bytes_on_disk": "Bytes of the archive's segment files.",
             "corrupt_records": "Records that failed their checksum (never served).",
+            "refused_writes": "Writes refused for want of room (disk full or "
+            "archive.capacity_bytes reached; the copy went to another archive).",
+            # Disk pressure: alert on room_bytes, not on the disk's own free space
+            # (a budget can run out first).
+            "room_bytes": "Bytes the archive can still take: the smaller of its disk's "
+            "free bytes and what is left of archive.capacity_bytes.",
+            "disk_free_bytes": "Free bytes of the disk the archive writes to.",
+            "capacity_bytes": "archive.capacity_bytes (absent: limited by the disk).",
         }
         families = {
             k: GaugeMetricFamily(f"memkv_archive_{k}", doc, labels=["archive"])
@@ -251,7 +259,9 @@ class _Snapshot:
         }
         for archive, st in sorted(archives.items()):
             for k, family in families.items():
-                family.add_metric([archive], getattr(st, k))
+                value = getattr(st, k)
+                if value is not None:  # unknown, or no budget: no sample
+                    family.add_metric([archive], value)
         yield from families.values()
 
 

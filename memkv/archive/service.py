@@ -9,28 +9,39 @@ Blocks are deleted only when the router says no session anywhere holds them.
 
 On a restart (Ray restarts the actor) the segment store rebuilds its index
 from the files on disk, so everything that was archived is served again.
+
+A full disk, or ``capacity_bytes`` reached, refuses a write with
+:class:`~memkv.errors.StorageFullError` and keeps everything stored: the device
+writing the copy takes another archive (:mod:`memkv.actors.cold_replicas`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import threading
 import uuid
 from collections.abc import Sequence
 
+from memkv.archive.identity import claim_directory
 from memkv.archive.journal_replica import JOURNALS_DIR, JournalReplica, check_journal_name
-from memkv.errors import CorruptDataError, InvalidInputError, UnknownBlockError
+from memkv.errors import CorruptDataError, InvalidInputError, StorageFullError, UnknownBlockError
 from memkv.protocol.hashing import HASH_BYTES
 from memkv.protocol.stats import ArchiveStats
 from memkv.storage.codecs import verify_frame
 from memkv.storage.codecs.frame import CODEC_NAMES
 from memkv.storage.config import ArchiveConfig
+from memkv.storage.owned_dir import resolve_on_node
 from memkv.storage.segments import CompactionStats, SegmentStore
 
 __all__ = ["ArchiveService"]
 
 logger = logging.getLogger(__name__)
+
+#: A write failing with one of these means the disk (or the user's quota on it) is full.
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class ArchiveService:
@@ -40,15 +51,31 @@ class ArchiveService:
         config: the segment directory and fsync/compaction settings.
         compact_interval_s: run compaction in a background thread this often
             (None: only when :meth:`compact` is called).
+        capacity_bytes: the most its segment files may hold on disk (None: the
+            disk's size); a write past it is refused like one on a full disk.
+
+    Raises:
+        ConfigError: the directory belongs to another host's archive
+            (:mod:`memkv.archive.identity`).
     """
 
-    def __init__(self, config: ArchiveConfig, *, compact_interval_s: float | None = None) -> None:
+    def __init__(
+        self,
+        config: ArchiveConfig,
+        *,
+        compact_interval_s: float | None = None,
+        capacity_bytes: int | None = None,
+    ) -> None:
         self.incarnation = uuid.uuid4().hex
         self.node_id = os.environ.get("MEMKV_NODE_ID", "local")
         self._config = config
+        self.capacity_bytes = capacity_bytes
         self._journals: dict[str, JournalReplica] = {}
         self._journals_lock = threading.RLock()  # opening one, and its writes
         self.corrupt_reads = 0  # damaged frames a replica was asked for instead
+        self.refused_writes = 0  # put_frames calls refused for want of room
+        # Whose directory this is, before a byte of it is read as ours.
+        self.identity = claim_directory(resolve_on_node(config.directory))
         self._segments = SegmentStore(config)
         self._stop = threading.Event()
         self._compactor: threading.Thread | None = None
@@ -79,18 +106,44 @@ class ArchiveService:
         Raises:
             InvalidInputError: a key is not a 16-byte block hash.
             CorruptDataError: a frame fails its own checksum (never stored).
+            StorageFullError: the disk or ``capacity_bytes`` is full. The frames
+                before the one refused are stored (content-addressed: a retry
+                elsewhere, or here, is harmless).
         """
         written = 0
-        for key, frame, fingerprint in items:
-            _check_key(key)
-            if key in self._segments:
-                continue
-            header = verify_frame(frame)  # a frame damaged on the way is never kept
-            self._segments.put(key, frame, fingerprint=fingerprint, codec_id=header.codec_id)
-            written += 1
-        if durable:
-            self._segments.flush()
+        used = None if self.capacity_bytes is None else self._segments.stats().bytes_on_disk
+        try:
+            for key, frame, fingerprint in items:
+                _check_key(key)
+                if key in self._segments:
+                    continue
+                header = verify_frame(frame)  # a frame damaged on the way is never kept
+                if used is not None:
+                    used += len(frame)
+                    self._check_budget(used)
+                self._segments.put(key, frame, fingerprint=fingerprint, codec_id=header.codec_id)
+                written += 1
+            if durable:
+                self._segments.flush()
+        except OSError as e:
+            if e.errno not in _DISK_FULL:
+                raise
+            self.refused_writes += 1
+            raise StorageFullError(
+                f"archive on node {self.node_id} cannot write: its disk is full "
+                f"({os.strerror(e.errno)}; {written} of {len(items)} frames written)"
+            ) from None
         return written
+
+    def _check_budget(self, used: int) -> None:
+        assert self.capacity_bytes is not None
+        if used > self.capacity_bytes:
+            self.refused_writes += 1
+            raise StorageFullError(
+                f"archive on node {self.node_id} is full: {used} bytes would exceed its "
+                f"archive.capacity_bytes of {self.capacity_bytes} (compaction reclaims "
+                f"the blocks no session holds)"
+            )
 
     def codecs(self, keys: Sequence[bytes], missing_ok: bool = False) -> list[str | None]:
         """The codec of each stored frame, from the index.
@@ -168,6 +221,11 @@ class ArchiveService:
             bytes_on_disk=s.bytes_on_disk,
             segments=s.segments,
             corrupt_records=s.corrupt_records,
+            capacity_bytes=self.capacity_bytes,
+            disk_free_bytes=shutil.disk_usage(self._segments.directory).free,
+            refused_writes=self.refused_writes,
+            archive_id=self.identity.archive_id,
+            host=self.identity.host,
         )
 
     # -- router journals (:mod:`memkv.archive.journal_replica`) --------------------------

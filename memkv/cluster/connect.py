@@ -170,6 +170,7 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
         ).remote(
             cfg.archive.archive_config(),
             compact_interval_s=cfg.archive.compact_interval_s,
+            capacity_bytes=cfg.archive.capacity_bytes,
         )
         archives[name] = handle
         archive_by_node[node_id] = name
@@ -219,6 +220,7 @@ def _bring_up(cfg: MemkvConfig, *, detached: bool, started_ray: bool) -> MemkvCl
                     spread=len(devices),
                 ),
                 archive_replicas=replicas,
+                replica_timeout_s=cfg.archive.replica_timeout_s,
             )
             devices[name] = handle
     if not devices:

@@ -271,7 +271,8 @@ class ArchiveSettings(Frozen):
         default=2,
         ge=1,
         description="Copies of each cold block, on archives of distinct nodes (one archive per "
-        "node); an archive-mode append is acknowledged once every copy is fsynced. Capped by "
+        "node); an archive-mode append is acknowledged once every copy is fsynced (or those "
+        "that were within replica_timeout_s). Capped by "
         "the archives there are: one archive node keeps one copy.",
     )
     repair_interval_s: float = Field(
@@ -279,6 +280,16 @@ class ArchiveSettings(Frozen):
         gt=0,
         description="Seconds between the router's passes that copy blocks held by fewer "
         "than `replicas` live archives (after an archive's node is lost).",
+    )
+    replica_timeout_s: float | None = Field(
+        default=5.0,
+        gt=0,
+        description="How long a cold write waits for each copy: an archive that has not "
+        "answered by then (a slow or cut-off host) is passed over, the next archive takes "
+        "the copy or the write is answered with the copies it has (the repair adds the "
+        "rest), so one slow host does not stall every session's writes. With no copy in "
+        "time the write waits for the first. null = wait for every copy (an archive-mode "
+        "append then has `replicas` fsynced copies when answered, however long that takes).",
     )
 
     def archive_config(self, subdir: str | None = None) -> ArchiveConfig:

@@ -110,6 +110,25 @@ class ArchiveStats(msgspec.Struct, frozen=True, kw_only=True):
     bytes_on_disk: int
     corrupt_records: int = 0
     segments: int = 0
+    #: archive.capacity_bytes (None: the disk's size).
+    capacity_bytes: int | None = None
+    #: Free bytes of the disk the archive's directory is on.
+    disk_free_bytes: int | None = None
+    #: Writes refused for want of room (a full disk or capacity_bytes reached).
+    refused_writes: int = 0
+    #: The directory's owner (memkv.archive.identity): stable across restarts.
+    archive_id: str = ""
+    host: str = ""
+
+    @property
+    def room_bytes(self) -> int | None:
+        """Bytes it can still take: the smaller of the disk's free bytes and what is left
+        of its budget (None: unknown)."""
+        left = [v for v in (self.disk_free_bytes,
+                            None if self.capacity_bytes is None
+                            else max(0, self.capacity_bytes - self.bytes_on_disk))
+                if v is not None]
+        return min(left) if left else None
 
 
 class TenantUse(msgspec.Struct, frozen=True, kw_only=True):

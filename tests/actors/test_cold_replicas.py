@@ -19,7 +19,7 @@ from ray.exceptions import ActorUnschedulableError
 
 from memkv.actors.cold_replicas import ArchiveReplicas, replica_order
 from memkv.archive.service import ArchiveService
-from memkv.errors import MemberLostError, UnknownBlockError
+from memkv.errors import MemberLostError, StorageFullError, UnknownBlockError
 from memkv.router.collector import Collector
 from memkv.router.peers import ShardPeers
 from memkv.router.repair import ReplicaRepair
@@ -55,6 +55,44 @@ class _Node:
         return _Remote
 
 
+class _SlowNode(_Node):
+    """An archive on a slow host: a put answers only after ``polls`` waits have run
+    out (each raising TimeoutError, as ``wait_for`` does), and
+    lands then; ``polls=None``: never (a host cut off, not yet declared dead)."""
+
+    def __init__(self, service: ArchiveService, polls: int | None) -> None:
+        super().__init__(service)
+        self.polls = polls
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.service, name)
+        node = self
+
+        class _Call:
+            def __init__(self, args: tuple[Any, ...]) -> None:
+                self.args = args
+
+            def result(self, timeout: float | None) -> Any:
+                # A wait without a deadline gets the answer, however slow.
+                if name == "put_frames" and timeout is not None and (
+                        node.polls is None or node.polls > 0):
+                    if node.polls is not None:
+                        node.polls -= 1
+                    raise TimeoutError
+                return method(*self.args)
+
+        class _Remote:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                return _Call(args)
+
+        return _Remote
+
+
+def _resolve(call: Any, timeout: float | None = None) -> Any:
+    return call.result(timeout) if hasattr(call, "result") else call()
+
+
 class _Archive:
     """The same archive as the router sees it (an awaitable member)."""
 
@@ -81,7 +119,7 @@ def nodes(tmp_path: Path):
 
 def _tier(nodes: list[_Node], replicas: int = 2) -> ArchiveReplicas:
     return ArchiveReplicas([(f"a{i}", n) for i, n in enumerate(nodes)], CodecConfig(),
-                           replicas=replicas, resolve=lambda thunk: thunk(), share=lambda x: x)
+                           replicas=replicas, resolve=_resolve, share=lambda x: x)
 
 
 def _blocks(n: int) -> list[tuple[bytes, torch.Tensor, bytes, str]]:
@@ -207,3 +245,119 @@ def test_repair_with_one_archive_left_has_nothing_to_copy_to(nodes) -> None:
     stats = asyncio.run(repair.run())
     assert stats.live_archives == 1 and stats.repaired_blocks == 0
     assert stats.under_replicated == 0  # one archive: one copy is all there can be
+
+
+def test_a_full_archive_leaves_the_write_set_and_the_next_takes_the_copy(
+    tmp_path: Path, caplog
+) -> None:
+    # a0's budget is smaller than one block: every write it is asked for is refused.
+    full = _Node(ArchiveService(ArchiveConfig(directory=tmp_path / "full", fsync="never"),
+                                capacity_bytes=64))
+    made = [full] + [_Node(ArchiveService(ArchiveConfig(directory=tmp_path / f"a{i}",
+                                                        fsync="never"))) for i in (1, 2)]
+    now = [0.0]
+    tier = ArchiveReplicas([(f"a{i}", n) for i, n in enumerate(made)], CodecConfig(),
+                           replicas=2, resolve=_resolve, share=lambda x: x,
+                           clock=lambda: now[0])
+    try:
+        blocks = _blocks(2)
+        with caplog.at_level(logging.WARNING, logger="memkv.actors.cold_replicas"):
+            tier.put_many(blocks[:1], durable=True)
+            tier.put_many(blocks[1:], durable=True)
+        for key, *_ in blocks:
+            assert _holders(made, key) == [1, 2]  # two copies all the same
+        assert tier.under_replicated_writes == 0
+        assert tier.full_refusals == 1  # left out of the second write: not asked again
+        assert sum("is full" in r.getMessage() for r in caplog.records) == 1
+        assert torch.equal(tier.load(blocks[0][0]), blocks[0][1])
+        # After FULL_RETRY_S it is asked again (room may have been made).
+        now[0] += 11.0
+        tier.put_many(_blocks(3)[2:], durable=True)
+        assert tier.full_refusals == 2
+    finally:
+        for n in made:
+            n.service.close()
+
+
+def test_when_no_archive_can_take_a_copy_the_write_fails_as_full(tmp_path: Path) -> None:
+    made = [_Node(ArchiveService(ArchiveConfig(directory=tmp_path / f"a{i}", fsync="never"),
+                                 capacity_bytes=64)) for i in range(2)]
+    tier = ArchiveReplicas([(f"a{i}", n) for i, n in enumerate(made)], CodecConfig(),
+                           replicas=2, resolve=_resolve, share=lambda x: x)
+    try:
+        with pytest.raises(StorageFullError, match=r"no archive can take the cold copy: 2 of 2"):
+            tier.put_many(_blocks(1), durable=True)
+    finally:
+        for n in made:
+            n.service.close()
+
+
+def _timed_tier(made: list[_Node], replicas: int = 2) -> ArchiveReplicas:
+    return ArchiveReplicas([(f"a{i}", n) for i, n in enumerate(made)], CodecConfig(),
+                           replicas=replicas, resolve=_resolve, share=lambda x: x,
+                           replica_timeout_s=0.01)
+
+
+def _service(tmp_path: Path, name: str) -> ArchiveService:
+    return ArchiveService(ArchiveConfig(directory=tmp_path / name, fsync="never"))
+
+
+def test_a_copy_past_its_deadline_goes_to_the_next_archive(tmp_path: Path, caplog) -> None:
+    # The device's own archive is on a host cut off (never answers): the copies
+    # land on the two others, on time.
+    made = [_SlowNode(_service(tmp_path, "a0"), polls=None),
+            _Node(_service(tmp_path, "a1")), _Node(_service(tmp_path, "a2"))]
+    tier = _timed_tier(made)
+    try:
+        blocks = _blocks(2)
+        with caplog.at_level(logging.WARNING, logger="memkv.actors.cold_replicas"):
+            tier.put_many(blocks, durable=True)
+        for key, *_ in blocks:
+            assert _holders(made, key) == [1, 2]
+        assert tier.late_copies == 1 and tier.under_replicated_writes == 0
+        assert any("did not take a cold copy" in r.getMessage() for r in caplog.records)
+        assert torch.equal(tier.load_many([blocks[1][0]])[0], blocks[1][1])
+    finally:
+        for n in made:
+            n.service.close()
+
+
+def test_with_no_archive_left_the_write_answers_with_the_copies_it_has(tmp_path: Path) -> None:
+    made = [_Node(_service(tmp_path, "a0")), _SlowNode(_service(tmp_path, "a1"), polls=None)]
+    tier = _timed_tier(made)
+    try:
+        blocks = _blocks(1)
+        tier.put_many(blocks, durable=True)  # does not wait for a1
+        assert _holders(made, blocks[0][0]) == [0]
+        assert tier.under_replicated_writes == 1 and tier.late_copies == 1
+    finally:
+        for n in made:
+            n.service.close()
+
+
+def test_when_every_copy_is_late_the_first_to_land_answers(tmp_path: Path) -> None:
+    # No copy in time anywhere: slow beats failing; the first that lands acknowledges.
+    made = [_SlowNode(_service(tmp_path, "a0"), polls=None),
+            _SlowNode(_service(tmp_path, "a1"), polls=5)]
+    tier = _timed_tier(made)
+    try:
+        blocks = _blocks(1)
+        tier.put_many(blocks, durable=True)
+        assert _holders(made, blocks[0][0]) == [1]
+        assert tier.under_replicated_writes == 1
+    finally:
+        for n in made:
+            n.service.close()
+
+
+def test_without_a_deadline_every_copy_is_waited_for(tmp_path: Path) -> None:
+    made = [_SlowNode(_service(tmp_path, "a0"), polls=3), _Node(_service(tmp_path, "a1"))]
+    tier = ArchiveReplicas([(f"a{i}", n) for i, n in enumerate(made)], CodecConfig(),
+                           replicas=2, resolve=_resolve, share=lambda x: x)
+    try:
+        blocks = _blocks(1)
+        tier.put_many(blocks, durable=True)
+        assert _holders(made, blocks[0][0]) == [0, 1] and tier.late_copies == 0
+    finally:
+        for n in made:
+            n.service.close()

@@ -35,7 +35,11 @@ STATS = {
         }
     },
     "archives": {"arc-0": {"blocks": 8, "live_bytes": 80, "dead_bytes": 40,
-                           "bytes_on_disk": 130, "corrupt_records": 0}},
+                           "bytes_on_disk": 130, "corrupt_records": 0},
+                 # Disk pressure: a budget of 1000 with 130 used, 5000 free on the disk.
+                 "arc-1": {"blocks": 1, "live_bytes": 10, "dead_bytes": 0,
+                           "bytes_on_disk": 130, "capacity_bytes": 1000,
+                           "disk_free_bytes": 5000, "refused_writes": 3}},
 }
 
 
@@ -70,6 +74,10 @@ def test_engine_figures_become_metrics():
     assert got[("memkv_tenant_bytes", (("tenant", "acme"),))] == 3000
     assert got[("memkv_tenant_sessions", (("tenant", "(unscoped)"),))] == 1
     assert got[("memkv_archive_dead_bytes", (("archive", "arc-0"),))] == 40
+    # Room is the smaller of the disk's and the budget's; unknown room has no sample.
+    assert got[("memkv_archive_room_bytes", (("archive", "arc-1"),))] == 870
+    assert got[("memkv_archive_refused_writes", (("archive", "arc-1"),))] == 3
+    assert ("memkv_archive_room_bytes", (("archive", "arc-0"),)) not in got
     assert got[("memkv_background_prefetched_total", ())] == 5
     # Without leave to see tenants (the open endpoint): no series names one.
     open_endpoint = samples(engine_metrics(cluster_stats(STATS)))

@@ -149,6 +149,10 @@ def test_values_reach_the_manifests():
     (volume,) = archive["template"]["spec"]["volumes"]
     assert volume["hostPath"]["path"] == "/mnt/nvme0/memkv"
     assert config["archive"]["directory"] == "/var/lib/memkv"
+    # The archive's host is the Kubernetes node whose disk it writes (the pod's name
+    # changes with every restart; an archive refuses a directory of another host).
+    env = {e["name"]: e for e in archive["template"]["spec"]["containers"][0]["env"]}
+    assert env["MEMKV_HOST_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     # The token Secret holds the digests given, and the gateway mounts it.
     secret = one(docs, "Secret")
     document = yaml.safe_load(secret["stringData"]["tokens.yaml"])
@@ -170,6 +174,9 @@ def test_storage_class_and_generated_token_by_default():
         if g["groupName"] == "archive"
     )
     claim = archive["template"]["spec"]["volumes"][0]["ephemeral"]["volumeClaimTemplate"]
+    # An ephemeral volume lives and dies with its pod: the pod is its host.
+    (env,) = archive["template"]["spec"]["containers"][0]["env"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert claim["spec"]["storageClassName"] == "local-nvme"
     assert claim["spec"]["resources"]["requests"]["storage"] == "500Gi"
     # No tokens given: one is generated, and only its digest goes to the gateway.
