@@ -176,6 +176,18 @@ def test_data_dir_is_the_same_nvme_path_everywhere(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=_ids(CLUSTER_YAMLS))
+def test_the_head_ships_health_checks_that_notice_a_lost_node_in_seconds(path: Path) -> None:
+    # Ray's defaults take ~30 s to declare a node dead (57 s for a partition on the
+    # namespace hosts); the GCS on the head reads these at start.
+    (head,) = [c for c in _load(path)["head_start_ray_commands"] if "ray start --head" in c]
+    words = shlex.split(head.split("ray start --head")[0].split(";")[-1])
+    env = dict(w.split("=", 1) for w in words if "=" in w)
+    period, timeout, misses = (int(env[f"RAY_health_check_{k}"])
+                               for k in ("period_ms", "timeout_ms", "failure_threshold"))
+    assert period * misses + timeout <= 10_000
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=_ids(CLUSTER_YAMLS))
 def test_commands_are_valid_bash(path: Path) -> None:
     for command in _all_commands(_load(path)):
         result = subprocess.run(

@@ -194,6 +194,25 @@ def test_storage_class_and_generated_token_by_default():
     assert "kv-memkv-ray-head-svc.memkv.svc:6379" in container["args"][0]
 
 
+def test_the_head_can_outlive_its_pod_with_gcs_fault_tolerance():
+    # Off by default: nothing asks KubeRay for it, and the head's health checks are
+    # the chart's (a lost node noticed in seconds, not Ray's ~30 s).
+    cluster = one(render(), "RayCluster")["spec"]
+    assert "gcsFaultToleranceOptions" not in cluster
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in head["env"]}
+    assert (env["RAY_health_check_period_ms"], env["RAY_health_check_timeout_ms"],
+            env["RAY_health_check_failure_threshold"]) == ("1000", "2000", "5")
+    cluster = one(render({"gcsFaultTolerance": {
+        "enabled": True, "redisAddress": "redis.memkv.svc:6379",
+        "redisPasswordSecret": {"name": "redis-auth", "key": "password"}}}), "RayCluster")
+    options = cluster["spec"]["gcsFaultToleranceOptions"]
+    assert options["redisAddress"] == "redis.memkv.svc:6379"
+    assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "redis-auth",
+                                                                     "key": "password"}
+    jsonschema.validate(cluster, RAYCLUSTER_SCHEMA)
+
+
 def test_worker_groups_can_be_disabled_or_added():
     docs = render({"workerGroups": {
         "gpu": {"disabled": True},
@@ -231,6 +250,8 @@ def test_worker_pods_drain_before_they_stop():
          "sha256"),
         ({"unknownKey": 1}, "unknownKey"),
         ({"drain": {"enabled": True, "timeoutSeconds": 0}}, "timeoutSeconds"),
+        ({"gcsFaultTolerance": {"enabled": True}}, "redisAddress"),
+        ({"gcsFaultTolerance": {"enabled": True, "redisAddress": "no-port"}}, "redisAddress"),
     ],
 )
 def test_bad_values_are_refused_by_the_schema(values, message):
