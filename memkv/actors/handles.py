@@ -27,8 +27,10 @@ from memkv.protocol.services import (
     AppendTurn,
     CreateSession,
     CreateSessions,
+    ForkSession,
     ReserveSlots,
     ResumeAnswer,
+    RewindSession,
     SessionView,
     SessionViews,
     SlotsReserved,
@@ -191,6 +193,12 @@ class SessionServiceHandle:
 
     def delete_session(self, session_id: str) -> Pending[None]:
         return Pending(self.actor.delete_session.remote(session_id), _none)
+
+    def fork_session(self, request: ForkSession) -> Pending[SessionView]:
+        return Pending(self.actor.fork_session_wire.remote(encode(request)), _view)
+
+    def rewind_session(self, request: RewindSession) -> Pending[SessionView]:
+        return Pending(self.actor.rewind_session_wire.remote(encode(request)), _view)
 
     # -- the reader corridor and the shard's liveness (a gateway's other questions) ----
 

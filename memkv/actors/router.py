@@ -22,7 +22,9 @@ from memkv.protocol.services import (
     AppendTurn,
     CreateSession,
     CreateSessions,
+    ForkSession,
     ReserveSlots,
+    RewindSession,
     decode,
     encode,
 )
@@ -102,6 +104,12 @@ class SessionRouterShell(SessionRouter):
 
     async def set_priority_wire(self, session_id: str, priority: str) -> bytes:
         return encode(await self.set_priority(session_id, priority))
+
+    async def fork_session_wire(self, request: bytes) -> bytes:
+        return encode(await self.fork_session(decode(ForkSession, request)))
+
+    async def rewind_session_wire(self, request: bytes) -> bytes:
+        return encode(await self.rewind_session(decode(RewindSession, request)))
 
 
 def _existing_journal(directory: str, fsync: bool) -> Journal | None:

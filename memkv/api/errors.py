@@ -174,6 +174,8 @@ _ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/sessions/{session_id}/suspend"): (404, 409, 410),
     ("post", "/v1/sessions/{session_id}/resume"): (404, 409, 410),
     ("post", "/v1/sessions/{session_id}/input-end"): (404, 409, 410),
+    ("post", "/v1/sessions/{session_id}/fork"): (404, 409, 410, 507),
+    ("post", "/v1/sessions/{session_id}/rewind"): (404, 409, 410),
     ("post", "/v1/sessions/{session_id}/turns"): (404, 408, 409, 410, 413, 507),
     ("post", "/v1/sessions/{session_id}/reservations"): (404, 409, 410, 507),
     ("get", "/v1/sessions/{session_id}/blocks"): (404, 410),

@@ -24,9 +24,11 @@ __all__ = [
     "MAX_KEYS_PER_READ",
     "BlockLeaseIn",
     "BlocksByKeyIn",
+    "ForkIn",
     "LayoutIn",
     "MatchIn",
     "ReserveIn",
+    "RewindIn",
     "SessionCreate",
     "SessionIdPath",
     "SuspendIn",
@@ -114,6 +116,33 @@ class SessionCreate(_Model):
 
 class SuspendIn(_Model):
     offline: bool = False
+
+
+_TAIL_TOKENS = Field(
+    default=None, max_length=LAYOUT_LIMITS["block_tokens"],
+    description="Only when the end falls inside a block: that block's token ids (all of "
+    "them, as the session holds them). They must hash to the block's key; its first "
+    "tokens are then stored under their own hash.",
+)
+
+
+class ForkIn(_Model):
+    new_id: str = Field(
+        pattern=SESSION_ID_PATTERN,
+        description="The new session's id (the caller's tenant, as the parent's).",
+    )
+    at_tokens: JsonInt | None = Field(
+        default=None, ge=1,
+        description="Tokens of the parent it keeps (default: all); one that ends inside a "
+        "block has that block's first tokens copied once, every other block is shared.",
+    )
+    tail_tokens: list[TokenId] | None = _TAIL_TOKENS
+
+
+class RewindIn(_Model):
+    tokens: JsonInt = Field(
+        ge=1, description="Tokens the session keeps; the blocks after them are let go.")
+    tail_tokens: list[TokenId] | None = _TAIL_TOKENS
 
 
 class MatchIn(_Model):

@@ -33,6 +33,7 @@ from memkv.client.views import (
     parse_turn,
 )
 from memkv.port_connection import AsyncPortConnection, PortError
+from memkv.protocol.forks import tail_of
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.port import AppendRequest, PortRequest, ReadRequest, Reply
 from memkv.protocol.services import AppendAnswer, ResumeAnswer, SessionView
@@ -201,6 +202,41 @@ class AsyncClient:
             idempotent=True,
         )
         return parse_session(r.json())
+
+    async def fork_session(self, session_id: str, new_id: str, *, at_tokens: int | None = None,
+                     token_ids: Sequence[int] | None = None) -> SessionView:
+        """A new session ``new_id`` holding the first ``at_tokens`` tokens of
+        ``session_id`` (None: all): its blocks are shared, not copied (a partial last
+        block is copied once). ``token_ids``: the session's tokens, needed when
+        ``at_tokens`` ends inside a block."""
+        body: dict[str, object] = {"new_id": new_id}
+        if at_tokens is not None:
+            body["at_tokens"] = at_tokens
+            tail = await self._tail(session_id, at_tokens, token_ids)
+            if tail is not None:
+                body["tail_tokens"] = list(tail)
+        r = await self._request("POST", f"/v1/sessions/{session_id}/fork", json=body,
+                                 idempotent=False)  # a retry would find new_id taken
+        return self._known.remember(parse_session(r.json()))
+
+    async def rewind_session(self, session_id: str, tokens: int, *,
+                       token_ids: Sequence[int] | None = None) -> SessionView:
+        """Keep the session's first ``tokens`` tokens; the blocks after them are let go.
+        ``token_ids``: the session's tokens, needed when ``tokens`` ends inside a block."""
+        body: dict[str, object] = {"tokens": tokens}
+        tail = await self._tail(session_id, tokens, token_ids)
+        if tail is not None:
+            body["tail_tokens"] = list(tail)
+        r = await self._request("POST", f"/v1/sessions/{session_id}/rewind", json=body,
+                                 idempotent=True)
+        return parse_session(r.json())
+
+    async def _tail(self, session_id: str, at: int,
+                 token_ids: Sequence[int] | None) -> tuple[int, ...] | None:
+        if token_ids is None:
+            return None
+        view = await self.session(session_id)
+        return tail_of(view.layout.layout(), view.tokens, at, token_ids)
 
     async def resume(self, session_id: str) -> ResumeAnswer:
         r = await self._request("POST", f"/v1/sessions/{session_id}/resume", idempotent=True)

@@ -36,6 +36,7 @@ from memkv.client.views import (
     parse_turn,
 )
 from memkv.port_connection import PortConnection, PortError, ReplyBody
+from memkv.protocol.forks import tail_of
 from memkv.protocol.layout import KVLayout
 from memkv.protocol.port import AppendRequest, PortRequest, ReadKeysRequest, ReadRequest, Reply
 from memkv.protocol.services import AppendAnswer, ResumeAnswer, SessionView
@@ -251,6 +252,41 @@ class Client:
             idempotent=True,
         )
         return parse_session(r.json())
+
+    def fork_session(self, session_id: str, new_id: str, *, at_tokens: int | None = None,
+                     token_ids: Sequence[int] | None = None) -> SessionView:
+        """A new session ``new_id`` holding the first ``at_tokens`` tokens of
+        ``session_id`` (None: all): its blocks are shared, not copied (a partial last
+        block is copied once). ``token_ids``: the session's tokens, needed when
+        ``at_tokens`` ends inside a block."""
+        body: dict[str, object] = {"new_id": new_id}
+        if at_tokens is not None:
+            body["at_tokens"] = at_tokens
+            tail = self._tail(session_id, at_tokens, token_ids)
+            if tail is not None:
+                body["tail_tokens"] = list(tail)
+        r = self._request("POST", f"/v1/sessions/{session_id}/fork", json=body,
+                                 idempotent=False)  # a retry would find new_id taken
+        return self._known.remember(parse_session(r.json()))
+
+    def rewind_session(self, session_id: str, tokens: int, *,
+                       token_ids: Sequence[int] | None = None) -> SessionView:
+        """Keep the session's first ``tokens`` tokens; the blocks after them are let go.
+        ``token_ids``: the session's tokens, needed when ``tokens`` ends inside a block."""
+        body: dict[str, object] = {"tokens": tokens}
+        tail = self._tail(session_id, tokens, token_ids)
+        if tail is not None:
+            body["tail_tokens"] = list(tail)
+        r = self._request("POST", f"/v1/sessions/{session_id}/rewind", json=body,
+                                 idempotent=True)
+        return parse_session(r.json())
+
+    def _tail(self, session_id: str, at: int,
+                 token_ids: Sequence[int] | None) -> tuple[int, ...] | None:
+        if token_ids is None:
+            return None
+        view = self.session(session_id)
+        return tail_of(view.layout.layout(), view.tokens, at, token_ids)
 
     def resume(self, session_id: str) -> ResumeAnswer:
         r = self._request("POST", f"/v1/sessions/{session_id}/resume", idempotent=True)

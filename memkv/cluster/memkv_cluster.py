@@ -44,6 +44,7 @@ from memkv.cluster.operations import NodeDrain, drain_node, drain_to_archive
 from memkv.config import MemkvConfig
 from memkv.errors import InvalidInputError, UnknownBlockError, WrongNodeError
 from memkv.protocol.enums import parse_ack, parse_priority
+from memkv.protocol.forks import fork_request, tail_of
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.members import Answer, BlockReader
 from memkv.protocol.messages import PlanEntry, ReadPlan
@@ -54,6 +55,7 @@ from memkv.protocol.services import (
     CreateSession,
     LayoutSpec,
     ResumeAnswer,
+    RewindSession,
     SessionView,
 )
 from memkv.protocol.stats import ClusterStats
@@ -441,6 +443,29 @@ class MemkvCluster:
 
     def delete_session(self, session_id: str) -> None:
         self.routers.service(session_id).delete_session(session_id).result()
+
+    def fork_session(self, session_id: str, new_id: str, at_tokens: int | None = None,
+                     token_ids: Sequence[int] | None = None) -> SessionView:
+        """A new session ``new_id`` holding the first ``at_tokens`` tokens of
+        ``session_id`` (None: all), sharing its blocks: no byte is copied but a
+        partial last block's (:mod:`memkv.router.forks`). ``token_ids``: the
+        session's tokens, needed when ``at_tokens`` ends inside a block."""
+        parent = self.session(session_id)
+        tail = tail_of(parent.layout.layout(), parent.tokens, at_tokens or parent.tokens,
+                       token_ids)
+        request = fork_request(parent, new_id, at_tokens, tail_tokens=tail)
+        return self.routers.service(new_id).fork_session(request).result()
+
+    def rewind_session(self, session_id: str, tokens: int,
+                       token_ids: Sequence[int] | None = None) -> SessionView:
+        """Keep the session's first ``tokens`` tokens; the blocks after them are let go.
+        ``token_ids``: the session's tokens, needed when ``tokens`` ends inside a block."""
+        tail = None
+        if token_ids is not None:
+            view = self.session(session_id)
+            tail = tail_of(view.layout.layout(), view.tokens, tokens, token_ids)
+        request = RewindSession(session_id=session_id, tokens=tokens, tail_tokens=tail)
+        return self.routers.service(session_id).rewind_session(request).result()
 
     def stats(self) -> ClusterStats:
         return merge_stats(ray.get(self.routers.stats()))

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import torch
 
+from memkv.device.cuts import cut_block
 from memkv.device.headroom import HeadroomKeeper
 from memkv.device.leases import LeaseTable
 from memkv.device.reservations import DEFAULT_RESERVATION_S, SlotReservations
@@ -33,6 +34,7 @@ from memkv.protocol.layout import KVLayout
 from memkv.protocol.members import DeviceInfo, Holder, SlotGrant, StoredBlocks
 from memkv.protocol.messages import ChainUpdate, ReadPlan
 from memkv.protocol.payload import BlockPayload, StagedBlock
+from memkv.protocol.services import BlockCut
 from memkv.protocol.stats import DeviceStats, LeaseStats, ReservationStats, TierStats
 from memkv.shm.ownership import (
     SegmentOwnership,
@@ -230,6 +232,8 @@ class DeviceService:
                     placed[i] = self.reservations.take(p)
                     tensors.append(self.pool.slot_view(placed[i], p.shape,
                                                        torch_dtype(p.dtype)))
+                elif isinstance(p, BlockCut):
+                    tensors.append(cut_block(self.pool, p))
                 else:
                     tensors.append(p if isinstance(p, torch.Tensor)  # a caller in this process
                                    else from_payload(self._unstage(p)

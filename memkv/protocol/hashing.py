@@ -117,3 +117,4 @@ def chain_hashes(
         prev = hash_block(prev, tokens[start : start + bt], layout.fingerprint, namespace)
         hashes.append(prev)
     return hashes
+

@@ -22,7 +22,7 @@ from memkv.protocol.dtypes import DTYPES, StorageDType, dtype_info
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FINGERPRINT_BYTES", "KV_AXIS_SIZE", "KVLayout", "block_token_count"]
+__all__ = ["FINGERPRINT_BYTES", "KV_AXIS_SIZE", "TOKEN_AXIS", "KVLayout", "block_token_count"]
 
 # Bumped whenever the fingerprint's inputs change, so old keys never alias new ones.
 _FINGERPRINT_VERSION = b"memkv-layout-v1"
@@ -30,6 +30,8 @@ FINGERPRINT_BYTES = 16
 
 # The K/V axis of a block.
 KV_AXIS_SIZE = 2
+#: The axis of a block's tokens: (layers, K/V, heads, tokens, head_dim).
+TOKEN_AXIS = 3
 
 
 #: Bounds of a layout's sizes: far above any model's (Llama-3-405B has 126

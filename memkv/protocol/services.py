@@ -28,14 +28,17 @@ from memkv.protocol.layout import KVLayout
 __all__ = [
     "AppendTurn",
     "AppendAnswer",
+    "BlockCut",
     "BlockTier",
     "CreateSession",
     "CreateSessions",
     "Expected",
+    "ForkSession",
     "LayoutSpec",
     "Quota",
     "ReserveSlots",
     "ResumeAnswer",
+    "RewindSession",
     "SessionView",
     "SessionViews",
     "SessionService",
@@ -118,6 +121,46 @@ class CreateSession(_Message, frozen=True, kw_only=True):
     exact_only: bool = False
     finite_only: bool = False
     near_node: str | None = None
+
+
+class BlockCut(msgspec.Struct, frozen=True):
+    """A block made on the device from the first ``tokens`` tokens of block ``source``
+    (the partial last block of a fork or rewind; its key, the hash of those tokens, is
+    in the append's chain); it travels where an append's blocks do."""
+
+    source: bytes
+    tokens: int
+
+
+class ForkSession(_Message, frozen=True, kw_only=True):
+    """A new session sharing a prefix of another's blocks (no byte copied but a partial
+    last block's, once): sent to the new session's router shard.
+
+    Attributes:
+        session: the new session (its id, tenant, layout: the parent's).
+        chain: its blocks; all but a cut are the parent's, held on ``device_id``.
+        tokens: the tokens they cover.
+        device_id: the parent's device (the fork lives where the blocks are).
+        cut: how its last block is made, when the fork ends inside a block.
+        parent: the parent's id (for the error when its blocks moved meanwhile).
+    """
+
+    session: CreateSession
+    chain: tuple[bytes, ...]
+    tokens: int
+    device_id: str
+    cut: BlockCut | None = None
+    parent: str = ""
+
+
+class RewindSession(_Message, frozen=True, kw_only=True):
+    """Drop a session's tail: keep its first ``tokens`` tokens (a new turn).
+    ``tail_tokens``: the token ids of the block ``tokens`` ends inside, if it does
+    (:func:`memkv.protocol.forks.prefix_of`)."""
+
+    session_id: str
+    tokens: int
+    tail_tokens: tuple[int, ...] | None = None
 
 
 class SessionView(_Message, frozen=True, kw_only=True):
@@ -279,6 +322,10 @@ class SessionService(Protocol):
     async def set_priority(self, session_id: str, priority: Priority) -> SessionView: ...
 
     async def delete_session(self, session_id: str) -> None: ...
+
+    async def fork_session(self, request: ForkSession) -> SessionView: ...
+
+    async def rewind_session(self, request: RewindSession) -> SessionView: ...
 
 
 _ENCODER = msgspec.msgpack.Encoder()

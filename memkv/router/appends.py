@@ -22,13 +22,24 @@ from memkv.errors import ClosedError, ConflictError, InvalidInputError
 from memkv.protocol.hashing import chain_hashes
 from memkv.protocol.members import StoredBlocks
 from memkv.protocol.messages import ChainUpdate
-from memkv.protocol.services import AppendAnswer, AppendTurn, LayoutSpec
+from memkv.protocol.services import (
+    AppendAnswer,
+    AppendTurn,
+    BlockCut,
+    LayoutSpec,
+    ReserveSlots,
+    SlotsReserved,
+)
 from memkv.router.collector import Collector
 from memkv.router.members import Members
 from memkv.router.peers import ShardPeers
 from memkv.router.state import RouterState
 
-__all__ = ["Appends"]
+__all__ = ["MAX_RESERVED_SLOTS", "Appends"]
+
+#: Slots one write reservation may ask for (a 4096-token prompt of 16-token
+#: blocks is 256; each is a block's size, bounded again by the device).
+MAX_RESERVED_SLOTS = 4096
 
 
 @dataclass(slots=True)
@@ -80,6 +91,32 @@ class Appends:
                 )
             return await self._put(request, blocks)
 
+    async def reserve(self, request: ReserveSlots) -> SlotsReserved:
+        """A write reservation on the session's device for a writer on ``request.node``
+        (placing a new session as its first append would); none, with the reason,
+        where that device is on another node or has no shared-memory room."""
+        session_id = request.session_id
+        record = self._state.get(session_id)
+        if not 0 < request.count <= MAX_RESERVED_SLOTS:
+            raise InvalidInputError(
+                f"reserve 1..{MAX_RESERVED_SLOTS} slots, got {request.count}")
+        device_id = self._state.place(session_id, list(request.chain))
+        if device_id not in self._members.devices:
+            raise ClosedError(f"session {session_id!r} is being recovered; retry")
+        node = self._state.node_of.get(device_id, "")
+        if not node or not (node.startswith(request.node) or request.node.startswith(node)):
+            return SlotsReserved(reason=f"session {session_id!r} lives on device {device_id} "
+                                        f"of another node")
+        grant = await self._members.call(device_id, session_id, lambda d: d.reserve_slots(
+            request.count, record.layout.block_nbytes(), request.ttl_s))
+        if grant is None:
+            return SlotsReserved(reason=f"device {device_id} has no shared-memory room for "
+                                        f"{request.count} blocks now")
+        return SlotsReserved(
+            reservation_id=grant.reservation_id, device_id=grant.device_id,
+            node_id=grant.node_id, segment=grant.segment, segment_bytes=grant.segment_bytes,
+            slot_bytes=grant.slot_bytes, offsets=grant.offsets, ttl_s=grant.ttl_s)
+
     @asynccontextmanager
     async def holding(self, session_id: str) -> AsyncIterator[None]:
         """The session's append lock: appends (and a drain's move) one at a time.
@@ -129,6 +166,41 @@ class Appends:
                 session_id, device_id, update, blocks, checksums, record.durable, token_ids,
                 chain, request.start_block,
             )
+            garbage = self._state.record_put(session_id, update)
+        await self._durable(record.durable)
+        await self._collector.collect(garbage)
+        return AppendAnswer(
+            chain=tuple(bytes(k) for k in update.chain),
+            turn=self._state.get(session_id).turn,
+            new_blocks=stored.new_blocks,
+            deduplicated_blocks=stored.deduplicated_blocks,
+            released_blocks=stored.released_blocks,
+        )
+
+    async def hold(self, session_id: str, tokens: int, chain: Sequence[bytes],
+                   cut: BlockCut | None) -> AppendAnswer:
+        """A turn made of blocks the session's device holds already: a fork's first,
+        a rewind. ``chain`` covers ``tokens``; every block is the device's but the last
+        when ``cut`` says how the device makes it. The caller holds the session's lock.
+
+        Raises:
+            PrefixNotStoredError: a block is no longer on the device (the session it
+                came from moved or dropped it meanwhile: retry).
+        """
+        record = self._state.get(session_id)
+        start = len(chain) - (cut is not None)
+        update = self._state.sessions.plan_append(session_id, tokens, list(chain), start)
+        device_id = self._state.place(session_id, chain)
+        if device_id not in self._members.devices:
+            raise ClosedError(f"session {session_id!r} is being recovered; retry")
+        blocks = [cut] if cut is not None else []
+        with self._collector.protect(update.chain):
+            stored = await self._members.call(
+                device_id, session_id,
+                lambda d: d.put(update, blocks, None, record.durable, self._owner,
+                                self._state.blocks.cursor(device_id)))
+            if stored.events is not None:
+                self._state.blocks.apply(device_id, stored.events)
             garbage = self._state.record_put(session_id, update)
         await self._durable(record.durable)
         await self._collector.collect(garbage)

@@ -38,8 +38,10 @@ from memkv.protocol.services import (
     BlockTier,
     CreateSession,
     CreateSessions,
+    ForkSession,
     ReserveSlots,
     ResumeAnswer,
+    RewindSession,
     SessionService,
     SessionView,
     SessionViews,
@@ -53,6 +55,7 @@ from memkv.router.background import BackgroundPrefetch
 from memkv.router.collector import Collector
 from memkv.router.drain import Drainer
 from memkv.router.figures import device_stats, reattach, table_stats
+from memkv.router.forks import Forks
 from memkv.router.members import Members
 from memkv.router.peers import ShardPeers
 from memkv.router.repair import ReplicaRepair
@@ -67,9 +70,6 @@ logger = logging.getLogger(__name__)
 ACK_MODES = tuple(m.value for m in AckMode)
 #: The journal is rewritten as a snapshot once it holds this many records.
 JOURNAL_SNAPSHOT_RECORDS = 10_000
-#: Slots one write reservation may ask for (a 4096-token prompt of 16-token
-#: blocks is 256; each is a block's size, bounded again by the device).
-MAX_RESERVED_SLOTS = 4096
 #: The largest answer :meth:`SessionRouter.echo` makes.
 _ECHO_MAX_BYTES = 1 << 16
 
@@ -164,6 +164,7 @@ class SessionRouter:
         self.drainer = Drainer(self.state, self.members, self.appends)
         self.admission = Admission(self.state, self.members, self.peers, self._owner,
                                    default_ack)
+        self.forks = Forks(self.state, self.admission, self.appends)
         self._rebalance_on_join = rebalance_on_join
         self._rebalancing: set[asyncio.Task[int]] = set()
 
@@ -315,31 +316,9 @@ class SessionRouter:
         return await self.appends.put(request, blocks)
 
     async def reserve_slots(self, request: ReserveSlots) -> SlotsReserved:
-        """A write reservation on the session's device for a writer on ``request.node``
-        (placing a new session as its first append would); none, with the reason,
-        where that device is on another node or has no shared-memory room."""
+        """Slots on the session's device for a writer on its node (:meth:`Appends.reserve`)."""
         await self._ready()
-        session_id = request.session_id
-        record = self.state.get(session_id)
-        if not 0 < request.count <= MAX_RESERVED_SLOTS:
-            raise InvalidInputError(
-                f"reserve 1..{MAX_RESERVED_SLOTS} slots, got {request.count}")
-        device_id = self.state.place(session_id, list(request.chain))
-        if device_id not in self.members.devices:
-            raise ClosedError(f"session {session_id!r} is being recovered; retry")
-        node = self.state.node_of.get(device_id, "")
-        if not node or not (node.startswith(request.node) or request.node.startswith(node)):
-            return SlotsReserved(reason=f"session {session_id!r} lives on device {device_id} "
-                                        f"of another node")
-        grant = await self.members.call(device_id, session_id, lambda d: d.reserve_slots(
-            request.count, record.layout.block_nbytes(), request.ttl_s))
-        if grant is None:
-            return SlotsReserved(reason=f"device {device_id} has no shared-memory room for "
-                                        f"{request.count} blocks now")
-        return SlotsReserved(
-            reservation_id=grant.reservation_id, device_id=grant.device_id,
-            node_id=grant.node_id, segment=grant.segment, segment_bytes=grant.segment_bytes,
-            slot_bytes=grant.slot_bytes, offsets=grant.offsets, ttl_s=grant.ttl_s)
+        return await self.appends.reserve(request)
 
     async def read_route(
         self, session_id: str, start: int = 0, end: int | None = None
@@ -465,6 +444,16 @@ class SessionRouter:
             await self.members.call(
                 device_id, session_id, lambda d: d.set_priority(chain, value, session_id))
         return record.view()
+
+    async def fork_session(self, request: ForkSession) -> SessionView:
+        """A new session sharing a prefix of another's blocks (:meth:`Forks.fork`)."""
+        await self._ready()
+        return await self.forks.fork(request)
+
+    async def rewind_session(self, request: RewindSession) -> SessionView:
+        """Keep a session's first tokens, release the rest (:meth:`Forks.rewind`)."""
+        await self._device_id_of(request.session_id)  # live, and not being recovered
+        return await self.forks.rewind(request)
 
     async def delete_session(self, session_id: str) -> None:
         await self._ready()

@@ -502,3 +502,34 @@ def test_partitions_of_a_tenants_namespace_hash_apart_and_are_its_own(gateway):
             mallory.read_blocks_by_key("#p1", found.blocks)
         with pytest.raises(InvalidInputError):  # a full name with a partition: refused
             mallory.match(LAYOUT, "acme#p1", prompt)
+
+
+def test_forks_and_rewinds_are_a_tenants_own(gateway):
+    keys, values = kv(10)
+    blocks = split_kv(LAYOUT, keys, values)
+    with client(gateway, "alice") as alice, client(gateway, "mallory") as mallory:
+        alice.create_session("trunk", LAYOUT)
+        alice.append_turn("trunk", list(range(10)), keys, values)
+        branch = alice.fork_session("trunk", "branch", at_tokens=6, token_ids=list(range(10)))
+        assert (branch.session_id, branch.namespace, branch.tokens) == ("branch", "acme", 6)
+        got = [b.array.tobytes() for b in alice.read_blocks("branch")]
+        first6 = split_kv(LAYOUT, [k[:, :6] for k in keys], [v[:, :6] for v in values])
+        assert got == [b.numpy().tobytes() for b in first6]
+        # Another tenant's fork or rewind of it is a 404, and makes nothing.
+        with pytest.raises(UnknownSessionError):
+            mallory.fork_session("trunk", "stolen")
+        with pytest.raises(UnknownSessionError):
+            mallory.rewind_session("trunk", 1)
+        with pytest.raises(UnknownSessionError):
+            mallory.session("stolen")
+        # Out of range, or a cut without its block's own tokens: refused, nothing changed.
+        with pytest.raises(InvalidInputError, match="not the tokens of block 1"):
+            alice.fork_session("trunk", "lying", at_tokens=6, token_ids=list(range(20, 30)))
+        with pytest.raises(InvalidInputError, match="between 1 and the session's 10"):
+            alice.fork_session("trunk", "too-far", at_tokens=11)
+        with pytest.raises(InvalidInputError):
+            alice.rewind_session("trunk", 0)
+        assert alice.rewind_session("trunk", 4).tokens == 4
+        got = [b.array.tobytes() for b in alice.read_blocks("trunk")]
+        assert got == [blocks[0].numpy().tobytes()]
+        assert len(list(alice.read_blocks("branch"))) == 2  # its blocks stayed

@@ -6,10 +6,18 @@ from fastapi import APIRouter, Response
 
 from memkv.api.answers import PrefetchOut, documented, message_answer
 from memkv.api.context import Caller, GatewayState, scoped
-from memkv.api.models import SessionCreate, SessionIdPath, SuspendIn
+from memkv.api.models import ForkIn, RewindIn, SessionCreate, SessionIdPath, SuspendIn
 from memkv.protocol.enums import parse_ack, parse_priority
+from memkv.protocol.forks import fork_request
 from memkv.protocol.layout import KVLayout
-from memkv.protocol.services import CreateSession, LayoutSpec, Quota, ResumeAnswer, SessionView
+from memkv.protocol.services import (
+    CreateSession,
+    LayoutSpec,
+    Quota,
+    ResumeAnswer,
+    RewindSession,
+    SessionView,
+)
 
 __all__ = ["router"]
 
@@ -48,6 +56,38 @@ async def delete_session(session_id: SessionIdPath, gw: GatewayState, who: Calle
     gw.routes.drop(sid)
     await gw.routers.service(sid).delete_session(sid)
     return Response(status_code=204)
+
+
+@router.post("/{session_id}/fork", status_code=201,
+             responses={201: documented(SessionView, "The new session.")})
+async def fork_session(
+    session_id: SessionIdPath, body: ForkIn, gw: GatewayState, who: Caller
+) -> Response:
+    """A new session holding the first ``at_tokens`` tokens of this one: its blocks are
+    shared (reference counts), not copied, but a partial last block's, once."""
+    sid = scoped(who, session_id, "write")
+    new_sid = scoped(who, body.new_id, "write")
+    parent = await gw.routers.service(sid).session(sid)
+    request = fork_request(parent, new_sid, body.at_tokens, tail_tokens=body.tail_tokens,
+                           quota=Quota.of(who.quota))
+    view = await gw.routers.service(new_sid).fork_session(request)
+    return message_answer(view, 201, session_id=body.new_id)
+
+
+@router.post("/{session_id}/rewind", responses={200: _SESSION})
+async def rewind_session(
+    session_id: SessionIdPath, body: RewindIn, gw: GatewayState, who: Caller
+) -> Response:
+    """Keep the session's first ``tokens`` tokens (a new turn); the blocks after them
+    are let go once no other session and no read in flight holds them."""
+    sid = scoped(who, session_id, "write")
+    await gw.let_go_of(sid)
+    gw.sessions.drop(sid)
+    gw.routes.drop(sid)
+    tail = tuple(body.tail_tokens) if body.tail_tokens is not None else None
+    view = await gw.routers.service(sid).rewind_session(
+        RewindSession(session_id=sid, tokens=body.tokens, tail_tokens=tail))
+    return message_answer(view, session_id=session_id)
 
 
 @router.post("/{session_id}/suspend", responses={200: _SESSION})
