@@ -44,6 +44,8 @@ UNIT = 4096
 FAULT_DEVICE, FAULT_NVME = "memkv_fault_device", "memkv_fault_nvme"
 #: ...and of the hardening tests' (tiers of MiB in shared memory, one device).
 SHM_DEVICE, SHM_NVME = "memkv_shm_device", "memkv_shm_nvme"
+#: ...and of the full-archive test's (an archive whose budget runs out).
+FULL_DEVICE, FULL_NVME = "memkv_full_device", "memkv_full_nvme"
 
 
 def _suite_config(archive_dir, cluster):
@@ -89,7 +91,8 @@ def cluster(tmp_path_factory):
         tmp_path_factory.mktemp("archive"),
         {
             "namespace": "memkv-test",
-            "embedded_resources": {FAULT_DEVICE: 2, FAULT_NVME: 1, SHM_DEVICE: 1, SHM_NVME: 1},
+            "embedded_resources": {FAULT_DEVICE: 2, FAULT_NVME: 1, SHM_DEVICE: 1, SHM_NVME: 1,
+                                   FULL_DEVICE: 1, FULL_NVME: 1},
         },
     )
     with connect(config=config) as c:

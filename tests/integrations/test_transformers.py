@@ -406,6 +406,36 @@ def test_generation_restored_through_the_gateway_equals_full_recompute(gateway, 
     assert seen_tiers <= {"hot", "warm", "cold"}
 
 
+def test_continuations_from_a_fork_and_a_rewind_equal_the_recompute(gateway, model):
+    """An agent branches from the middle of a turn and backs up in another: both end
+    inside a block (of 8), and each continuation, restored from memkv, must equal a
+    full recompute (fp32 all the way: the cut is the saved KV, byte for byte)."""
+    from memkv.client import Client
+
+    layout = layout_for(model, model_id="tiny-llama-test", block_tokens=8)
+    g = torch.Generator().manual_seed(12)
+    namespace = f"tenant-{next(_ids)}"
+    trunk, branch = f"trunk-{next(_ids)}", f"branch-{next(_ids)}"
+    with Client(gateway.url) as client:
+        client.create_session(trunk, layout, namespace=namespace)
+        prompt = torch.randint(0, VOCAB, (27,), generator=g).tolist()
+        first = greedy_decode(model, prompt, max_new_tokens=6)
+        history = prompt + first.tokens
+        save_turn(client, trunk, history[:-1], first.cache, turn=1)  # 32 tokens: 4 blocks
+        client.fork_session(trunk, branch, at_tokens=13, token_ids=history)
+        client.rewind_session(trunk, 21, token_ids=history)
+        for sid, kept in ((branch, 13), (trunk, 21)):
+            assert client.session(sid).tokens == kept
+            asked = history[:kept] + torch.randint(0, VOCAB, (5,), generator=g).tolist()
+            restored = restore(client, asked, layout=layout, namespace=namespace,
+                               session_id=sid, config=model.config)
+            assert restored.source is RestoreSource.SESSION and restored.tokens == kept
+            fast = greedy_decode(model, asked, cache=restored.cache, max_new_tokens=6)
+            assert fast.tokens == greedy_decode(model, asked, max_new_tokens=6).tokens, sid
+        for sid in (trunk, branch):
+            client.delete_session(sid)
+
+
 def test_kv_to_cache_adopts_fresh_tensors_only_when_asked(model):
     from memkv.integrations.transformers import kv_to_cache
 
