@@ -26,9 +26,25 @@ from memkv.protocol.services import AppendAnswer, SessionView
 if TYPE_CHECKING:
     from memkv.shm.staging import PutStaging
 
-__all__ = ["AppendStaging", "KnownSessions", "layout_conflict"]
+__all__ = ["AppendStaging", "KnownSessions", "fork_body", "layout_conflict", "rewind_body"]
 
 logger = logging.getLogger(__name__)
+
+
+def fork_body(new_id: str, at_tokens: int | None,
+              tail: Sequence[int] | None) -> dict[str, object]:
+    """The JSON body of ``POST /v1/sessions/{id}/fork``."""
+    body: dict[str, object] = {"new_id": new_id}
+    if at_tokens is not None:
+        body["at_tokens"] = at_tokens
+    if tail is not None:
+        body["tail_tokens"] = list(tail)
+    return body
+
+
+def rewind_body(tokens: int, tail: Sequence[int] | None) -> dict[str, object]:
+    """The JSON body of ``POST /v1/sessions/{id}/rewind``."""
+    return {"tokens": tokens} if tail is None else {"tokens": tokens, "tail_tokens": list(tail)}
 
 
 def layout_conflict(session: SessionView, layout: KVLayout | None) -> ConflictError | None:

@@ -12,7 +12,13 @@ import httpx
 import numpy as np
 
 from memkv import errors
-from memkv.client.base import AppendStaging, KnownSessions, layout_conflict
+from memkv.client.base import (
+    AppendStaging,
+    KnownSessions,
+    fork_body,
+    layout_conflict,
+    rewind_body,
+)
 from memkv.client.frames import FRAMES_MEDIA_TYPE, BlockStream, append_body, read_block_frames
 from memkv.client.transport import (
     DEFAULT_URL,
@@ -259,31 +265,23 @@ class Client:
         ``session_id`` (None: all): its blocks are shared, not copied (a partial last
         block is copied once). ``token_ids``: the session's tokens, needed when
         ``at_tokens`` ends inside a block."""
-        body: dict[str, object] = {"new_id": new_id}
-        if at_tokens is not None:
-            body["at_tokens"] = at_tokens
-            tail = self._tail(session_id, at_tokens, token_ids)
-            if tail is not None:
-                body["tail_tokens"] = list(tail)
-        r = self._request("POST", f"/v1/sessions/{session_id}/fork", json=body,
-                                 idempotent=False)  # a retry would find new_id taken
+        tail = self._tail(session_id, at_tokens, token_ids)
+        r = self._request("POST", f"/v1/sessions/{session_id}/fork",  # a retry would find
+                              json=fork_body(new_id, at_tokens, tail), idempotent=False)  # new_id
         return self._known.remember(parse_session(r.json()))
 
     def rewind_session(self, session_id: str, tokens: int, *,
                        token_ids: Sequence[int] | None = None) -> SessionView:
         """Keep the session's first ``tokens`` tokens; the blocks after them are let go.
         ``token_ids``: the session's tokens, needed when ``tokens`` ends inside a block."""
-        body: dict[str, object] = {"tokens": tokens}
         tail = self._tail(session_id, tokens, token_ids)
-        if tail is not None:
-            body["tail_tokens"] = list(tail)
-        r = self._request("POST", f"/v1/sessions/{session_id}/rewind", json=body,
-                                 idempotent=True)
+        r = self._request("POST", f"/v1/sessions/{session_id}/rewind",
+                              json=rewind_body(tokens, tail), idempotent=True)
         return parse_session(r.json())
 
-    def _tail(self, session_id: str, at: int,
+    def _tail(self, session_id: str, at: int | None,
                  token_ids: Sequence[int] | None) -> tuple[int, ...] | None:
-        if token_ids is None:
+        if token_ids is None or at is None:
             return None
         view = self.session(session_id)
         return tail_of(view.layout.layout(), view.tokens, at, token_ids)
