@@ -34,6 +34,8 @@ SCHEMA_CANNOT_SAY = {
     ("POST", "/v1/sessions/{session_id}/turns"),
     # Token ids are integers written as such: JSON Schema calls 1.0 an integer too.
     ("POST", "/v1/sessions/{session_id}/reservations"),
+    ("POST", "/v1/sessions/{session_id}/fork"),  # tail_tokens
+    ("POST", "/v1/sessions/{session_id}/rewind"),  # tail_tokens
 }
 EXAMPLES = 40
 
