@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from msgspec.structs import asdict as msgspec_asdict
 
 from memkv.errors import ClosedError, ConflictError, InvalidInputError
@@ -160,8 +161,21 @@ class Appends:
         if device_id not in self._members.devices:
             raise ClosedError(f"session {session_id!r} is being recovered; retry")
         checksums = list(request.checksums) if request.checksums is not None else None
-        return await self._store(session_id, device_id, update, blocks, checksums,
-                                 record.durable, len(token_ids), chain, request.start_block)
+        with self._collector.protect(update.chain):
+            stored, update = await self._apply_put(
+                session_id, device_id, update, blocks, checksums, record.durable, token_ids,
+                chain, request.start_block,
+            )
+            garbage = self._state.record_put(session_id, update)
+        await self._durable(record.durable)
+        await self._collector.collect(garbage)
+        return AppendAnswer(
+            chain=tuple(bytes(k) for k in update.chain),
+            turn=self._state.get(session_id).turn,
+            new_blocks=stored.new_blocks,
+            deduplicated_blocks=stored.deduplicated_blocks,
+            released_blocks=stored.released_blocks,
+        )
 
     async def hold(self, session_id: str, tokens: int, chain: Sequence[bytes],
                    cut: BlockCut | None) -> AppendAnswer:
@@ -179,31 +193,16 @@ class Appends:
         device_id = self._state.place(session_id, chain)
         if device_id not in self._members.devices:
             raise ClosedError(f"session {session_id!r} is being recovered; retry")
-        blocks: list[Any] = [cut] if cut is not None else []
-        return await self._store(session_id, device_id, update, blocks, None, record.durable,
-                                 tokens, list(chain), start)
-
-    async def _store(
-        self,
-        session_id: str,
-        device_id: str,
-        update: ChainUpdate,
-        blocks: list[Any],
-        checksums: list[int] | None,
-        durable: bool,
-        token_count: int,
-        chain: list[bytes],
-        start_block: int,
-    ) -> AppendAnswer:
-        """A planned append applied on its device, recorded in the table, and answered.
-        Its blocks are kept out of every archive delete while the put is in flight."""
+        blocks = [cut] if cut is not None else []
         with self._collector.protect(update.chain):
-            stored, update = await self._apply_put(
-                session_id, device_id, update, blocks, checksums, durable, token_count,
-                chain, start_block,
-            )
+            stored = await self._members.call(
+                device_id, session_id,
+                lambda d: d.put(update, blocks, None, record.durable, self._owner,
+                                self._state.blocks.cursor(device_id)))
+            if stored.events is not None:
+                self._state.blocks.apply(device_id, stored.events)
             garbage = self._state.record_put(session_id, update)
-        await self._durable(durable)
+        await self._durable(record.durable)
         await self._collector.collect(garbage)
         return AppendAnswer(
             chain=tuple(bytes(k) for k in update.chain),
@@ -221,7 +220,7 @@ class Appends:
         blocks: list[Any],
         checksums: list[int] | None,
         durable: bool,
-        token_count: int,
+        token_ids: Sequence[int] | np.ndarray,
         chain: list[bytes],
         start_block: int,
     ) -> tuple[StoredBlocks, ChainUpdate]:
@@ -243,7 +242,7 @@ class Appends:
                 raise  # the same process as planned on: the request was wrong
             self._state.get(session_id)  # lost in the recovery: BlockLostError
             replanned = self._state.sessions.plan_append(
-                session_id, token_count, chain, start_block
+                session_id, len(token_ids), chain, start_block
             )
             stored = await self._members.call(
                 device_id, session_id,
