@@ -46,7 +46,7 @@ MAX_MODULE_LINES = 600
 LONG_MODULES_ALLOWED = {"memkv/storage/segments.py"}
 MAX_API_REMOTE = 4
 #: A count still being brought down (see the module docstring).
-PROCESS_EDGE_DICT_ANY_CEILING = 14
+PROCESS_EDGE_DICT_ANY_CEILING = 13
 
 #: Class names that would declare a session view or an append/resume answer a second
 #: time (the gateway and the client serve and decode protocol.services' structs).

@@ -22,6 +22,7 @@ from memkv.protocol.layout import KVLayout
 from memkv.protocol.members import DeviceInfo, SlotGrant, StoredBlocks, TierOf
 from memkv.protocol.messages import ChainUpdate, ReadPlan, ReadRoute
 from memkv.protocol.payload import BlockPayload
+from memkv.protocol.responses import StoredResponse
 from memkv.protocol.services import (
     AppendAnswer,
     AppendTurn,
@@ -157,6 +158,10 @@ def _resumed(document: bytes) -> ResumeAnswer:
     return decode(ResumeAnswer, document)
 
 
+def _stored_response(document: bytes) -> StoredResponse:
+    return decode(StoredResponse, document)
+
+
 class SessionServiceHandle:
     """The session service (:class:`memkv.protocol.services.SessionService`) of one
     router shard, over its Ray handle: every message travels as one document to
@@ -199,6 +204,18 @@ class SessionServiceHandle:
 
     def rewind_session(self, request: RewindSession) -> Pending[SessionView]:
         return Pending(self.actor.rewind_session_wire.remote(encode(request)), _view)
+
+    # -- stored responses (memkv.protocol.responses.ResponseService) ----------------------
+
+    def put_response(self, session_id: str, response: StoredResponse) -> Pending[None]:
+        return Pending(self.actor.put_response_wire.remote(session_id, encode(response)), _none)
+
+    def get_response(self, session_id: str, response_id: str) -> Pending[StoredResponse]:
+        return Pending(self.actor.get_response_wire.remote(session_id, response_id),
+                       _stored_response)
+
+    def delete_response(self, session_id: str, response_id: str) -> Pending[None]:
+        return Pending(self.actor.delete_response.remote(session_id, response_id), _none)
 
     # -- the reader corridor and the shard's liveness (a gateway's other questions) ----
 

@@ -18,6 +18,7 @@ from ray.actor import ActorHandle
 from memkv.actors.archive_journal import ArchiveJournal, journal_name
 from memkv.actors.handles import ArchiveHandle, DeviceHandle, RayDirectory, named_actors
 from memkv.actors.node_env import export_node_id
+from memkv.protocol.responses import StoredResponse
 from memkv.protocol.services import (
     AppendTurn,
     CreateSession,
@@ -110,6 +111,17 @@ class SessionRouterShell(SessionRouter):
 
     async def rewind_session_wire(self, request: bytes) -> bytes:
         return encode(await self.rewind_session(decode(RewindSession, request)))
+
+    # -- stored responses (memkv.protocol.responses.ResponseService) ----------------------
+
+    async def put_response_wire(self, session_id: str, response: bytes) -> None:
+        await self.responses.put(session_id, decode(StoredResponse, response))
+
+    async def get_response_wire(self, session_id: str, response_id: str) -> bytes:
+        return encode(await self.responses.get(session_id, response_id))
+
+    async def delete_response(self, session_id: str, response_id: str) -> None:
+        await self.responses.delete(session_id, response_id)
 
 
 def _existing_journal(directory: str, fsync: bool) -> Journal | None:

@@ -53,7 +53,16 @@ from memkv.api.middleware import (
     MetricsMiddleware,
 )
 from memkv.api.observe import StatsSnapshot
-from memkv.api.routes import appends, cluster, health, leases, openai, reads, sessions
+from memkv.api.routes import (
+    appends,
+    cluster,
+    health,
+    leases,
+    openai,
+    reads,
+    responses,
+    sessions,
+)
 from memkv.protocol.stats import ClusterStats
 from memkv.shm.same_node import SegmentMaps
 from memkv.shm.staging import PutStaging
@@ -172,7 +181,7 @@ def create_app(
     app.add_middleware(MetricsMiddleware, requests=metrics.requests, latency=metrics.latency,
                        errors=metrics.errors)
     install_error_handlers(app)
-    for module in (health, sessions, appends, reads, leases, cluster, openai):
+    for module in (health, sessions, appends, reads, leases, cluster, openai, responses):
         app.include_router(module.router)
 
     app.state.gateway = gw

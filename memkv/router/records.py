@@ -22,6 +22,7 @@ import msgspec
 
 from memkv.errors import CorruptDataError
 from memkv.protocol.enums import Priority, SessionState
+from memkv.router.response_table import ResponseTable
 from memkv.router.sessions import SessionRecord, SessionTable, parse_priority
 
 __all__ = [
@@ -32,6 +33,8 @@ __all__ = [
     "DeviceKnown",
     "JournalRecord",
     "PriorityChanged",
+    "ResponseDeleted",
+    "ResponseStored",
     "SessionCreated",
     "SessionDeleted",
     "SessionLost",
@@ -116,10 +119,23 @@ class SessionTruncated(_Record, frozen=True, tag="truncate"):
     reason: str
 
 
+class ResponseStored(_Record, frozen=True, tag="response"):
+    """A stored response of the session (:mod:`memkv.protocol.responses`), kept whole."""
+
+    id: str
+    rid: str
+    doc: bytes  # the StoredResponse, msgpack
+
+
+class ResponseDeleted(_Record, frozen=True, tag="forget_response"):
+    id: str
+    rid: str
+
+
 JournalRecord = (
     DeviceKnown | DeviceForgotten | ArchiveKnown | ArchiveForgotten | SessionCreated
     | ChainPut | StateChanged | PriorityChanged | SessionMoved | SessionDeleted | SessionLost
-    | SessionTruncated
+    | SessionTruncated | ResponseStored | ResponseDeleted
 )
 
 
@@ -148,6 +164,7 @@ class Table(Protocol):
     known_devices: list[str]
     known_archives: list[str]
     sessions: SessionTable
+    responses: ResponseTable
 
     def forget_device(self, device_id: str) -> None: ...
 
@@ -211,11 +228,17 @@ def apply_record(table: Table, record: JournalRecord) -> None:
             if found is not None and 0 < record.keep <= len(found.chain):
                 table.truncate(record.id, record.keep, record.reason)
                 found.lost_tokens = record.lost_tokens
+        case ResponseStored():
+            table.responses.restore(record.id, record.rid, record.doc)
+        case ResponseDeleted():
+            table.responses.remove(record.id, record.rid)
 
 
 def snapshot_records(known_devices: Iterable[str], known_archives: Iterable[str],
-                     sessions: Iterable[SessionRecord]) -> list[JournalRecord]:
-    """The records that replay to a table of these members and sessions."""
+                     sessions: Iterable[SessionRecord],
+                     responses: Iterable[tuple[str, str, bytes]] = ()) -> list[JournalRecord]:
+    """The records that replay to a table of these members, sessions and stored
+    responses (``(session, response id, document)``)."""
     records: list[JournalRecord] = [DeviceKnown(name=n) for n in known_devices]
     records += [ArchiveKnown(name=n) for n in known_archives]
     for r in sessions:
@@ -233,4 +256,5 @@ def snapshot_records(known_devices: Iterable[str], known_archives: Iterable[str]
                                             lost_tokens=r.lost_tokens, reason=r.partial_reason))
         if r.lost_reason is not None:
             records.append(SessionLost(id=r.session_id, reason=r.lost_reason))
+    records += [ResponseStored(id=s, rid=rid, doc=doc) for s, rid, doc in responses]
     return records

@@ -59,6 +59,7 @@ from memkv.router.forks import Forks
 from memkv.router.members import Members
 from memkv.router.peers import ShardPeers
 from memkv.router.repair import ReplicaRepair
+from memkv.router.responses import Responses
 from memkv.router.state import RouterState
 from memkv.storage.journal import Journal, TableJournal
 
@@ -165,6 +166,7 @@ class SessionRouter:
         self.admission = Admission(self.state, self.members, self.peers, self._owner,
                                    default_ack)
         self.forks = Forks(self.state, self.admission, self.appends)
+        self.responses = Responses(self.state, self._durable)  # (the front door's chains)
         self._rebalance_on_join = rebalance_on_join
         self._rebalancing: set[asyncio.Task[int]] = set()
 

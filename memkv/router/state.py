@@ -54,6 +54,7 @@ from memkv.router.records import (
     encode_record,
     snapshot_records,
 )
+from memkv.router.response_table import ResponseTable
 from memkv.router.sessions import SessionRecord, SessionTable, parse_priority
 from memkv.storage.journal import TableJournal
 
@@ -109,6 +110,7 @@ class RouterState:
         self._prefix_affinity = prefix_affinity
         self._clock = clock
         self.sessions = SessionTable(clock)
+        self.responses = ResponseTable()  # the front door's response chains, by session
         self.devices: dict[str, DeviceLoad] = {}
         # block -> how many sessions of this shard hold it (derived from their chains)
         self._refcounts: Counter[bytes] = Counter()
@@ -328,6 +330,7 @@ class RouterState:
         self.tenant_sessions[tenant] -= 1
         self.tenant_bytes[tenant] -= chain_bytes(record)
         self._log(SessionDeleted(id=session_id))
+        self.responses.drop(session_id)
         return [k for k in dict.fromkeys(record.chain) if self._unref(k)]
 
     def mark_lost(self, session_id: str, reason: str) -> None:
@@ -432,8 +435,11 @@ class RouterState:
         if self.journal is not None and not self._replaying:
             self.journal.append(encode_record(record))
 
+    log = _log  # (parts beside the table journal their own records: router/responses.py)
+
     def _snapshot(self) -> list[dict[str, Any]]:
-        records = snapshot_records(self.known_devices, self.known_archives, self.sessions)
+        records = snapshot_records(self.known_devices, self.known_archives, self.sessions,
+                                   self.responses.entries())
         return [encode_record(r) for r in records]
 
     def compact_journal(self, every: int = 0) -> None:

@@ -19,6 +19,7 @@ import httpx
 from memkv.api.engines.front_door import ATTEMPTS, FrontDoor
 from memkv.api.engines.policy import choose_engine
 from memkv.api.engines.registry import Engine
+from memkv.protocol.responses import OpenAIDocument
 
 __all__ = ["Relay", "Routed", "VLLM_PRIORITY", "cache_salt", "send_to_engine"]
 
@@ -61,7 +62,7 @@ def cache_salt(tenant: str, theirs: Any) -> str:
     return f"{salt}:{theirs}" if isinstance(theirs, str) and theirs else salt
 
 
-async def send_to_engine(door: FrontDoor, model: str, path: str, body: dict[str, Any],
+async def send_to_engine(door: FrontDoor, model: str, path: str, body: OpenAIDocument,
                          routed: Routed, headers: Mapping[str, str]
                          ) -> tuple[httpx.Response, Relay] | set[str]:
     """POST ``body`` to the engine the policy picks for ``routed``'s session, with its

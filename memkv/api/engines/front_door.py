@@ -19,6 +19,7 @@ from memkv.api.engines.book import EngineBook, LocalBook
 from memkv.api.engines.policy import Reason, SpillThreshold
 from memkv.api.engines.registry import EngineRegistry
 from memkv.api.engines.spec import EngineSpec
+from memkv.api.responses.chains import ChainBook
 from memkv.api.session_lru import SessionLRU
 from memkv.errors import InvalidInputError
 
@@ -87,6 +88,8 @@ class FrontDoor:
     #: Where registrations are kept for every gateway process (LocalBook: this one's).
     book: EngineBook = field(default_factory=LocalBook)
     _pending: list[EngineSpec] | None = None  # configured engines not registered yet
+    #: Stored responses this process read or wrote, and conversations by their history.
+    chains: ChainBook = field(default_factory=ChainBook)
 
     async def ready(self) -> None:
         """On first use: take the engines other gateway processes registered, and start

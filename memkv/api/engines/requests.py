@@ -4,8 +4,6 @@ where that session's KV is, the headers an engine gets, OpenAI's error shape."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -14,6 +12,7 @@ from memkv.api.engines.dispatch import Routed
 from memkv.api.engines.front_door import FrontDoor
 from memkv.errors import MemkvError
 from memkv.protocol.ids import hashed_session_id, is_session_id
+from memkv.protocol.responses import OpenAIDocument
 
 __all__ = [
     "ENGINE_HEADER",
@@ -64,7 +63,7 @@ def forwarded_headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
 
 
-def session_of(request: Request, body: dict[str, Any], chained: str | None = None) -> str | None:
+def session_of(request: Request, body: OpenAIDocument, chained: str | None = None) -> str | None:
     """The request's session, from the first of (memkv's own, then OpenAI's and the
     routers' conventions, so that a stock client or agent SDK needs no memkv code):
     the ``X-Memkv-Session`` header, the body's ``memkv.session_id``, its

@@ -1,17 +1,19 @@
 """The OpenAI-compatible front door: ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``, forwarded to registered engines (``/v1/engines``).
+``/v1/models``, forwarded to registered engines (``/v1/engines``); ``/v1/responses``
+is :mod:`memkv.api.routes.responses`.
 
 A request's session comes from memkv's ``X-Memkv-Session`` header or the body's
 ``memkv.session_id`` (the OpenAI client's ``extra_body={"memkv": {...}}``), else
 from what stock clients send: ``prompt_cache_key``, ``conversation``, an
 ``X-Session-ID`` header, ``user`` (:func:`memkv.api.engines.requests.session_of`);
-it is the caller's tenant's session, as on every other route, and goes to the engine as ``kv_transfer_params`` (the memkv connector appends each
-turn to it). The engine is chosen by :mod:`memkv.api.engines.policy`; one that
-cannot be reached before the request starts is taken out of routing and the
-request goes to another (its session's KV is loaded there from memkv). A
-stream whose engine fails midway ends with an error event. A client that goes
-away closes the engine's connection, and the engine drops the request.
-Errors answer in OpenAI's shape (``{"error": {"message": ...}}``).
+it is the caller's tenant's session, as on every other route, and goes to the
+engine as ``kv_transfer_params`` (the memkv connector appends each turn to it).
+The engine is chosen by :mod:`memkv.api.engines.policy`; one that cannot be
+reached before the request starts is taken out of routing and the request goes
+to another (its session's KV is loaded there from memkv). A stream whose engine
+fails midway ends with an error event. A client that goes away closes the
+engine's connection, and the engine drops the request. Errors answer in
+OpenAI's shape (``{"error": {"message": ...}}``).
 """
 
 from __future__ import annotations
