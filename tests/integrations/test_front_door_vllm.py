@@ -46,11 +46,14 @@ def _free_port() -> int:
 
 
 def _serve(model_dir: str, port: int, connector: dict, log,
-           max_model_len: int = MAX_MODEL_LEN) -> subprocess.Popen:
+           max_model_len: int = MAX_MODEL_LEN, tokenizer: bool = False) -> subprocess.Popen:
+    """A ``vllm serve`` of ``model_dir`` (token ids only, unless ``tokenizer``: the
+    model has a chat tokenizer, memkv.bench.chat_tokenizer)."""
     args = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-        "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+        *(() if tokenizer else ("--skip-tokenizer-init",)), "--dtype", "float32",
+        "--enforce-eager",
         "--block-size", str(BLOCK_SIZE), "--max-model-len", str(max_model_len),
         "--num-gpu-blocks-override", "64", "--enable-prefix-caching",
         "--enable-prompt-tokens-details", "--seed", "0",  # (stats on: /metrics are live)
