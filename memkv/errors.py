@@ -43,6 +43,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "ConflictError",
+    "OutOfRangeError",
     "CorruptDataError",
     "ForbiddenError",
     "InvalidInputError",
@@ -108,6 +109,11 @@ class PrefixNotStoredError(InvalidInputError):
 
     def __reduce__(self) -> tuple[type, tuple[str, int]]:  # across Ray, with its field
         return (type(self), (str(self), self.first_missing))
+
+
+class OutOfRangeError(InvalidInputError):
+    """A position outside what it names: a fork or rewind past a session's tokens, or
+    below its first (HTTP 400, as OpenAI-style APIs answer a bad request)."""
 
 
 class ConflictError(InvalidInputError):

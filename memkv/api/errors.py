@@ -30,6 +30,7 @@ from memkv.errors import (
     InvalidInputError,
     MemkvError,
     NotFoundError,
+    OutOfRangeError,
     UnauthorizedError,
     plain_message,
 )
@@ -55,6 +56,7 @@ _STATUS: list[tuple[type[BaseException], int]] = [
     (UnauthorizedError, 401),
     (ForbiddenError, 403),
     (ConflictError, 409),
+    (OutOfRangeError, 400),
     (NotFoundError, 404),
     (BlockLostError, 410),
     (InvalidInputError, 422),
@@ -150,8 +152,8 @@ def internal_response(exc: BaseException) -> JSONResponse:
 #: What each status of the error envelope means, for the OpenAPI document.
 _ERROR_DOCS = {
     400: "A request the gateway cannot read (a malformed body, or a client that left "
-         "mid-body); on the OpenAI routes, a malformed request in OpenAI's error shape "
-         "(error.message, error.type).",
+         "mid-body), a fork or rewind outside the session's tokens; on the OpenAI routes, "
+         "a malformed request in OpenAI's error shape (error.message, error.type).",
     401: "No valid bearer token.",
     403: "The token may not do this (role or namespace).",
     404: "No such session or block (another tenant's answers the same).",

@@ -118,9 +118,6 @@ class SuspendIn(_Model):
     offline: bool = False
 
 
-#: A count of a session's tokens (the constraint inside, so that None stays allowed and
-#: the schema says "minimum").
-TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKEN_ID), BeforeValidator(_json_int)]
 _TAIL_TOKENS = Field(
     default=None, max_length=LAYOUT_LIMITS["block_tokens"],
     description="Only when the end falls inside a block: that block's token ids (all of "
@@ -134,18 +131,21 @@ class ForkIn(_Model):
         pattern=SESSION_ID_PATTERN,
         description="The new session's id (the caller's tenant, as the parent's).",
     )
-    at_tokens: TokenCount | None = Field(
+    # (no bounds here: a count outside 1..the parent's tokens is a 400 naming them)
+    at_tokens: JsonInt | None = Field(
         default=None,
-        description="Tokens of the parent it keeps (default: all); one that ends inside a "
+        description="Tokens of the parent it keeps (1 to its count; default: all); one that "
+        "ends inside a "
         "block has that block's first tokens copied once, every other block is shared.",
     )
     tail_tokens: list[TokenId] | None = _TAIL_TOKENS
 
 
 class RewindIn(_Model):
+    # (no bounds here: a count outside 1..the session's tokens is a 400 naming them)
     tokens: JsonInt = Field(
-        ge=1, le=MAX_TOKEN_ID,
-        description="Tokens the session keeps; the blocks after them are let go.")
+        description="Tokens the session keeps (1 to its count); the blocks after them are "
+        "let go.")
     tail_tokens: list[TokenId] | None = _TAIL_TOKENS
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memkv.errors import ConflictError, InvalidInputError
+from memkv.errors import ConflictError, InvalidInputError, OutOfRangeError
 from memkv.protocol.hashing import ROOT_HASH, BlockHash, hash_block, token_array
 from memkv.protocol.layout import KVLayout, block_token_count
 from memkv.protocol.services import BlockCut, CreateSession, ForkSession, Quota, SessionView
@@ -44,11 +44,12 @@ def prefix_of(
             (needed only then).
 
     Raises:
-        InvalidInputError: ``at`` is not in ``[1, tokens]``; or it ends inside a
+        OutOfRangeError: ``at`` is not in ``[1, tokens]``.
+        InvalidInputError: it ends inside a
             block and ``tail_tokens`` are missing or not that block's tokens.
     """
     if isinstance(at, bool) or not isinstance(at, int) or not 1 <= at <= tokens:
-        raise InvalidInputError(
+        raise OutOfRangeError(
             f"a {what} keeps between 1 and the session's {tokens} tokens, got {at!r}"
             + (" (delete the session to drop all of it)" if at == 0 else "")
         )

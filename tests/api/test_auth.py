@@ -26,6 +26,7 @@ from memkv.errors import (
     ConfigError,
     ForbiddenError,
     InvalidInputError,
+    OutOfRangeError,
     UnauthorizedError,
     UnknownBlockError,
     UnknownSessionError,
@@ -525,10 +526,19 @@ def test_forks_and_rewinds_are_a_tenants_own(gateway):
         # Out of range, or a cut without its block's own tokens: refused, nothing changed.
         with pytest.raises(InvalidInputError, match="not the tokens of block 1"):
             alice.fork_session("trunk", "lying", at_tokens=6, token_ids=list(range(20, 30)))
-        with pytest.raises(InvalidInputError, match="between 1 and the session's 10"):
+        with pytest.raises(OutOfRangeError, match="between 1 and the session's 10"):
             alice.fork_session("trunk", "too-far", at_tokens=11)
-        with pytest.raises(InvalidInputError):
-            alice.rewind_session("trunk", 0)
+        for bad in (0, -3):
+            with pytest.raises(OutOfRangeError):
+                alice.rewind_session("trunk", bad)
+        with httpx.Client(base_url=gateway.url, headers={
+                "Authorization": f"Bearer {TOKENS['alice'][0]}"}) as http:
+            for path, body in (("fork", {"new_id": "x", "at_tokens": 11}),
+                               ("fork", {"new_id": "x", "at_tokens": 0}),
+                               ("rewind", {"tokens": -1}), ("rewind", {"tokens": 11})):
+                answer = http.post(f"/v1/sessions/trunk/{path}", json=body)
+                assert answer.status_code == 400, (path, body, answer.text)
+                assert answer.json()["error"]["type"] == "OutOfRangeError"
         assert alice.rewind_session("trunk", 4).tokens == 4
         got = [b.array.tobytes() for b in alice.read_blocks("trunk")]
         assert got == [blocks[0].numpy().tobytes()]
