@@ -10,6 +10,7 @@ as object references.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,12 +21,18 @@ from memkv.actors.cold_replicas import ArchiveReplicas, replica_order
 from memkv.actors.handles import named_actors
 from memkv.actors.node_env import export_node_id
 from memkv.config import DeviceSettings
+from memkv.config.schema import KVEventsSettings
+from memkv.device.kv_events import KVEventPublisher
 from memkv.device.service import DeviceService, attach_priority_session
 from memkv.protocol.members import StoredBlocks
 from memkv.protocol.messages import ChainUpdate
 from memkv.protocol.payload import BlockPayload, StagedBlock
 from memkv.shm.ownership import warm_segment_name
 from memkv.storage.config import CodecConfig, StoreConfig
+from memkv.storage.pool_ladder import TierLadder
+from memkv.storage.tier_events import TierEventLog
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ArchiveReplicas",
@@ -53,6 +60,8 @@ class DeviceCache(DeviceService):
             namespace of the job that created it, which need not be the one
             its deployment's names live in.
         put_object: how read batches are handed over (``ray.put``: the object store).
+        kv_events: publish tier changes as vLLM's KV events (default: the device
+            settings' ``kv_events``; :mod:`memkv.device.kv_events`).
     """
 
     def __init__(
@@ -68,6 +77,7 @@ class DeviceCache(DeviceService):
         archives: Sequence[str] = (),
         archive_replicas: int = 1,
         replica_timeout_s: float | None = None,
+        kv_events: KVEventsSettings | None = None,
     ) -> None:
         if ray.is_initialized():
             export_node_id()  # warm-tier paths may name $MEMKV_NODE_ID
@@ -89,6 +99,7 @@ class DeviceCache(DeviceService):
 
         sizes = None
         if isinstance(store_config, DeviceSettings):
+            kv_events = kv_events or store_config.kv_events
             # A deployment's settings say whether reads are planned (off unless
             # turned on); a plain StoreConfig (tests, one process) plans them.
             if same_node_reads is None:
@@ -111,6 +122,9 @@ class DeviceCache(DeviceService):
             segment_scope=namespace or "",
             archive_name=archive_name,
         )
+        self.kv_events: KVEventPublisher | None = None
+        if kv_events is not None:
+            self.kv_events = publish_tier_events(self.pool.ladder, kv_events, device_id)
 
     def put(  # also takes blocks by object reference
         self,
@@ -129,6 +143,29 @@ class DeviceCache(DeviceService):
             for i, value in zip(refs, ray.get(pending), strict=True):
                 resolved[i] = value
         return super().put(update, resolved, checksums, durable, owner, since)
+
+    def close(self) -> None:
+        super().close()
+        if self.kv_events is not None:
+            self.kv_events.close()  # (after the pool: its last changes go out too)
+
+
+def publish_tier_events(ladder: TierLadder, settings: KVEventsSettings,
+                        device_id: str) -> KVEventPublisher:
+    """Start publishing ``ladder``'s tier changes (``device.kv_events``) from this process."""
+    log = TierEventLog()
+    ladder.tier_events = log
+    endpoint = settings.endpoint
+    local_gpu = int(ray.get_gpu_ids()[0]) if ray.is_initialized() and ray.get_gpu_ids() else 0
+    head, sep, port = endpoint.rpartition(":")
+    if not settings.connect and endpoint.startswith("tcp://") and port.isdigit() and int(
+            port) > 0 and sep:
+        endpoint = f"{head}:{int(port) + local_gpu}"
+    host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    publisher = KVEventPublisher(log, endpoint, host=host, device_id=device_id,
+                                 interval_s=settings.interval_s, connect=settings.connect)
+    logger.info("device %s publishes kv events on %s", device_id, publisher.endpoint)
+    return publisher
 
 
 #: The actor. A few concurrent calls (the store has its own lock) let a prefetch

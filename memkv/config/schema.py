@@ -71,6 +71,22 @@ def _check_name(value: str, what: str) -> str:
 _Capacity = Annotated[int, Field(gt=0)] | Literal["auto"]
 
 
+class KVEventsSettings(Frozen):
+    """``device.kv_events``: the device's tier changes as vLLM's KV events over ZMQ."""
+
+    endpoint: str = Field(
+        default="tcp://*:5557",
+        pattern=r"^(tcp|ipc|inproc)://",
+        description="ZMQ PUB endpoint the device binds (PORT plus the device's local GPU "
+        "index, as vLLM offsets by data-parallel rank; port 0: the system chooses, the "
+        "device's log names it), or with connect, a collector's.",
+    )
+    connect: bool = Field(default=False,
+                          description="Connect to endpoint (a collector) rather than bind it.")
+    interval_s: float = Field(default=0.05, gt=0, le=10,
+                              description="How often queued changes are sent as one batch.")
+
+
 class DeviceSettings(EngineSettings):
     """One device actor: its hot (device) and warm (host) tiers; the engine's policies
     come from :class:`~memkv.storage.config.EngineSettings`."""
@@ -101,6 +117,12 @@ class DeviceSettings(EngineSettings):
         description="GPU devices only: the hot arena from CUDA managed memory preferring the "
         "device (cudaMemAdvise), and a CUDA stream per high-priority session with its blocks "
         "attached to it; never more than the device has free. Off by default.",
+    )
+    kv_events: KVEventsSettings | None = Field(
+        default=None,
+        description="Publish the device's tier changes (blocks stored on, removed from hot, "
+        "warm, cold) as vLLM's KV events over ZMQ, for KV-aware routers (docs/engines.md). "
+        "Off unless set.",
     )
     same_node_reads: bool = Field(
         default=False,

@@ -39,6 +39,7 @@ from memkv.storage.precision import (
     convert,
     quantize_int8,
 )
+from memkv.storage.tier_events import TierEventLog
 from memkv.storage.tiers import ColdBackend, MemoryTier, StoredBlock, stored_data
 
 __all__ = ["RECENT_PUTS", "TierLadder"]
@@ -76,6 +77,8 @@ class TierLadder:
         self._recent_put_bytes: deque[int] = deque(maxlen=RECENT_PUTS)
         # Cold copies read ahead of taking the lock, for the reads now holding it.
         self._cold_read_ahead: dict[BlockHash, torch.Tensor] = {}
+        # Where each copy's tier changes go (a KV-events publisher; None: nowhere).
+        self.tier_events: TierEventLog | None = None
 
     @property
     def top(self) -> MemoryTier:
@@ -109,12 +112,12 @@ class TierLadder:
                 below = self._below_top(entry, block, now) if below is None else below
                 stored = below
             if self.put_memory(tier, entry, stored, now):
-                entry.tier = tier.tier
+                self.set_tier(entry, tier.tier)
                 if depth:
                     self.note_demoted(entry, lossy=_precision_step(stored, block))
                 return
         self.ensure_cold(entry, block)
-        entry.tier = None
+        self.set_tier(entry, None)
         self.note_demoted(entry, lossy=_codec_step(entry.cold_codec))
 
     def adopt_placed(self, entry: _Block, block: torch.Tensor, slot: Allocation,
@@ -129,7 +132,7 @@ class TierLadder:
             entry.crc32 = _crc32(block)
         tier.put(entry.key, block, parent=entry.parent, priority=entry.priority, now=now,
                  reserve_bytes=slot.nbytes, placed=slot)
-        entry.tier = tier.tier
+        self.set_tier(entry, tier.tier)
         return True
 
     def put_memory(
@@ -197,11 +200,11 @@ class TierLadder:
             # move the copy as it is.
             moved = self._below_top(entry, stored, now) if depth == 0 else stored
             if lower is not None and self.put_memory(lower, entry, moved, now):
-                entry.tier = lower.tier
+                self.set_tier(entry, lower.tier)
                 self.note_demoted(entry, lossy=_precision_step(moved, stored))
             else:
                 self.ensure_cold(entry, stored)
-                entry.tier = None
+                self.set_tier(entry, None)
                 self.note_demoted(entry, lossy=_codec_step(entry.cold_codec))
         except CapacityError:
             tier.restore(key, now)
@@ -252,6 +255,7 @@ class TierLadder:
         codec = self._cold_codec(entry, offline, stored)
         self.cold.put(entry.key, stored, fingerprint=entry.layout.fingerprint, codec=codec)
         self._mark_cold(entry, stored, codec)
+        self._note(True, entry, Tier.COLD)
 
     def ensure_cold_many(
         self, entries: Sequence[_Block], *, offline: bool, durable: bool = False
@@ -276,6 +280,7 @@ class TierLadder:
         )
         for entry, stored, codec in items:
             self._mark_cold(entry, stored, codec)
+            self._note(True, entry, Tier.COLD)
 
     def _cold_codec(
         self, entry: _Block, offline: bool, stored: StoredBlock | None = None
@@ -328,7 +333,7 @@ class TierLadder:
             return False
         if source is not None:
             self.tier(source).remove(entry.key)
-        entry.tier = self.top.tier
+        self.set_tier(entry, self.top.tier)
         self.counters["promotions"] += 1
         return True
 
@@ -365,9 +370,33 @@ class TierLadder:
         record."""
         if entry.tier is not None:
             self.tier(entry.tier).remove(entry.key)
+            self._note(False, entry, entry.tier)
         if entry.in_cold:
             self.cold.remove(entry.key)
+            self._note(False, entry, Tier.COLD)
         self.table.drop(entry.key)
+
+    def set_tier(self, entry: _Block, tier: Tier | None) -> None:
+        """``entry``'s memory copy is on ``tier`` now (None: none; the cold copy, if
+        any, is separate): the change is noted for the tier events."""
+        old, entry.tier = entry.tier, tier
+        if old is not tier:
+            if old is not None:
+                self._note(False, entry, old)
+            if tier is not None:
+                self._note(True, entry, tier)
+
+    def note_cold(self, entry: _Block) -> None:
+        """A record made for a block the cold tier already holds (a restart's)."""
+        self._note(True, entry, Tier.COLD)
+
+    def _note(self, stored: bool, entry: _Block, tier: Tier) -> None:
+        if self.tier_events is None:
+            return
+        if stored:
+            self.tier_events.stored(entry.key, entry.parent, tier, entry.layout.block_tokens)
+        else:
+            self.tier_events.removed(entry.key, tier)
 
     def note_demoted(self, entry: _Block, *, lossy: str | None) -> None:
         """The copy that remains went through ``lossy`` (a step's name; None: none):

@@ -300,7 +300,7 @@ class References:
                 entry = self.table[key]
                 if entry.active_refs == 0 and entry.pins == 0 and entry.tier is not None:
                     self.ladder.tier(entry.tier).remove(key)
-                    entry.tier = None
+                    self.ladder.set_tier(entry, None)
                     self.counters["demotions"] += 1
                     # The cold copy is the one left: a lossy codec makes reads inexact.
                     self.ladder.note_demoted(entry, lossy=_codec_step(entry.cold_codec))
@@ -441,6 +441,7 @@ class References:
                     lossy=("int8" if codec == "int8" else _codec_step(codec)) or "",
                 )
                 self.table.add(entry)
+                self.ladder.note_cold(entry)
             self._hold(entry, priority, active, now, exact_only, owner)
 
     def _hold(
