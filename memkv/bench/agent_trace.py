@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from memkv.bench.trace_replay import Request
 
-__all__ = ["AgentFleet", "agent_fleet_trace"]
+__all__ = ["AgentFleet", "TurnHint", "agent_fleet_trace", "agent_fleet_turns"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +71,33 @@ def _prefix(system: int, tools: int, fleet: AgentFleet) -> list[int]:
     return ids
 
 
+@dataclass(frozen=True, slots=True)
+class TurnHint:
+    """What a request's session says of itself when its turn ends (docs/front-door.md):
+    it pauses for about ``pause_ms`` (an agent waiting on a human or a slow tool
+    says so, not knowing the gap exactly), it is done (``final``: its last turn, or
+    a one-shot document read), or nothing (it is thinking, back within seconds)."""
+
+    session: int
+    pause_ms: float | None = None
+    final: bool = False
+
+
+#: How far off an agent's stated pause is: the true gap times e^N(0, sigma).
+PAUSE_ESTIMATE_SIGMA = 0.5
+
+
 def agent_fleet_trace(fleet: AgentFleet = AgentFleet(), seed: int = 0) -> list[Request]:
     """The trace of ``fleet``, deterministic for ``seed``."""
+    return [request for request, _ in agent_fleet_turns(fleet, seed)]
+
+
+def agent_fleet_turns(fleet: AgentFleet = AgentFleet(),
+                      seed: int = 0) -> list[tuple[Request, TurnHint]]:
+    """The trace of ``fleet`` with each request's lifecycle hint (the same requests as
+    :func:`agent_fleet_trace`; the hints' estimates draw from a second generator)."""
     rng = random.Random(seed)
+    estimates = random.Random(seed + 1_000_003)
     fresh = iter(range(10**9, 2 * 10**9))  # content ids of new blocks, never repeated
     # (time, tie-breaker, agent) of each agent's next turn.
     queue: list[tuple[float, int, int]] = []
@@ -84,14 +108,15 @@ def agent_fleet_trace(fleet: AgentFleet = AgentFleet(), seed: int = 0) -> list[R
                                  rng.randrange(fleet.tool_sets), fleet)
         turns_left[agent] = rng.randint(*fleet.turns)
         heapq.heappush(queue, (rng.uniform(0, fleet.arrival_window_ms), agent, agent))
-    requests: list[Request] = []
+    requests: list[tuple[Request, TurnHint]] = []
     documents_due = 0.0
     while queue:
         t, _, agent = heapq.heappop(queue)
         chain = history[agent]
         for _ in range(rng.randint(1, 4)):
             chain.append(_chain(chain[-1], next(fresh)))
-        requests.append(Request(t, tuple(chain)))
+        turn = len(requests)
+        requests.append((Request(t, tuple(chain)), TurnHint(agent, final=True)))
         # One-shot documents, interleaved at their share of the traffic.
         documents_due += fleet.document_share / (1 - fleet.document_share)
         while documents_due >= 1:
@@ -99,14 +124,19 @@ def agent_fleet_trace(fleet: AgentFleet = AgentFleet(), seed: int = 0) -> list[R
             doc = _prefix(rng.randrange(fleet.system_prompts), 0, fleet)[: fleet.system_blocks]
             for _ in range(rng.randint(*fleet.document_blocks)):
                 doc.append(_chain(doc[-1], next(fresh)))
-            requests.append(Request(t + rng.uniform(0, 1), tuple(doc)))
+            requests.append((Request(t + rng.uniform(0, 1), tuple(doc)),
+                             TurnHint(-len(requests) - 1, final=True)))  # one-shot
         turns_left[agent] -= 1
         if turns_left[agent] > 0:
+            hint = TurnHint(agent)  # thinking: back within seconds
             if rng.random() < fleet.idle_probability:
                 lo, hi = fleet.idle_ms
                 gap = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+                hint = TurnHint(agent, pause_ms=gap * math.exp(
+                    estimates.gauss(0.0, PAUSE_ESTIMATE_SIGMA)))
             else:
                 gap = rng.expovariate(1 / fleet.think_ms)
+            requests[turn] = (requests[turn][0], hint)
             heapq.heappush(queue, (t + gap, len(requests), agent))
-    requests.sort(key=lambda r: r.timestamp)
-    return [Request(float(int(r.timestamp)), r.hash_ids) for r in requests]
+    requests.sort(key=lambda pair: pair[0].timestamp)
+    return [(Request(float(int(r.timestamp)), r.hash_ids), hint) for r, hint in requests]
