@@ -90,6 +90,8 @@ class FrontDoor:
     _pending: list[EngineSpec] | None = None  # configured engines not registered yet
     #: Stored responses this process read or wrote, and conversations by their history.
     chains: ChainBook = field(default_factory=ChainBook)
+    #: Sessions this process suspended on a pause hint (resumed before their next turn).
+    paused: SessionLRU[bool] = field(default_factory=lambda: SessionLRU(AFFINITY_ENTRIES))
 
     async def ready(self) -> None:
         """On first use: take the engines other gateway processes registered, and start

@@ -24,10 +24,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
-from starlette.background import BackgroundTask
+from starlette.background import BackgroundTasks
 
 from memkv.api.context import Caller, Gateway, GatewayState
 from memkv.api.engines.dispatch import send_to_engine
+from memkv.api.engines.hints import TurnHints, after_turn, before_turn
 from memkv.api.engines.requests import (
     ENGINE_HEADER,
     door_of,
@@ -39,7 +40,7 @@ from memkv.api.engines.requests import (
     unknown_model,
 )
 from memkv.api.models import _Model
-from memkv.errors import NotFoundError
+from memkv.errors import InvalidInputError, NotFoundError
 
 __all__ = ["router"]
 
@@ -71,8 +72,11 @@ def _body_schema(needs: str) -> dict[str, Any]:
                        needs: {"type": "array"} if needs == "messages" else {},
                        "stream": {"type": "boolean"},
                        "user": {"type": "string"},
-                       "memkv": {"type": "object",
-                                 "properties": {"session_id": {"type": "string"}}}}}}}},
+                       "memkv": {"type": "object", "properties": {
+                           "session_id": {"type": "string"},
+                           "pause": {"type": "object", "properties": {"expected_s": {
+                               "type": "number", "minimum": 0, "maximum": 86400}}},
+                           "final": {"type": "boolean"}}}}}}}},
         "responses": {"200": {"description": "The engine's answer (JSON, or server-sent "
                                              "events when stream is true).",
                               "content": {"application/json": {"schema": {"type": "object"}},
@@ -143,7 +147,13 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
         return openai_error(400, f"'{needs}' is required for {path}")
     if not any(e.model == model for e in door.registry.serving(who.tenant)):
         return unknown_model(model)
+    try:
+        hints = TurnHints.of(body)
+    except InvalidInputError as e:
+        return openai_error(422, str(e), param="memkv")
     routed = await routed_session(gw, door, who, session_of(request, body))
+    if routed.sid is not None:
+        await before_turn(gw, door, routed.sid)
     body.pop("memkv", None)
     sent = await send_to_engine(door, model, path, body, routed, forwarded_headers(request))
     if isinstance(sent, set):
@@ -151,12 +161,18 @@ async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: st
     answer, relay = sent
     media = answer.headers.get("content-type", "application/json")
     headers = {ENGINE_HEADER: relay.engine.engine_id}
+    after = BackgroundTasks()
     if body.get("stream") is not True:
         try:
             content = await answer.aread()
         finally:
             await relay.close()
+        if routed.sid is not None and answer.status_code == 200:
+            after.add_task(after_turn, gw, door, routed.sid, hints)
         return Response(content, status_code=answer.status_code, media_type=media,
-                        headers=headers)
+                        headers=headers, background=after)
+    after.add_task(relay.close)
+    if routed.sid is not None and answer.status_code == 200:
+        after.add_task(after_turn, gw, door, routed.sid, hints)
     return StreamingResponse(relay.events(), status_code=answer.status_code, media_type=media,
-                             headers=headers, background=BackgroundTask(relay.close))
+                             headers=headers, background=after)

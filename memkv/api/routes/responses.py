@@ -24,11 +24,12 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from starlette.background import BackgroundTasks
 
 from memkv.api.context import Caller, Gateway, GatewayState, Principal, scoped
 from memkv.api.engines.dispatch import send_to_engine
 from memkv.api.engines.front_door import FrontDoor
+from memkv.api.engines.hints import TurnHints, after_turn, before_turn
 from memkv.api.engines.requests import (
     ENGINE_HEADER,
     door_of,
@@ -137,6 +138,10 @@ async def create_response(request: Request, gw: GatewayState, who: Caller) -> Re
     if not any(e.model == model for e in door.registry.serving(who.tenant)):
         return unknown_model(model)
     try:
+        hints = TurnHints.of(body)
+    except InvalidInputError as e:
+        return openai_error(422, str(e), param="memkv")
+    try:
         turn = await _turn(request, gw, who, door, body)
         chat = chat_request(body, turn.items)
     except UnknownResponseError as e:
@@ -144,6 +149,8 @@ async def create_response(request: Request, gw: GatewayState, who: Caller) -> Re
     except InvalidInputError as e:
         return openai_error(400, str(e))
     routed = await routed_session(gw, door, who, turn.session)
+    await before_turn(gw, door, turn.sid)
+    after = BackgroundTasks()
     sent = await send_to_engine(door, model, "/v1/chat/completions", chat, routed,
                                 forwarded_headers(request))
     if isinstance(sent, set):
@@ -168,12 +175,15 @@ async def create_response(request: Request, gw: GatewayState, who: Caller) -> Re
                                    finish_reason=choice.get("finish_reason"),
                                    created_at=turn.created_at)
         await turn.finish(gw, door, response)
-        return JSONResponse(response, headers=headers)
+        after.add_task(after_turn, gw, door, turn.sid, hints)
+        return JSONResponse(response, headers=headers, background=after)
     events = ResponseEvents(turn.response_id, body, turn.created_at)
     stream = events.translate(chat_chunks(relay.events()),
                               on_finished=lambda response: turn.finish(gw, door, response))
+    after.add_task(relay.close)
+    after.add_task(after_turn, gw, door, turn.sid, hints)
     return StreamingResponse(stream, media_type="text/event-stream", headers=headers,
-                             background=BackgroundTask(relay.close))
+                             background=after)
 
 
 @router.get("/v1/responses/{response_id}")
