@@ -118,6 +118,9 @@ class SuspendIn(_Model):
     offline: bool = False
 
 
+#: A count of tokens as the wire carries it (int64); whether it is in the session's range
+#: is the session's to say (400, naming it), not the schema's.
+TokenCount = Annotated[int, Field(ge=-(1 << 63), le=MAX_TOKEN_ID), BeforeValidator(_json_int)]
 _TAIL_TOKENS = Field(
     default=None, max_length=LAYOUT_LIMITS["block_tokens"],
     description="Only when the end falls inside a block: that block's token ids (all of "
@@ -132,7 +135,7 @@ class ForkIn(_Model):
         description="The new session's id (the caller's tenant, as the parent's).",
     )
     # (no bounds here: a count outside 1..the parent's tokens is a 400 naming them)
-    at_tokens: JsonInt | None = Field(
+    at_tokens: TokenCount | None = Field(
         default=None,
         description="Tokens of the parent it keeps (1 to its count; default: all); one that "
         "ends inside a "
@@ -143,7 +146,7 @@ class ForkIn(_Model):
 
 class RewindIn(_Model):
     # (no bounds here: a count outside 1..the session's tokens is a 400 naming them)
-    tokens: JsonInt = Field(
+    tokens: TokenCount = Field(
         description="Tokens the session keeps (1 to its count); the blocks after them are "
         "let go.")
     tail_tokens: list[TokenId] | None = _TAIL_TOKENS
