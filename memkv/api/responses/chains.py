@@ -58,6 +58,7 @@ class ChainBook:
     def __init__(self) -> None:
         self._turns: SessionLRU[StoredTurn] = SessionLRU(CACHED_RESPONSES)
         self._by_history: SessionLRU[str] = SessionLRU(CONVERSATIONS)
+        self._latest: SessionLRU[str] = SessionLRU(CONVERSATIONS)  # session -> last response
 
     async def turn(self, routers: Any, scoped: Any, response_id: str) -> StoredTurn:
         """The stored response ``response_id`` of the caller (``scoped``: the caller's
@@ -96,7 +97,15 @@ class ChainBook:
         conversation of that session, among its tenant's (``tenant_prefix``)."""
         if turn is not None:
             self._turns.put(f"{sid}\0{response_id}", turn)
+        self._latest.put(sid, response_id)
         self._by_history.put(history_digest(tenant_prefix, [*items, *output]), session)
+
+    def branches(self, sid: str, previous_id: str) -> bool:
+        """Whether a turn continuing ``previous_id`` (of session ``sid``) starts a branch:
+        the session has gone on since from another of its responses (as far as this
+        process saw; unknown: it continues the session)."""
+        latest = self._latest.get(sid)
+        return latest is not None and latest != previous_id
 
     def forget(self, sid: str, response_id: str) -> None:
         self._turns.drop(f"{sid}\0{response_id}")

@@ -9,10 +9,11 @@ can continue it, and loads its prefix from memkv. Each response is stored
 durably, before it is answered (:mod:`memkv.router.responses`).
 
 The session of a response: memkv's own fields, ``prompt_cache_key``,
-``conversation``, the session of ``previous_response_id``, ``X-Session-ID``,
-``user`` (:func:`memkv.api.engines.requests.session_of`); else the session of an
-earlier conversation whose history the input repeats (an agent that resends its
-history each turn), else a new one. A response id names its session
+``conversation``, the session of ``previous_response_id`` (a session of its own
+for a branch: a continuation of a response its session has gone on from),
+``X-Session-ID``, ``user`` (:func:`memkv.api.engines.requests.session_of`); else
+the session of an earlier conversation whose history the input repeats (an agent
+that resends its history each turn), else a new one. A response id names its session
 (:mod:`memkv.protocol.responses`), so another tenant's id is a 404 like an unknown one.
 """
 
@@ -112,7 +113,14 @@ async def _turn(request: Request, gw: Gateway, who: Principal, door: FrontDoor,
     history = await door.chains.history(
         gw.routers, lambda s: scoped(who, s, "read"), previous) if previous else []
     new_items = input_items(body.get("input"))
-    session = session_of(request, body, session_of_response(previous) if previous else None)
+    chained = session_of_response(previous) if previous else None
+    if chained is not None and previous is not None and door.chains.branches(
+            scoped(who, chained, "read"), previous):
+        # A branch (a retry, another plan) from an earlier response: its own session, so
+        # that its turns do not replace the other branch's chain (its prefix is shared
+        # by content, as any stored block is).
+        chained = f"{chained[:240]}.b{secrets.token_hex(4)}"
+    session = session_of(request, body, chained)
     if session is None:
         session = door.chains.session_by_history(_tenant_prefix(who), [*history, *new_items])
     return _Turn(who, body, session or f"chain-{secrets.token_hex(12)}", new_items, history)

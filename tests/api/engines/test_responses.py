@@ -319,3 +319,25 @@ def test_another_tenants_response_is_404_on_every_route(tmp_path):
             assert all("my secret plan" not in json.dumps(body["messages"])
                        for body in engine.seen[1:])
             assert acme.get(f"/v1/responses/{secret['id']}").status_code == 200
+
+
+def test_a_branch_from_an_earlier_response_gets_a_session_of_its_own(agents):
+    http, engines, *_ = agents
+
+    def session_of(answer: httpx.Response) -> str:
+        return _engine(engines, answer).seen[-1]["kv_transfer_params"]["session_id"]
+
+    root = _respond(http, input="plan a trip")
+    trunk = session_of(root)
+    first = _respond(http, input="by train", previous_response_id=root.json()["id"])
+    assert session_of(first) == trunk  # the chain goes on: its session
+    retry = _respond(http, input="by plane", previous_response_id=root.json()["id"])
+    branch = session_of(retry)
+    assert branch != trunk and branch.startswith(trunk + ".b")
+    # Each branch goes on in its own session, with its own history.
+    assert session_of(_respond(http, input="and then?",
+                               previous_response_id=first.json()["id"])) == trunk
+    after = _respond(http, input="and then?", previous_response_id=retry.json()["id"])
+    assert session_of(after) == branch
+    assert [m["content"] for m in _engine(engines, after).seen[-1]["messages"]][-2:] == [
+        retry.json()["output"][0]["content"][0]["text"], "and then?"]
