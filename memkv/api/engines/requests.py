@@ -4,13 +4,16 @@ where that session's KV is, the headers an engine gets, OpenAI's error shape."""
 
 from __future__ import annotations
 
+import json
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from memkv.api.context import Gateway, Principal, scoped
 from memkv.api.engines.dispatch import Routed
 from memkv.api.engines.front_door import FrontDoor
-from memkv.errors import MemkvError
+from memkv.api.engines.hints import TurnHints
+from memkv.errors import InvalidInputError, MemkvError
 from memkv.protocol.ids import hashed_session_id, is_session_id
 from memkv.protocol.responses import OpenAIDocument
 
@@ -20,6 +23,7 @@ __all__ = [
     "forwarded_headers",
     "no_engine",
     "openai_error",
+    "read_request",
     "routed_session",
     "session_of",
     "unknown_model",
@@ -50,6 +54,31 @@ def unknown_model(model: str) -> JSONResponse:
 def no_engine(model: str, tried: set[str]) -> JSONResponse:
     return openai_error(503, f"no healthy engine could take a request for {model!r}"
                         + (f" (tried {sorted(tried)})" if tried else ""), "service_unavailable")
+
+
+async def read_request(request: Request, door: FrontDoor, who: Principal, path: str,
+                       needs: str) -> tuple[OpenAIDocument, str, TurnHints] | JSONResponse:
+    """A front-door request's body, its model and its turn's hints; or the error that
+    answers it (OpenAI's shape): not a JSON object, no model or no ``needs`` (400), a
+    model none of the caller's engines serve (404), hints out of range (422)."""
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        return openai_error(400, f"the body is not JSON: {e}")
+    if not isinstance(body, dict):
+        return openai_error(400, "the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        return openai_error(400, "'model' is required: a model name of GET /v1/models")
+    if needs not in body:
+        return openai_error(400, f"'{needs}' is required for {path}")
+    if not any(e.model == model for e in door.registry.serving(who.tenant)):
+        return unknown_model(model)
+    try:
+        hints = TurnHints.of(body)
+    except InvalidInputError as e:
+        return openai_error(422, str(e), param="memkv")
+    return body, model, hints
 
 
 async def door_of(gw: Gateway) -> FrontDoor:

@@ -18,29 +18,27 @@ OpenAI's shape (``{"error": {"message": ...}}``).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 from starlette.background import BackgroundTasks
 
 from memkv.api.context import Caller, Gateway, GatewayState
 from memkv.api.engines.dispatch import send_to_engine
-from memkv.api.engines.hints import TurnHints, after_turn, before_turn
+from memkv.api.engines.hints import after_turn, before_turn
 from memkv.api.engines.requests import (
     ENGINE_HEADER,
     door_of,
     forwarded_headers,
     no_engine,
-    openai_error,
+    read_request,
     routed_session,
     session_of,
-    unknown_model,
 )
 from memkv.api.models import _Model
-from memkv.errors import InvalidInputError, NotFoundError
+from memkv.errors import NotFoundError
 
 __all__ = ["router"]
 
@@ -134,23 +132,10 @@ async def completions(request: Request, gw: GatewayState, who: Caller) -> Respon
 async def _forward(request: Request, gw: Gateway, who: Any, path: str, needs: str) -> Response:
     who.require("write")
     door = await door_of(gw)
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as e:
-        return openai_error(400, f"the body is not JSON: {e}")
-    if not isinstance(body, dict):
-        return openai_error(400, "the body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        return openai_error(400, "'model' is required: a model name of GET /v1/models")
-    if needs not in body:
-        return openai_error(400, f"'{needs}' is required for {path}")
-    if not any(e.model == model for e in door.registry.serving(who.tenant)):
-        return unknown_model(model)
-    try:
-        hints = TurnHints.of(body)
-    except InvalidInputError as e:
-        return openai_error(422, str(e), param="memkv")
+    read = await read_request(request, door, who, path, needs)
+    if isinstance(read, JSONResponse):
+        return read
+    body, model, hints = read
     routed = await routed_session(gw, door, who, session_of(request, body))
     if routed.sid is not None:
         await before_turn(gw, door, routed.sid)

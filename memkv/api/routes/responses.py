@@ -30,16 +30,16 @@ from starlette.background import BackgroundTasks
 from memkv.api.context import Caller, Gateway, GatewayState, Principal, scoped
 from memkv.api.engines.dispatch import send_to_engine
 from memkv.api.engines.front_door import FrontDoor
-from memkv.api.engines.hints import TurnHints, after_turn, before_turn
+from memkv.api.engines.hints import after_turn, before_turn
 from memkv.api.engines.requests import (
     ENGINE_HEADER,
     door_of,
     forwarded_headers,
     no_engine,
     openai_error,
+    read_request,
     routed_session,
     session_of,
-    unknown_model,
 )
 from memkv.api.responses.chains import StoredTurn
 from memkv.api.responses.events import ResponseEvents, chat_chunks
@@ -132,23 +132,10 @@ async def create_response(request: Request, gw: GatewayState, who: Caller) -> Re
     chain on any engine; stored with its session unless ``store`` is false."""
     who.require("write")
     door = await door_of(gw)
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as e:
-        return openai_error(400, f"the body is not JSON: {e}")
-    if not isinstance(body, dict):
-        return openai_error(400, "the body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        return openai_error(400, "'model' is required: a model name of GET /v1/models")
-    if "input" not in body:
-        return openai_error(400, "'input' is required for /v1/responses")
-    if not any(e.model == model for e in door.registry.serving(who.tenant)):
-        return unknown_model(model)
-    try:
-        hints = TurnHints.of(body)
-    except InvalidInputError as e:
-        return openai_error(422, str(e), param="memkv")
+    read = await read_request(request, door, who, "/v1/responses", "input")
+    if isinstance(read, JSONResponse):
+        return read
+    body, model, hints = read
     try:
         turn = await _turn(request, gw, who, door, body)
         chat = chat_request(body, turn.items)
