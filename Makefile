@@ -95,7 +95,7 @@ browser:
 	else echo "not root: Chromium not installed, the status-page browser test will skip"; fi
 
 unit: $(STAMP) $(VLLM_STAMP) browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # The dev loop: everything but the tests marked slow (engines, benches, restarts).
 unit-fast: $(STAMP)

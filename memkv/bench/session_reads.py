@@ -77,28 +77,43 @@ def _in_cluster_reads(ctx: BenchContext, sid: str, route: Any, reps: int) -> lis
     own cache, as it would any restored block).
     """
     cluster = ctx.get_cluster()
-    # Untimed first: reads until the object store's worth of bytes has passed. A
-    # fresh process's first pass over the store's pages pays page faults (64 MiB:
-    # 43 ms against 25 ms once touched, measured here; Ray's preallocation of the
-    # store did not remove it) that a long-running cluster paid long ago.
-    layout: KVLayout = route.layout
-    session_bytes = max(1, sum(layout.block_nbytes(n) for n in route.tokens))
-    warm = 1 + -(-_object_store_bytes() // session_bytes)
+    _touch_object_store()
     lat = []
-    for _ in range(reps + warm):
+    for _ in range(reps + 1):  # the first pass untimed
         t0 = time.perf_counter()
         held = [block for _, block in cluster.read_session(sid)]
         lat.append(time.perf_counter() - t0)
         if len(held) != len(route.keys):
             raise RuntimeError(f"expected {len(route.keys)} blocks in-cluster, got {len(held)}")
         del held
-    return lat[warm:]
+    return lat[1:]
+
+
+def _touch_object_store(fill: float = 0.9, chunk_bytes: int = 8 << 20) -> None:
+    """Fault in this process's mapping of the object store, as a long-running reader has.
+
+    A fresh process's first pass over the store's pages pays page faults (64 MiB:
+    43 ms against 25 ms once touched, measured here; Ray's preallocation of the
+    store did not remove it). Objects put and held until most of the store is
+    written touch every page once; reading sessions until as many bytes had
+    passed did the same but took minutes for a small session (12,800 reads of
+    a 16 KiB session in the quick run).
+    """
+    import ray
+
+    held = []
+    for _ in range(int(_object_store_bytes() * fill) // chunk_bytes):
+        held.append(ray.put(np.ones(chunk_bytes, dtype=np.uint8)))
+    del held
 
 
 def _object_store_bytes() -> int:
+    """The object store of this process's node (a cluster's total counts every node's)."""
     import ray
 
-    return int(ray.cluster_resources().get("object_store_memory", 0))
+    here = ray.get_runtime_context().get_node_id()
+    node = next((n for n in ray.nodes() if n["NodeID"] == here and n["Alive"]), None)
+    return int((node or {}).get("Resources", {}).get("object_store_memory", 0))
 
 
 def _gateway_session_reads(

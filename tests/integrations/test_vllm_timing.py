@@ -26,6 +26,11 @@ pytestmark = pytest.mark.slow
 #: less than once in a thousand runs.
 PAIRS = 32
 MAX_AUC = 0.75
+#: The control's sample and bound: its hits read AUC 0.90-1.0 here, 0.897 once on a
+#: loaded CI machine at 32 pairs. At 64 pairs noise alone (no hits to see) reads past
+#: 0.85 less than once in a million runs, so the control still proves the probe sees hits.
+CONTROL_PAIRS = 64
+MIN_CONTROL_AUC = 0.85
 #: A model whose prefill of a probe's prompt costs far more than loading its KV (the
 #: fleet's: 8 layers, 32 KiB of KV per token), so that the control sees its hits: with
 #: the quick 2-layer model a 384-token prompt computes faster than any load (measured:
@@ -57,16 +62,17 @@ def shared_engine(memkv_deployment, tmp_path_factory):
         log.close()
 
 
+@pytest.mark.timeout(600)  # an engine's start and 96 probe pairs: 217 s alone here
 def test_a_tenant_cannot_time_another_tenants_prompts_through_a_shared_engine(shared_engine):
     d = shared_engine
     vocab = int(PROBE_MODEL["vocab_size"])
     probe = front_door_probe(d.url, MODEL, victim=d.other_token, attacker=d.token,
                              prompts=PAIRS, tokens=PROBE_TOKENS, vocab=vocab, seed=1)
     control = front_door_probe(d.url, MODEL, victim=d.other_token, attacker=d.token,
-                               prompts=PAIRS, tokens=PROBE_TOKENS, vocab=vocab, seed=2,
+                               prompts=CONTROL_PAIRS, tokens=PROBE_TOKENS, vocab=vocab, seed=2,
                                same_tenant=True)
     for result in (probe, control):
         print(f"{result.path}: ROC AUC {result.auc:.3f} (medians {result.positive_ms:.1f} / "
               f"{result.negative_ms:.1f} ms)")
-    assert control.auc > 0.9  # the probe works: the victim's own prompts hit
+    assert control.auc > MIN_CONTROL_AUC  # the probe works: the victim's own prompts hit
     assert probe.auc <= MAX_AUC, probe
