@@ -291,18 +291,9 @@ def _wait_saves_landed(stats_path: str, timeout_s: float = SAVES_LANDED_TIMEOUT_
     """Wait until an engine's connector has sent every save it queued (its stats file,
     written as saves are queued and as they land); False when that did not happen in
     ``timeout_s`` (or the engine has no connector)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with open(stats_path) as f:
-                doc = json.load(f)
-            if doc.get("saves_done", 0) >= doc.get("saves_queued", 0):
-                return True
-        except (OSError, ValueError):
-            pass  # not written yet, or no connector
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)  # another process's file: nothing to wait on but the clock
+    from memkv.integrations.vllm.stats_file import saves_settled
+
+    return saves_settled(stats_path, timeout_s) is not None
 
 
 def _memkv_lines(log_path: str, keep: int = 40) -> list[str]:

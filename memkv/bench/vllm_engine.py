@@ -26,17 +26,12 @@ SETTLE_S = 300.0
 
 def _settled(stats_path: str) -> dict:
     """The connector's counters once every save it queued is stored (or failed)."""
-    deadline = time.monotonic() + SETTLE_S
-    counts: dict = {}
-    while time.monotonic() < deadline:
-        try:
-            with open(stats_path) as f:
-                counts = json.load(f)
-            if counts["saves_done"] >= counts["saves_queued"]:
-                return counts
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.05)
+    from memkv.integrations.vllm.stats_file import saves_settled
+
+    counts = saves_settled(stats_path, SETTLE_S)
+    if counts is None:
+        with open(stats_path) as f:  # not settled in time: what there is
+            counts = json.load(f)
     return counts
 
 

@@ -150,6 +150,14 @@ class Appends:
             if chain_hint is not None
             else [bytes(k) for k in chain_hashes(token_ids, record.layout, record.namespace)]
         )
+        if not blocks and request.start_block == len(chain) and [
+                bytes(k) for k in record.chain] == [bytes(k) for k in chain]:
+            # A turn by reference that the session holds already (an engine that loaded
+            # it, or held it in its own cache): nothing changes, nothing is journaled.
+            self._state.touch(session_id)
+            return AppendAnswer(chain=tuple(bytes(k) for k in record.chain), turn=record.turn,
+                                new_blocks=0, deduplicated_blocks=0, released_blocks=0,
+                                replayed=True)
         update = self._state.sessions.plan_append(
             session_id, len(token_ids), chain, request.start_block)
         if request.quota is not None:

@@ -337,3 +337,36 @@ def test_the_async_client_fills_reserved_slots_too(gateway):
             assert all(torch.equal(b.tensor, e) for b, e in zip(got, expected, strict=True))
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("scoped", [None, "p7"], ids=["namespace", "partition"])
+def test_the_vllm_transport_appends_a_turn_by_reference_to_a_new_session(gateway, scoped):
+    """What the connector sends for a named session's turn whose every full block vLLM's
+    prefix cache held: no bytes, the turn's tokens; memkv holds the blocks (stored for
+    another session), and the named session is made of them, read back exactly."""
+    from memkv.integrations.vllm.transport import GatewayTransport
+
+    transport = GatewayTransport(LAYOUT, url=gateway.url, token=None, namespace=None)
+    scoped_transport = transport.scoped(scoped)
+    tokens = _tokens(31, 12)
+    keys, values = random_kv(LAYOUT, 12, 31)
+    blocks = split_kv(LAYOUT, keys, values)
+    try:
+        scoped_transport.save("ref-first", "normal", tokens, blocks, 0)  # computed once
+        named = f"ref-{uuid.uuid4().hex[:8]}"
+        scoped_transport.save(named, "normal", tokens, [], len(blocks))  # by reference
+        own = named if scoped is None else f"{named}:{scoped}"
+        with Client(gateway.url) as c:
+            view = c.session(own)
+            assert view.tokens == 12 and view.chain == c.session(
+                "ref-first" if scoped is None else f"ref-first:{scoped}").chain
+            got = list(c.read_blocks(own))
+            assert len(got) == len(blocks) and all(block.exact for block in got)
+            for block, expected in zip(got, blocks, strict=True):
+                assert torch.equal(block.tensor, expected)
+        # Blocks memkv does not hold cannot be referenced: refused, nothing stored.
+        with pytest.raises(Exception, match="not stored"):
+            scoped_transport.save(f"ref-{uuid.uuid4().hex[:8]}", "normal", _tokens(32, 12),
+                                  [], 3)
+    finally:
+        transport.close()

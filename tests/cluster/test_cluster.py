@@ -59,6 +59,20 @@ def test_a_shared_prefix_is_stored_once(cluster):
     assert same(read(cluster, b)[:2], a_blocks[:2])
 
 
+def test_a_turn_is_appended_by_reference_to_blocks_another_session_stored(cluster):
+    """The vLLM connector's in-cluster save of a turn its engine's prefix cache held whole:
+    no block sent, the session made of the blocks memkv holds, read back exactly."""
+    a, tokens, blocks = new_session(cluster, 12, seed=102)
+    b = f"s{next(_ids)}"
+    cluster.create_session(b, LAYOUT, namespace="tenant")
+    made = cluster.put_blocks(b, tokens, [], start_block=len(blocks))
+    assert cluster.device_of(b) == cluster.device_of(a)  # where the blocks are
+    assert same(read(cluster, b), blocks)
+    # The same turn again (an engine that loaded the session from memkv): no change.
+    again = cluster.put_blocks(b, tokens, [], start_block=len(blocks))
+    assert again.replayed and again.turn == made.turn and not made.replayed
+
+
 def test_suspend_archives_and_resume_is_lazy_and_byte_identical(cluster):
     sid, _, blocks = new_session(cluster, 64, seed=200)
     info = cluster.suspend(sid)

@@ -139,3 +139,40 @@ def test_every_complete_block_is_saved_exactly_once(prompt, chunks, decode):
     for r in saved:
         assert r.token_ids == tokens[: r.end * BS]
         assert r.block_ids == list(range(100 + r.start, 100 + r.end))
+
+
+def _named(req_id: str, session: str = "s", partition: str | None = None) -> RequestProgress:
+    return RequestProgress(req_id, session, "normal", prompt_tokens=10, partition=partition,
+                           block_ids=list(range(100, 104)), named=True)
+
+
+def test_a_named_turn_held_by_vllms_cache_is_appended_to_its_session_by_reference():
+    """Every full block in vLLM's prefix cache (computed for another session): nothing to
+    send, but the session must still grow by the turn, else another engine resuming it
+    computes everything again."""
+    progress = Progress(BS)
+    tokens = list(range(11))  # 2 full blocks and 3 tokens
+    progress.start(_named("r1"), computed=8, memkv_blocks=0)
+    assert progress.step("r1", 8, 2, 0, tokens) is None  # the tail is not full
+    ref = progress.finish("r1", computed=10, tokens=tokens)
+    assert ref is not None and ref.by_reference and (ref.start, ref.end) == (2, 2)
+    assert ref.block_ids == [] and ref.token_ids == tokens[:8] and ref.session_id == "s"
+    # The same turn again: this engine took the session that far already.
+    progress.start(_named("r2"), computed=8, memkv_blocks=2)
+    assert progress.finish("r2", computed=10, tokens=tokens) is None
+    # Another partition's session of that name is another session.
+    progress.start(_named("r3", partition="p1"), computed=8, memkv_blocks=0)
+    assert progress.finish("r3", computed=10, tokens=tokens).by_reference
+    # A request with no session of its own names none: nothing by reference.
+    anonymous = _request(10, blocks=4)
+    progress.start(anonymous, computed=8, memkv_blocks=0)
+    assert progress.finish("r", computed=10, tokens=tokens) is None
+
+
+def test_a_named_turn_that_sends_blocks_is_not_also_appended_by_reference():
+    progress = Progress(BS)
+    tokens = list(range(13))
+    progress.start(_named("r1"), computed=8, memkv_blocks=0)
+    sent = progress.step("r1", 8, 5, 0, tokens)  # completes block 2: sent from block 2
+    assert sent is not None and not sent.by_reference and (sent.start, sent.end) == (2, 3)
+    assert progress.finish("r1", computed=12, tokens=tokens) is None

@@ -39,3 +39,22 @@ def test_writers_in_several_processes_lose_no_part(tmp_path):
         assert p.exitcode == 0
     doc = json.loads((tmp_path / "connector.json").read_text())
     assert doc["loads"] == sum(range(6)) and len(doc["parts"]) == 6
+
+
+def test_saves_count_as_settled_only_when_done_covers_queued_and_nothing_moves(tmp_path):
+    import threading
+
+    from memkv.integrations.vllm.stats_file import saves_settled
+
+    path = str(tmp_path / "stats.json")
+    assert saves_settled(path, timeout_s=0.1, calm_s=0.01) is None  # nothing written
+    write_part(path, "worker-1", {"saves_queued": 1, "saves_done": 1})
+    # A finished request's last save is queued a step later: seen as it comes.
+    late = threading.Timer(0.1, write_part, (path, "worker-1",
+                                             {"saves_queued": 2, "saves_done": 1}))
+    late.start()
+    assert saves_settled(path, timeout_s=0.6, calm_s=0.3) is None  # 2 queued, 1 done
+    late.join()
+    write_part(path, "worker-1", {"saves_queued": 2, "saves_done": 2})
+    doc = saves_settled(path, timeout_s=5, calm_s=0.05)
+    assert doc is not None and doc["saves_done"] == 2

@@ -32,7 +32,8 @@ from __future__ import annotations
 import json
 import random
 import sys
-import time
+
+from memkv.integrations.vllm.stats_file import saves_settled
 
 BUDGET = 256
 BLOCK = 32
@@ -102,16 +103,7 @@ def main(mode: str, model: str, out_path: str, extra: dict) -> None:
 
     def settled() -> None:
         """Saves run behind the engine: wait for those queued, as an agent's next turn would."""
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with open(stats_path) as f:
-                    counts = json.load(f)
-                if counts["saves_done"] >= counts["saves_queued"]:
-                    return
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
+        saves_settled(stats_path, 60)
 
     first = prompts()
     sids = [f"chunked-{extra.get('model_id', 'm')}-{i}" for i in range(SESSIONS)]

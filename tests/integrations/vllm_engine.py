@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
+
+from memkv.integrations.vllm.stats_file import saves_settled
 
 PROMPT = [(7 * i + 3) % 500 + 1 for i in range(150)]
 TURN_INPUTS = [
@@ -65,16 +66,8 @@ def main(mode: str, model: str, out_path: str, extra: dict) -> None:
 
     def settled() -> None:
         """Saves run behind the engine: wait for those queued, as an agent's next turn would."""
-        deadline = time.monotonic() + 60
-        while mode != "baseline" and time.monotonic() < deadline:
-            try:
-                with open(stats_path) as f:
-                    counts = json.load(f)
-                if counts["saves_done"] >= counts["saves_queued"]:
-                    return
-            except (OSError, ValueError, KeyError):
-                pass  # nothing written yet (no save queued), or mid-replace
-            time.sleep(0.05)
+        if mode != "baseline":
+            saves_settled(stats_path, 60)
 
     result = {"mode": mode, "prompt": None, "turns": []}
     result["prompt"] = run(PROMPT)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import sys
-import time
+
+from memkv.integrations.vllm.stats_file import saves_settled
 
 PROMPT = [(7 * i + 3) % 1000 + 1 for i in range(2048)]
 
@@ -50,16 +51,7 @@ def main(mode: str, model: str, out_path: str, extra: dict) -> None:
         token = out.outputs[0].token_ids[0]
         logprob = float(out.outputs[0].logprobs[0][token].logprob)
         result.append([token, logprob.hex(), int(out.num_cached_tokens or 0)])
-    deadline = time.monotonic() + 60  # the save runs behind the engine: let it land
-    while time.monotonic() < deadline:
-        try:
-            with open(stats_path) as f:
-                counts = json.load(f)
-            if counts["saves_done"] >= counts["saves_queued"]:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.05)
+    saves_settled(stats_path, 60)  # the save runs behind the engine: let it land
     with open(out_path, "w") as f:
         json.dump(result, f)
 

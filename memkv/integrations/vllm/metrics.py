@@ -47,6 +47,8 @@ COUNTERS: dict[str, str] = {
     "sent (the device copies them into its own).",
     "save_blocks_reserved": "Of save_blocks: copied straight into slots the session's device "
     "reserved in its shared memory, and kept there (one copy in all).",
+    "save_reference_appends": "Turns appended to their named session by reference only: "
+    "vLLM's prefix cache held all their full blocks (memkv has them), so no bytes went.",
     "save_failures": "Saves that failed (those blocks miss later).",
     "save_skipped_blocks": "Blocks whose KV the engine computed and memkv did not store "
     "(the sum of the reasons below; 0 in a healthy run).",

@@ -21,14 +21,26 @@ engine computed or loaded those, and saved them then) are not sent again; a
 request that is preempted and resumes keeps its count (memkv has its saves,
 it neither loses nor repeats them); a request whose load failed goes back to
 where vLLM recomputes from. Plain logic: no vLLM import, tested on its own.
+
+A named session's turn must still reach the session when it sends nothing: when
+vLLM's prefix cache held every full block of it (this engine computed or loaded
+them for another request or session), the request finishes with a *reference*
+range (no blocks, ``start == end``), which appends the turn's tokens to the
+session with every block named by its key; memkv holds the blocks already.
+Without it the session silently never grew (or was never made) and another
+engine resuming it would compute everything again.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BlockRange", "Progress", "RequestProgress"]
+__all__ = ["MAX_SESSION_EXTENTS", "BlockRange", "Progress", "RequestProgress"]
+
+#: Named sessions whose saved extent the scheduler remembers (the oldest forgotten).
+MAX_SESSION_EXTENTS = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +56,11 @@ class BlockRange:
     start: int
     end: int
 
+    @property
+    def by_reference(self) -> bool:
+        """No block to send: the session's blocks up to ``end`` are memkv's already."""
+        return self.start == self.end
+
 
 @dataclass(slots=True)
 class RequestProgress:
@@ -57,6 +74,12 @@ class RequestProgress:
     save_generated: bool = True  # blocks filled by generated tokens too
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # leading blocks memkv has, or whose save is under way
+    named: bool = False  # the request named its session (not one made of its prompt)
+    sent: bool = False  # a range of it was handed out to save
+
+    @property
+    def session_key(self) -> tuple[str, str | None]:
+        return self.session_id, self.partition
 
 
 class Progress:
@@ -71,6 +94,9 @@ class Progress:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
         self._requests: dict[str, RequestProgress] = {}
+        # Named session -> leading blocks of it this engine has saved or referenced:
+        # a turn sending nothing appends by reference only when the session may lack it.
+        self._extents: OrderedDict[tuple[str, str | None], int] = OrderedDict()
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._requests
@@ -129,7 +155,18 @@ class Progress:
         progress = self._requests.pop(req_id, None)
         if progress is None:
             return None
-        return self._take(progress, computed, tokens)
+        taken = self._take(progress, computed, tokens)
+        if taken is not None or not progress.named or progress.sent or progress.saved <= 0:
+            return taken
+        if self._extents.get(progress.session_key, 0) >= progress.saved:
+            return None  # this engine's own saves took the session this far
+        self._note_extent(progress, progress.saved)
+        return BlockRange(
+            req_id=progress.req_id, session_id=progress.session_id,
+            priority=progress.priority, partition=progress.partition,
+            token_ids=list(tokens[: progress.saved * self.block_size]), block_ids=[],
+            start=progress.saved, end=progress.saved,
+        )
 
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -145,6 +182,8 @@ class Progress:
         if end <= start:
             return None
         progress.saved = end
+        progress.sent = True
+        self._note_extent(progress, end)
         return BlockRange(
             req_id=progress.req_id,
             session_id=progress.session_id,
@@ -155,3 +194,11 @@ class Progress:
             start=start,
             end=end,
         )
+
+    def _note_extent(self, progress: RequestProgress, end: int) -> None:
+        if not progress.named:
+            return
+        self._extents.pop(progress.session_key, None)
+        self._extents[progress.session_key] = end
+        while len(self._extents) > MAX_SESSION_EXTENTS:
+            self._extents.popitem(last=False)

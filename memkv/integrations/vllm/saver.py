@@ -118,6 +118,10 @@ class Saver:
     def _store(self, save: Save, blocks: list[torch.Tensor], staged: Staged) -> None:
         """Append in requests of at most ``request_bytes``, each the tokens up to its end
         (one request for blocks in shared memory: their bytes are not in the body)."""
+        if not blocks:  # by reference: the turn's tokens, every block memkv's already
+            self._transport().scoped(save.partition).save(
+                save.session_id, save.priority, save.token_ids, [], save.start_block)
+            return
         per = len(blocks) if staged.in_shared_memory \
             else max(1, self._request_bytes // self.layout.block_nbytes())
         for i in range(0, len(blocks), per):
@@ -152,6 +156,7 @@ class Saver:
                     save_blocks_reserved=len(blocks) if staged.reservation is not None else 0,
                     save_bytes=staged.nbytes,
                     save_seconds=time.perf_counter() - start,
+                    save_reference_appends=0 if blocks else 1,
                 )
             self.done += 1
             self._on_done()

@@ -201,6 +201,8 @@ class SchedulerSide:
         computed = min(request.num_computed_tokens, request.num_tokens - 1)
         span = self.progress.finish(req_id, computed, request.all_token_ids)
         if span is not None:
+            # (A turn appended by reference has no block to copy, but goes out the same
+            # way: vLLM steps again until the workers have handed it to the saver.)
             self._finishing.append(self._save(span, final=True))
         self._params.pop(req_id, None)
         self._matched.pop(req_id, None)
@@ -234,6 +236,7 @@ class SchedulerSide:
             save_generated=self._save_generated == "all"
             or (self._save_generated == "sessions" and bool(named)),
             block_ids=block_ids,
+            named=bool(named),
         )
         self.progress.start(progress, computed, len(match.keys) if match else 0)
 

@@ -13,9 +13,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from typing import Any
 
-__all__ = ["write_part"]
+__all__ = ["saves_settled", "write_part"]
+
+#: How long the counters must stay put, every save done, before they count as settled.
+SETTLED_CALM_S = 0.5
 
 
 def write_part(path: str, part: str, figures: dict[str, Any]) -> dict[str, Any]:
@@ -44,3 +48,31 @@ def write_part(path: str, part: str, figures: dict[str, Any]) -> dict[str, Any]:
             json.dump(doc, f)
         os.replace(tmp, path)
         return doc
+
+
+def saves_settled(path: str, timeout_s: float, calm_s: float = SETTLED_CALM_S,
+                  ) -> dict[str, Any] | None:
+    """The totals of ``path`` once every save the engine queued is stored (or failed);
+    None when that did not happen within ``timeout_s`` (or nothing was written).
+
+    Saves run behind the engine, and a finished request's last save is handed to
+    the workers a step after its output came back (vLLM keeps its blocks until
+    then): done must cover queued with nothing new for ``calm_s``, not only once.
+    """
+    deadline = time.monotonic() + timeout_s
+    seen: tuple[int, int] | None = None
+    calm_since = time.monotonic()
+    doc: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            now: tuple[int, int] | None = (int(doc["saves_queued"]), int(doc["saves_done"]))
+        except (OSError, ValueError, KeyError):
+            now = None  # not written yet, or no save queued, or mid-replace
+        if now != seen:
+            calm_since, seen = time.monotonic(), now
+        elif now is not None and now[1] >= now[0] and time.monotonic() - calm_since >= calm_s:
+            return doc
+        time.sleep(0.02)  # another process's file: nothing to wait on but the clock
+    return None

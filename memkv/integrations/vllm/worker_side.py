@@ -159,7 +159,7 @@ class WorkerSide:
         start = time.perf_counter()
         copied = False
         for save in metadata.saves:
-            if not save.final:
+            if not save.final and save.block_ids:  # (none: a turn appended by reference)
                 self._copy_layer(save, layer, kv_layer)
                 copied = True
         if copied:
@@ -174,11 +174,14 @@ class WorkerSide:
             start = time.perf_counter()
             for name, kv_layer in self._kv_caches.items():
                 for save in finals:
-                    self._copy_layer(save, self._layer_index[name], kv_layer)
+                    if save.block_ids:  # (none: a turn appended by reference)
+                        self._copy_layer(save, self._layer_index[name], kv_layer)
             self.stats.add(save_copy_seconds=time.perf_counter() - start)
         failed, self._failed_requests = self._failed_requests, set()
         for save in metadata.saves:
             staged = self._staged.pop(save.req_id + ("/final" if save.final else ""), None)
+            if staged is None and not save.block_ids:
+                staged = Staged(torch.empty(0))  # a turn appended by reference: no bytes
             if save.final:
                 self._finished_saving.add(save.req_id)
             if save.req_id in failed and not save.final:
