@@ -122,3 +122,43 @@ def test_an_agents_sdk_agent_runs_on_a_real_engine_with_no_memkv_code(engines):
 
     assert isinstance(asyncio.run(run()), str)
     assert "memkv_routed_requests_total" in http.get("/metrics").text
+
+
+def test_a_langchain_conversation_is_one_session_by_its_prompt_cache_key(engines):
+    """``langchain-openai``'s ChatOpenAI with no memkv code: its turns, keyed by
+    ``prompt_cache_key``, are one memkv session on one engine, and the second turn's
+    prefix is a cache hit; its Responses mode chains by ``previous_response_id``."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    deployment, http, procs = engines
+    for name, (proc, _) in procs.items():
+        if proc.poll() is None:
+            _register(http, procs, name)
+    chat = ChatOpenAI(model=MODEL, base_url=f"{deployment.url}/v1", api_key=deployment.token,
+                      temperature=0, max_tokens=8, max_retries=0, include_response_headers=True)
+    key = f"lc-{uuid.uuid4().hex[:8]}"
+    messages = [HumanMessage(FIRST)]
+    first = chat.invoke(messages, prompt_cache_key=key)
+    messages += [first, HumanMessage(SECOND)]
+    second = chat.invoke(messages, prompt_cache_key=key)
+    assert first.usage_metadata["input_tokens"] >= 4 * BLOCK_SIZE
+    engine_of = [m.response_metadata["headers"]["x-memkv-engine"] for m in (first, second)]
+    assert engine_of[0] == engine_of[1]  # affinity: the session's engine holds its prefix
+    assert second.usage_metadata["input_token_details"]["cache_read"] >= 4 * BLOCK_SIZE
+    for _ in range(240):  # the connector's save of the session, behind the answer
+        session = http.get(f"/v1/sessions/{key}")
+        if session.status_code == 200 and session.json()["tokens"] >= 4 * BLOCK_SIZE:
+            break
+        asyncio.run(asyncio.sleep(0.25))
+    else:
+        pytest.fail(f"the conversation never became a memkv session: {session.text}")
+
+    responses = ChatOpenAI(model=MODEL, base_url=f"{deployment.url}/v1",
+                           api_key=deployment.token, temperature=0, max_tokens=8,
+                           max_retries=0, use_responses_api=True,
+                           use_previous_response_id=True)
+    turn = responses.invoke([HumanMessage(FIRST)])
+    follow = responses.invoke([HumanMessage(FIRST), turn, HumanMessage(SECOND)])
+    stored = http.get(f"/v1/responses/{follow.response_metadata['id']}").json()
+    assert stored["previous_response_id"] == turn.response_metadata["id"]
