@@ -10,6 +10,7 @@ A device built with ``put_object=Resolved`` runs its real ``fetch_blocks``
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from typing import Any
 
@@ -37,7 +38,12 @@ class _Method:
                 result = await result
             return result
 
-        return run()
+        # An actor call starts when it is made, awaited or not (fire and forget, as
+        # the router's prefetch after a resume is): a task on the running loop.
+        try:
+            return asyncio.get_running_loop().create_task(run())
+        except RuntimeError:
+            return run()  # no loop here: awaited later, where one runs
 
 
 class FakeHandle:
