@@ -290,6 +290,7 @@ def test_main_writes_markdown_from_all_results(ctx: BenchContext, tmp_path: Path
     reason="no .venv-vllm (make vllm-venv)",
 )
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # five engine starts: 184 s on an idle machine here
 def test_vllm_quick(ctx: BenchContext) -> None:
     """Five real engines: the warm ones load the prefix and answer the baseline's token (the
     block port and cluster transports are left to tests/integrations/test_vllm.py)."""
