@@ -29,9 +29,12 @@ def _settled(stats_path: str) -> dict:
     from memkv.integrations.vllm.stats_file import saves_settled
 
     counts = saves_settled(stats_path, SETTLE_S)
-    if counts is None:
-        with open(stats_path) as f:  # not settled in time: what there is
-            counts = json.load(f)
+    if counts is None:  # not settled in time: what there is
+        try:
+            with open(stats_path) as f:
+                counts = json.load(f)
+        except (OSError, ValueError):
+            counts = {}
     return counts
 
 

@@ -33,6 +33,7 @@ from memkv.protocol.services import (
 from memkv.router.collector import Collector
 from memkv.router.members import Members
 from memkv.router.peers import ShardPeers
+from memkv.router.sessions import SessionRecord
 from memkv.router.state import RouterState
 
 __all__ = ["MAX_RESERVED_SLOTS", "Appends"]
@@ -142,22 +143,17 @@ class Appends:
         if request.turn is not None and self._state.sessions.check_turn(
             session_id, request.turn, chain_hint, len(token_ids)
         ):
-            return AppendAnswer(chain=tuple(bytes(k) for k in record.chain), turn=record.turn,
-                                new_blocks=0, deduplicated_blocks=0, released_blocks=0,
-                                replayed=True)
+            return _unchanged(record)
         chain = (
             chain_hint
             if chain_hint is not None
             else [bytes(k) for k in chain_hashes(token_ids, record.layout, record.namespace)]
         )
-        if not blocks and request.start_block == len(chain) and [
-                bytes(k) for k in record.chain] == [bytes(k) for k in chain]:
+        if not blocks and request.start_block == len(chain) and list(record.chain) == chain:
             # A turn by reference that the session holds already (an engine that loaded
             # it, or held it in its own cache): nothing changes, nothing is journaled.
             self._state.touch(session_id)
-            return AppendAnswer(chain=tuple(bytes(k) for k in record.chain), turn=record.turn,
-                                new_blocks=0, deduplicated_blocks=0, released_blocks=0,
-                                replayed=True)
+            return _unchanged(record)
         update = self._state.sessions.plan_append(
             session_id, len(token_ids), chain, request.start_block)
         if request.quota is not None:
@@ -261,3 +257,9 @@ class Appends:
         if stored.events is not None:
             self._state.blocks.apply(device_id, stored.events)
         return stored, update
+
+
+def _unchanged(record: SessionRecord) -> AppendAnswer:
+    """The answer to an append that changed nothing (a retry, or a turn held already)."""
+    return AppendAnswer(chain=tuple(bytes(k) for k in record.chain), turn=record.turn,
+                        new_blocks=0, deduplicated_blocks=0, released_blocks=0, replayed=True)
